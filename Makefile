@@ -1,0 +1,45 @@
+# batchinfer: the two set-up commands are `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# On a machine without an NVIDIA GPU, pin the CPU build of torch that pip finds on local disk,
+# so an install never pulls a multi-GB CUDA build.
+TORCH_PIN ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo torch==2.13.0)
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-dev test demo bench lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(if $(TORCH_PIN),$(BIN)/pip install -q "$(TORCH_PIN)")
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+setup-dev: $(VENV)/.installed-dev
+
+test: setup-dev
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/batchinfer run examples/prompts.jsonl -o demo-out/results.parquet --model demo
+	$(BIN)/python -c "import pandas as pd; df = pd.read_parquet('demo-out/results.parquet'); \
+	print(df[['custom_id', 'status', 'finish_reason', 'completion_tokens']].to_string(index=False))"
+
+bench: setup-dev
+	$(BIN)/python bench/engine_cpu.py
+	$(BIN)/python bench/queue.py
+
+lint: setup-dev
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache .ruff_cache

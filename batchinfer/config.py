@@ -1,0 +1,66 @@
+"""Typed configuration. The only module that reads ``BATCHINFER_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+ENV_PREFIX = "BATCHINFER_"
+
+
+def _env(name: str, default: Any, cast=str, environ: dict[str, str] | None = None) -> Any:
+    raw = (environ if environ is not None else os.environ).get(ENV_PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        if cast is bool:
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        return cast(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name}: cannot read {raw!r} as {cast.__name__}") from None
+
+
+@dataclass
+class Settings:
+    """Settings shared by the CLI, the client and the daemons.
+
+    Each field may come from ``BATCHINFER_<FIELD NAME IN CAPITALS>``; command-line flags override.
+    """
+
+    redis_url: str | None = None  # redis://, rediss://, unix://; None = local default / embedded
+    redis_ca_file: str | None = None  # CA bundle for rediss://
+    prefix: str = "{bi}"  # key prefix with its hash tag
+    lease_seconds: float = 60.0  # a batch not refreshed for this long is re-dispatched
+    max_attempts: int = 3  # worker crashes a request survives before it is dead-lettered
+    heartbeat_seconds: float = 5.0
+    results_root: str = "results"  # local outputs are confined below this folder
+    results_ttl_seconds: int = 7 * 24 * 3600  # results stream kept this long after export
+    max_line_bytes: int = 10 * 1024 * 1024
+    max_requests_per_job: int = 50_000_000
+    max_tokens_limit: int = 1_000_000  # upper bound on any request's max_tokens
+    log_format: str = "human"  # human | json
+    log_level: str = "INFO"
+    metrics_port: int | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        """Defaults, then ``BATCHINFER_*`` variables, then non-None ``overrides``."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name == "extra":
+                continue
+            default = f.default
+            cast = type(default) if default is not None else str
+            if f.name == "metrics_port":
+                cast = int
+            values[f.name] = _env(f.name.upper(), default, cast, environ)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def redacted_url(self) -> str | None:
+        """The Redis URL with any password replaced, for logs and status output."""
+        from batchinfer.redis_conn import redact_url
+
+        return redact_url(self.redis_url) if self.redis_url else None

@@ -1,0 +1,79 @@
+"""Every Redis key name batchinfer uses, built in one place (see docs/protocol.md).
+
+All keys share one prefix holding a hash tag (``{bi}`` by default), so they map to one slot on
+Redis Cluster and Lua scripts may touch any of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULER_GROUP = "scheduler"
+WORKERS_GROUP = "workers"
+RQ_QUEUE = "batchinfer"
+DIRECT = "direct"  # pseudo job of requests sent without a job id
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder for one prefix, e.g. ``Keys("{bi}").job("j1") == "{bi}:job:j1"``."""
+
+    prefix: str = "{bi}"
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c.isspace() for c in self.prefix):
+            raise ValueError(f"prefix must be a non-empty string without spaces, got {self.prefix!r}")
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    @property
+    def requests(self) -> str:
+        return self._k("requests")
+
+    def batches(self, model: str) -> str:
+        return self._k("batches", model)
+
+    def results(self, job_id: str) -> str:
+        return self._k("results", job_id)
+
+    def job(self, job_id: str) -> str:
+        return self._k("job", job_id)
+
+    @property
+    def jobs(self) -> str:
+        return self._k("jobs")
+
+    def published(self, job_id: str) -> str:
+        return self._k("published", job_id)
+
+    def published_direct(self, request_id: str) -> str:
+        return self._k("published", DIRECT, request_id)
+
+    def attempts(self, job_id: str) -> str:
+        return self._k("attempts", job_id)
+
+    @property
+    def deadletter(self) -> str:
+        return self._k("deadletter")
+
+    def worker(self, name: str) -> str:
+        return self._k("worker", name)
+
+    @property
+    def workers(self) -> str:
+        return self._k("workers")
+
+    def model(self, name: str) -> str:
+        return self._k("model", name)
+
+    @property
+    def models(self) -> str:
+        return self._k("models")
+
+    def idempotency(self, client_request_id: str) -> str:
+        return self._k("idempotency", client_request_id)
+
+    @property
+    def cancelled(self) -> str:
+        return self._k("cancelled")

@@ -1,0 +1,69 @@
+"""Fused elementwise ops of the decoder: RMSNorm (+ residual), rotary embedding, SiLU-and-mul.
+
+Each op has a torch implementation (used on CPU and as the reference); CUDA tensors take the
+Triton kernels when they are available.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, C]
+    weight: torch.Tensor,  # [C]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, C]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm as Hugging Face computes it (float32 inside, weight applied in the input dtype).
+
+    With ``residual``: ``x = x + residual`` first, and returns ``(normed, x)`` so the caller
+    carries the new residual stream.
+    """
+    if residual is not None:
+        x = x + residual
+        return _rms_norm_torch(x, weight, eps), x
+    return _rms_norm_torch(x, weight, eps)
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """``silu(gate) * up`` for the concatenated ``[gate | up]`` projection."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    cos_sin_cache: torch.Tensor,  # [max_positions, rot_dim]: cos in the first half, sin in the second
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first ``rot_dim`` channels of q and k by each token's position.
+
+    ``is_neox``: rotate halves (Llama/Qwen in HF layout); otherwise rotate interleaved pairs (GPT-J).
+    """
+    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, rot_dim / 2] each
+    return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    rot_dim = cos.shape[-1] * 2
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    cos = cos[:, None, :].to(x.dtype)  # [T, 1, rot_dim / 2]
+    sin = sin[:, None, :].to(x.dtype)
+    if is_neox:
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        cos2, sin2 = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        rotated = x_rot * cos2 + torch.cat([-x2, x1], -1) * sin2
+    else:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
+    return torch.cat([rotated, x_pass], -1) if x_pass.numel() else rotated

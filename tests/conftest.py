@@ -1,0 +1,104 @@
+"""Shared fixtures: a real redis-server on a free port, tiny HF checkpoints built on the fly."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server process the test owns: it can be stopped and restarted on the same port."""
+
+    def __init__(self, directory: Path, port: int | None = None, *extra_args: str):
+        self.dir = directory
+        self.port = port or free_port()
+        self.extra_args = list(extra_args)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not on PATH (.ci/run installs it)")
+        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                "--save", "", "--appendonly", "no", *self.extra_args]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_connect_timeout=0.2).ping()
+                return self
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            (self.proc.kill if kill else self.proc.terminate)()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def client(self):
+        import redis
+
+        return redis.Redis.from_url(self.url)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh redis-server for one test."""
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop(kill=True)
+
+
+@pytest.fixture(scope="session")
+def redis_session(tmp_path_factory):
+    """One redis-server shared by a whole session; tests use distinct key prefixes."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop(kill=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny random Llama checkpoint with a byte-level tokenizer (float32)."""
+    from batchinfer.workers.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", architecture="LlamaForCausalLM")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,41 @@
+"""batchinfer: job-queue batch inference for large language models on Redis Streams.
+
+The public API is imported lazily, so ``import batchinfer`` stays cheap (no torch) for the
+queue-side tools::
+
+    from batchinfer import LLM, SamplingParams   # in-process engine
+    from batchinfer import Client                 # the queue client
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "batchinfer.workers.llm",
+    "SamplingParams": "batchinfer.workers.sampling_params",
+    "Client": "batchinfer.client",
+}
+
+__all__ = ["LLM", "Client", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from batchinfer.client import Client
+    from batchinfer.workers.llm import LLM
+    from batchinfer.workers.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchinfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -77,3 +77,20 @@ class Keys:
     @property
     def cancelled(self) -> str:
         return self._k("cancelled")
+
+    def reply(self, token: str) -> str:
+        """A client's private reply stream (``Client.request`` / ``requests``)."""
+        return self._k("reply", token)
+
+    def queue(self, model: str, member: str) -> str:
+        """Staging stream of one ``<priority>:<job>`` member of ``model``'s queue."""
+        return self._k("queue", model, member)
+
+    def queues(self, model: str) -> str:
+        """Sorted set of ``model``'s active staging streams, scored by priority."""
+        return self._k("queues", model)
+
+    @property
+    def held(self) -> str:
+        """Holding area of requests for models no worker serves yet."""
+        return self._k("held")

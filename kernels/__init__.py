@@ -2,29 +2,52 @@
 
 ``write_kv`` and ``paged_attention`` dispatch to a backend: ``reference`` (pure torch, any
 device), ``triton`` (our fused kernels, default on CUDA) or ``flash`` (vllm-flash-attn /
-flash-attn when importable).
+flash-attn when importable). ``backend=None`` picks the best one available for the tensors
+(``available_backends`` lists them); naming an unavailable one raises ``RuntimeError``.
+The decoder's elementwise ops live in ``batchinfer.kernels.fused``. docs/kernels.md has more.
 """
 
 from __future__ import annotations
 
 import torch
+from batchinfer.kernels import dispatch, ops
+from batchinfer.kernels.backends import BACKENDS, available_backends
 
-from batchinfer.kernels import reference
 
-
-def write_kv(k, v, k_cache, v_cache, slot_mapping, backend: str | None = None) -> None:
+def write_kv(
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    slot_mapping: torch.Tensor,  # [T] int; slot = block * block_size + offset; -1 = skip
+    backend: str | None = None,
+) -> None:
     """Write keys and values into the paged cache at ``slot_mapping`` (-1 = skip)."""
-    reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    if torch.compiler.is_compiling():
+        return ops.write_kv_op(k, v, k_cache, v_cache, slot_mapping, backend)
+    return dispatch.write_kv(k, v, k_cache, v_cache, slot_mapping, backend)
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-    scale: float | None = None, sliding_window: int | None = None, backend: str | None = None,
-) -> torch.Tensor:
-    """Ragged causal attention of ``q`` over the paged cache; see kernels/reference.py."""
-    return reference.paged_attention(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window
-    )
+    q: torch.Tensor,  # [Tq, H, D], sequences concatenated
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int32, query offsets
+    seq_lens: torch.Tensor,  # [S] int32, context length including this step's queries
+    scale: float | None = None,  # default head_dim ** -0.5
+    sliding_window: int | None = None,  # a query at p sees keys p - W < k <= p
+    backend: str | None = None,
+) -> torch.Tensor:  # [Tq, H, D]
+    """Ragged causal attention of ``q`` over the paged cache; kernels/reference.py is the spec.
+
+    Each sequence's queries are its last tokens; the causal mask is aligned to the end.
+    """
+    if torch.compiler.is_compiling():
+        return ops.paged_attention_op(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                      scale, sliding_window, backend)
+    return dispatch.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                    scale, sliding_window, backend)
 
 
-__all__ = ["paged_attention", "write_kv"]
+__all__ = ["BACKENDS", "available_backends", "paged_attention", "write_kv"]

@@ -1,12 +1,19 @@
 """Fused elementwise ops of the decoder: RMSNorm (+ residual), rotary embedding, SiLU-and-mul.
 
 Each op has a torch implementation (used on CPU and as the reference); CUDA tensors take the
-Triton kernels when they are available.
+Triton kernels in ``triton_fused`` when Triton is available. Under torch.compile the torch code
+is traced instead, and Inductor generates its own fused kernels from it.
 """
 
 from __future__ import annotations
 
 import torch
+from batchinfer.kernels import backends
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    """CUDA tensors in eager mode, with Triton importable."""
+    return x.is_cuda and not torch.compiler.is_compiling() and backends.triton_unavailable_reason() is None
 
 
 def rms_norm(
@@ -20,6 +27,10 @@ def rms_norm(
     With ``residual``: ``x = x + residual`` first, and returns ``(normed, x)`` so the caller
     carries the new residual stream.
     """
+    if _use_triton(x):
+        from batchinfer.kernels import triton_fused
+
+        return triton_fused.rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = x + residual
         return _rms_norm_torch(x, weight, eps), x
@@ -35,6 +46,10 @@ def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     """``silu(gate) * up`` for the concatenated ``[gate | up]`` projection."""
+    if _use_triton(x):
+        from batchinfer.kernels import triton_fused
+
+        return triton_fused.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
@@ -50,6 +65,10 @@ def rotary_embedding(
 
     ``is_neox``: rotate halves (Llama/Qwen in HF layout); otherwise rotate interleaved pairs (GPT-J).
     """
+    if _use_triton(q):
+        from batchinfer.kernels import triton_fused
+
+        return triton_fused.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
     cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, rot_dim / 2] each
     return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
 

@@ -54,9 +54,19 @@ def paged_attention(
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    block_size, max_blocks = k_cache.shape[1], block_tables.shape[1]
+    if cu[0] != 0 or cu[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens_q must run from 0 to num_q_tokens={q.shape[0]}, got {cu[0]}..{cu[-1]}")
     for i, length in enumerate(lens):
         start, end = cu[i], cu[i + 1]
         num_q = end - start
+        if not 0 <= num_q <= length:
+            raise ValueError(f"sequence {i}: {num_q} queries (cu_seqlens_q[{i}:{i + 2}] = {cu[i:i + 2]}) "
+                             f"but seq_lens[{i}] = {length}; need 0 <= queries <= seq_len")
+        needed = -(-length // block_size)
+        if needed > max_blocks:
+            raise ValueError(f"sequence {i}: seq_lens[{i}] = {length} needs {needed} blocks "
+                             f"but block_tables has {max_blocks} columns")
         if num_q == 0:
             continue
         k = gather_kv(k_cache, block_tables[i], length).float().repeat_interleave(group, dim=1)

@@ -102,3 +102,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _interpret_triton_without_cuda() -> None:
+    """Without CUDA, Triton kernels run in Triton's CPU interpreter (tests/test_kernels_triton.py).
+    The variable must be set before anything imports triton, hence here, at conftest import."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    except ImportError:
+        pass
+
+
+_interpret_triton_without_cuda()

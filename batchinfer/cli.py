@@ -1,0 +1,402 @@
+"""``batchinfer``: the command line (click), a thin layer over :class:`batchinfer.client.Client`
+and the daemons' ``main`` functions. Exit codes are documented in docs/cli.md.
+
+Read commands print for people by default and one JSON document with ``--json``; progress bars
+go to stderr and only when it is a terminal. Runnable as ``python -m batchinfer.cli``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from batchinfer import cli_render as render
+from batchinfer.config import Settings
+
+log = logging.getLogger("batchinfer.cli")
+
+# Exit codes (docs/cli.md).
+EXIT_OK = 0
+EXIT_ERROR = 1  # unexpected failure
+EXIT_USAGE = 2  # bad option or argument (click's own code too)
+EXIT_REDIS = 3  # Redis unreachable
+EXIT_NOT_FOUND = 4  # no such job
+EXIT_JOB_FAILED = 5  # the job ended failed, expired or cancelled
+EXIT_TIMEOUT = 6  # --timeout passed before the job ended
+EXIT_INPUT = 7  # the input file cannot be read
+EXIT_DAEMON = 8  # `run`: a daemon it started exited early
+EXIT_INTERRUPTED = 130  # Ctrl-C
+
+
+class Ctx:
+    """What the group hands to every command."""
+
+    def __init__(self, settings: Settings, json_output: bool, quiet: bool):
+        self.settings = settings
+        self.json = json_output
+        self.quiet = quiet
+
+    def client(self):
+        from batchinfer.client import Client
+
+        return Client(settings=self.settings)
+
+
+def _fail(code: int, message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Map the errors a person can act on to one line on stderr and a documented exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import redis
+
+        from batchinfer.client import JobNotFound
+        from batchinfer.inputs import InputError
+        from batchinfer.redis_conn import describe
+
+        try:
+            return fn(*args, **kwargs)
+        except JobNotFound as e:
+            _fail(EXIT_NOT_FOUND, str(e))
+        except InputError as e:
+            _fail(EXIT_INPUT, str(e))
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            ctx = click.get_current_context().find_object(Ctx)
+            where = describe(ctx.settings.redis_url) if ctx else "Redis"
+            _fail(EXIT_REDIS, f"cannot reach Redis at {where}: {e}")
+        except TimeoutError as e:
+            _fail(EXIT_TIMEOUT, str(e))
+        except (ValueError, FileNotFoundError) as e:
+            _fail(EXIT_USAGE, str(e))
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+
+    return wrapper
+
+
+def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--json`` on a read command (the group's ``--json`` works too)."""
+    return click.option("--json", "json_flag", is_flag=True, help="Print one JSON document.")(fn)
+
+
+def emit(ctx: Ctx, json_flag: bool, payload: Any, human: Callable[[], None]) -> None:
+    if ctx.json or json_flag:
+        click.echo(json.dumps(payload, ensure_ascii=False, default=str))
+    else:
+        human()
+
+
+# -- the group -------------------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--redis-url", envvar=None, help="redis://, rediss:// or unix:// URL [BATCHINFER_REDIS_URL].")
+@click.option("--prefix", help="Key prefix with its hash tag [BATCHINFER_PREFIX, default {bi}].")
+@click.option("--json", "json_output", is_flag=True, help="Machine-readable output on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars or chatter.")
+@click.option("--log-format", type=click.Choice(["human", "json"]), help="Log lines on stderr.")
+@click.option("--log-level", help="DEBUG, INFO, WARNING, ERROR [default INFO].")
+@click.pass_context
+def cli(click_ctx: click.Context, redis_url: str | None, prefix: str | None, json_output: bool, quiet: bool,
+        log_format: str | None, log_level: str | None) -> None:
+    """batchinfer: batch LLM inference on a Redis job queue."""
+    from batchinfer.logs import setup_logging
+
+    try:
+        settings = Settings.from_env(redis_url=redis_url, prefix=prefix, log_format=log_format,
+                                     log_level=log_level)
+        setup_logging(settings.log_format, "WARNING" if quiet and not log_level else settings.log_level)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click_ctx.obj = Ctx(settings, json_output, quiet)
+
+
+pass_ctx = click.make_pass_decorator(Ctx)
+
+
+# -- daemons ---------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--lease-seconds", type=float, help="Re-dispatch a batch not refreshed for this long [60].")
+@click.option("--max-attempts", type=int, help="Worker crashes a request survives [3].")
+@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
+@pass_ctx
+def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None,
+              metrics_port: int | None) -> None:
+    """Run the scheduler daemon: intake -> validate -> tokenize -> pack -> dispatch."""
+    from batchinfer.scheduler import main
+
+    _override(ctx.settings, lease_seconds=lease_seconds, max_attempts=max_attempts, metrics_port=metrics_port)
+    sys.exit(main(ctx.settings) or 0)
+
+
+@cli.command()
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
+              help="Hugging Face model folder (optional with --echo).")
+@click.option("--name", help="Worker name [host-model-device].")
+@click.option("--model-name", help="Served model name [the model folder's name].")
+@click.option("--device", default=None, help="cpu or cuda:N [cuda:0 when CUDA is available, else cpu].")
+@click.option("--echo", is_flag=True, help="Echo engine: answers without a model (tests, benchmarks).")
+@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
+@pass_ctx
+def worker(ctx: Ctx, model_dir: str | None, name: str | None, model_name: str | None, device: str | None,
+           echo: bool, metrics_port: int | None) -> None:
+    """Run a worker daemon: pull batches, run the engine, publish results."""
+    from batchinfer.workers.daemon import main
+
+    if not model_dir and not echo:
+        raise click.UsageError("--model DIR is required (or --echo)")
+    _override(ctx.settings, metrics_port=metrics_port)
+    device = device or default_device()
+    sys.exit(main(ctx.settings, model_dir, name, device, echo, model_name=model_name) or 0)
+
+
+@cli.command()
+@click.option("--name", help="rq worker name [exporter-host-pid].")
+@click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
+@pass_ctx
+def exporter(ctx: Ctx, name: str | None, burst: bool) -> None:
+    """Run the exporter: an rq worker (JSON serializer) writing result files."""
+    from batchinfer.exporter import main
+
+    sys.exit(main(ctx.settings, name=name, burst=burst) or 0)
+
+
+def default_device() -> str:
+    try:
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def _override(settings: Settings, **values: Any) -> None:
+    for key, value in values.items():
+        if value is not None:
+            setattr(settings, key, value)
+
+
+# -- jobs ------------------------------------------------------------------------------------------
+
+
+def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r}: use KEY=VALUE", param_hint="--metadata")
+        out[key] = value
+    return out
+
+
+@cli.command()
+@click.argument("file", type=click.Path(allow_dash=True))
+@click.option("--model", help="Model for lines without a 'model' field.")
+@click.option("--wait", "wait_", is_flag=True, help="Wait for the job to end (exit code says how).")
+@click.option("--output", help="Result file: path or pyarrow URI [<results_root>/<job>.parquet].")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
+              show_default=True, help="Format of the result file.")
+@click.option("--priority", type=int, default=0, show_default=True, help="Higher is served first.")
+@click.option("--completion-window", default="24h", show_default=True,
+              help="Expire unfinished requests after (s, m, h, d).")
+@click.option("--metadata", multiple=True, help="KEY=VALUE, repeatable.")
+@click.option("--job-id", help="Use this job id (must be new).")
+@click.option("--input-format", type=click.Choice(["jsonl", "parquet"]), help="[from the file name]")
+@json_option
+@pass_ctx
+@handle_errors
+def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | None, fmt: str, priority: int,
+           completion_window: str, metadata: tuple[str, ...], job_id: str | None, input_format: str | None,
+           json_flag: bool) -> None:
+    """Submit FILE (JSONL: plain or OpenAI Batch lines; or Parquet) as a job; prints its id."""
+    from batchinfer.progress import lines_progress
+
+    client = ctx.client()
+    quiet_bar = ctx.quiet or ctx.json or json_flag
+    with lines_progress("submitting", quiet=quiet_bar) as bar:
+        job = client.submit(file, model=model, priority=priority, completion_window=completion_window,
+                            metadata=_metadata(metadata), output=output, output_format=fmt, job_id=job_id,
+                            input_format=input_format, on_progress=bar.set)
+    if not wait_:
+        emit(ctx, json_flag, {"job_id": job}, lambda: click.echo(job))
+        return
+    if not (ctx.json or json_flag):
+        click.echo(job)
+    _wait_and_report(ctx, client, job, None, json_flag)
+
+
+@cli.command()
+@click.argument("job")
+@json_option
+@pass_ctx
+@handle_errors
+def status(ctx: Ctx, job: str, json_flag: bool) -> None:
+    """Show a job's status, request counts and output."""
+    record = ctx.client().status(job)
+    emit(ctx, json_flag, record.to_dict(), lambda: click.echo(render.record_text(record)))
+
+
+@cli.command()
+@click.option("--limit", type=int, default=20, show_default=True)
+@json_option
+@pass_ctx
+@handle_errors
+def jobs(ctx: Ctx, limit: int, json_flag: bool) -> None:
+    """List the newest jobs."""
+    records = ctx.client().jobs(limit)
+
+    emit(ctx, json_flag, [r.to_dict() for r in records], lambda: click.echo(render.jobs_text(records)))
+
+
+@cli.command()
+@click.argument("job")
+@click.option("--timeout", type=float, help="Give up after this many seconds (exit 6).")
+@json_option
+@pass_ctx
+@handle_errors
+def wait(ctx: Ctx, job: str, timeout: float | None, json_flag: bool) -> None:
+    """Wait for a job to end, with a progress bar; exit 0 when completed."""
+    _wait_and_report(ctx, ctx.client(), job, timeout, json_flag)
+
+
+def _wait_and_report(ctx: Ctx, client, job: str, timeout: float | None, json_flag: bool,
+                     check: Callable[[], None] | None = None) -> None:
+    from batchinfer.jobstore import JobStatus
+    from batchinfer.progress import JobProgress
+
+    with JobProgress(job, quiet=ctx.quiet or ctx.json or json_flag) as bar:
+        def progress(record) -> None:
+            bar.update(record.completed, record.failed, record.total)
+            if check:
+                check()
+
+        record = client.wait(job, timeout=timeout, progress=progress)
+    emit(ctx, json_flag, record.to_dict(), lambda: click.echo(render.record_text(record)))
+    if record.status != JobStatus.COMPLETED:
+        sys.exit(EXIT_JOB_FAILED)
+
+
+@cli.command()
+@click.argument("job")
+@json_option
+@pass_ctx
+@handle_errors
+def cancel(ctx: Ctx, job: str, json_flag: bool) -> None:
+    """Cancel a job: pending requests get 'cancelled' rows, running ones are aborted."""
+    state = ctx.client().cancel(job)
+    emit(ctx, json_flag, {"job_id": job, "status": state.value}, lambda: click.echo(f"{job}  {state.value}"))
+
+
+@cli.command()
+@click.argument("job")
+@click.option("-o", "--output", required=True, help="File to write: path or pyarrow URI.")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
+              show_default=True)
+@json_option
+@pass_ctx
+@handle_errors
+def results(ctx: Ctx, job: str, output: str, fmt: str, json_flag: bool) -> None:
+    """Write a job's results (in input order) to a file."""
+    client = ctx.client()
+    record = client.status(job)
+    location = client.write_results(job, output, fmt)
+    if not record.terminal and record.status.value != "finalizing" and not ctx.quiet:
+        click.echo(f"warning: job {job} is {record.status.value}: the file holds the results so far",
+                   err=True)
+    emit(ctx, json_flag, {"job_id": job, "output": location, "format": fmt}, lambda: click.echo(location))
+
+
+@cli.command()
+@click.option("--model", help="Only workers serving this model.")
+@json_option
+@pass_ctx
+@handle_errors
+def workers(ctx: Ctx, model: str | None, json_flag: bool) -> None:
+    """List live workers."""
+    found = ctx.client().workers(model)
+    emit(ctx, json_flag, [{"name": w.name, "model": w.model, "heartbeat_at": w.heartbeat_at, **w.info}
+                          for w in found], lambda: click.echo(render.workers_text(found)))
+
+
+# -- operations ------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--refresh", type=float, default=1.0, show_default=True, help="Seconds between frames.")
+@pass_ctx
+@handle_errors
+def top(ctx: Ctx, refresh: float) -> None:
+    """Live view of workers, jobs and queues (Ctrl-C to leave)."""
+    from batchinfer.keys import Keys
+    from batchinfer.redis_conn import connect, describe
+    from batchinfer.top import run_top
+
+    r = connect(ctx.settings.redis_url, ctx.settings.redis_ca_file)
+    sys.exit(run_top(r, Keys(ctx.settings.prefix), refresh, where=describe(ctx.settings.redis_url),
+                     heartbeat_seconds=ctx.settings.heartbeat_seconds))
+
+
+@cli.command()
+@click.option("--model", "model_dir", type=click.Path(), help="Also check this model folder.")
+@click.option("--device", help="Check this torch device.")
+@json_option
+@pass_ctx
+def doctor(ctx: Ctx, model_dir: str | None, device: str | None, json_flag: bool) -> None:
+    """Check Redis, a model folder, the device and the kernels; say what to fix (exit 1 on errors)."""
+    from batchinfer.doctor import exit_code, render_json, render_text, run_doctor
+
+    checks = run_doctor(ctx.settings, model_dir, device)
+    click.echo(render_json(checks) if ctx.json or json_flag else render_text(checks))
+    sys.exit(exit_code(checks))
+
+
+# -- all in one ------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, help="Result file (Parquet unless --format).")
+@click.option("--model", "model", default="demo", show_default=True,
+              help="Model folder, or 'demo' for a tiny random demo model built on the fly.")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
+              show_default=True)
+@click.option("--device", help="[cuda:0 when available, else cpu]")
+@click.option("--workers", "num_workers", type=int, default=1, show_default=True, help="Worker processes.")
+@click.option("--echo", is_flag=True, help="Echo engine instead of the model (no generation).")
+@click.option("--timeout", type=float, help="Give up after this many seconds (exit 6).")
+@click.option("--logs", "log_dir", type=click.Path(file_okay=False), help="Keep the daemons' logs here.")
+@json_option
+@pass_ctx
+@handle_errors
+def run(ctx: Ctx, file: str, output: str, model: str, fmt: str, device: str | None, num_workers: int,
+        echo: bool, timeout: float | None, log_dir: str | None, json_flag: bool) -> None:
+    """All in one: Redis (embedded unless --redis-url), scheduler, worker(s), exporter; submit FILE,
+    wait with a progress bar, write OUTPUT, stop everything."""
+    from batchinfer.runner import RunOptions, run_all
+
+    options = RunOptions(file=file, output=output, model=model, fmt=fmt, device=device or default_device(),
+                         num_workers=num_workers, echo=echo, timeout=timeout, log_dir=log_dir)
+    sys.exit(run_all(ctx, options, lambda client, job, check: _wait_and_report(
+        ctx, client, job, timeout, json_flag, check)))
+
+
+def main() -> None:
+    """Console entry point (``batchinfer``)."""
+    cli(prog_name="batchinfer")
+
+
+if __name__ == "__main__":
+    main()

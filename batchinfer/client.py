@@ -1,0 +1,346 @@
+"""``Client``: the Python API of the queue (``from batchinfer import Client``); the CLI wraps it.
+
+Submission streams the input into the intake stream with pipelined XADDs, in chunks, without
+validating bodies: the scheduler validates each one once and turns bad ones into error rows
+that carry their line numbers. Only lines that cannot be carried at all (over the size limit,
+not UTF-8) are answered here, through the same exactly-once publisher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from batchinfer.config import Settings
+from batchinfer.inputs import InputLine, input_name, open_input
+from batchinfer.jobstore import JobRecord, JobStatus, JobStore
+from batchinfer.keys import Keys
+from batchinfer.protocol import PROTOCOL_VERSION, IntakeEntry, ResultRow
+from batchinfer.publish import Publisher
+from batchinfer.redis_conn import connect
+from batchinfer.registry import Registry, WorkerInfo
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow as pa
+
+SUBMIT_CHUNK = 2000  # XADDs per pipeline round trip
+READ_CHUNK = 5000  # result rows per XRANGE
+_DURATION = re.compile(r"^\s*(\d+)\s*([smhd]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class JobNotFound(KeyError):
+    """No job with that id under this prefix."""
+
+    def __str__(self) -> str:
+        return f"no job {self.args[0]!r}"
+
+
+def parse_duration(value: str | int) -> int:
+    """Seconds from ``"24h"``, ``"30m"``, ``"90s"``, ``"2d"`` or a plain number of seconds."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        seconds = value
+    else:
+        m = _DURATION.match(str(value))
+        if not m:
+            raise ValueError(f"completion window {value!r}: use a number with s, m, h or d (e.g. 24h)")
+        seconds = int(m.group(1)) * _UNITS[m.group(2)]
+    if seconds <= 0:
+        raise ValueError(f"completion window must be positive, got {value!r}")
+    return seconds
+
+
+class Client:
+    """A connection to one batchinfer queue (a Redis URL and a key prefix)."""
+
+    def __init__(self, url: str | None = None, settings: Settings | None = None):
+        self.settings = settings or Settings.from_env()
+        if url is not None:
+            self.settings.redis_url = url
+        self.redis = connect(self.settings.redis_url, self.settings.redis_ca_file)
+        self.keys = Keys(self.settings.prefix)
+        self.store = JobStore(self.redis, self.keys)
+        self._publisher: Publisher | None = None
+
+    @property
+    def publisher(self) -> Publisher:
+        if self._publisher is None:
+            self._publisher = Publisher(self.redis, self.keys)
+        return self._publisher
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    def submit(self, source: str | Path | IO[bytes] | Iterable[Any] | pd.DataFrame, model: str | None = None,
+               *, priority: int = 0, completion_window: str | int = "24h",
+               metadata: Mapping[str, str] | None = None, output: str | None = None,
+               output_format: str = "parquet", job_id: str | None = None, input_format: str | None = None,
+               on_progress: Callable[[int], None] | None = None) -> str:
+        """Create a job from ``source`` and stream its requests into the queue; returns the job id.
+
+        ``source``: a JSONL or Parquet path (``"-"`` = stdin), a binary file, a pandas DataFrame,
+        or an iterable of records (dicts or JSON strings). ``model`` applies to lines without a
+        ``model`` field. ``output`` is where the exporter writes the results (default
+        ``<results_root>/<job>.parquet``). ``on_progress(n)`` is called with the number of
+        requests sent so far after each chunk. If submission is interrupted, the job is
+        cancelled (what was sent is answered ``cancelled``) and the exception propagates.
+        """
+        window = parse_duration(completion_window)
+        lines = open_input(source, max_line_bytes=self.settings.max_line_bytes, fmt=input_format)
+        record = self.store.create(job_id, model=model, input_name=input_name(source), output=output,
+                                   output_format=output_format, priority=priority,
+                                   completion_window=window, metadata=metadata)
+        try:
+            total = self._send(record.id, lines, on_progress)
+        except BaseException as e:
+            with contextlib.suppress(Exception):  # the original error matters more
+                self.store.update(record.id, errors=[f"submission interrupted: {type(e).__name__}: {e}"])
+                self.store.cancel(record.id)
+            raise
+        if self.publisher.finish_submission(record.id, total):
+            self._enqueue_export(record.id)
+        return record.id
+
+    def _send(self, job_id: str, lines: Iterator[InputLine],
+              on_progress: Callable[[int], None] | None) -> int:
+        """The hot loop: one XADD per line, flushed every ``SUBMIT_CHUNK`` with the job's counter."""
+        stream, job_key = self.keys.requests, self.keys.job(job_id)
+        limit = self.settings.max_requests_per_job
+        pipe = self.redis.pipeline(transaction=False)
+        idx = pending = 0
+        for item in lines:
+            if idx >= limit:
+                raise ValueError(f"job has more than {limit} requests (BATCHINFER_MAX_REQUESTS_PER_JOB)")
+            if item.error is not None:
+                self._reject(job_id, idx, item)
+            else:
+                pipe.xadd(stream, {"v": PROTOCOL_VERSION, "body": item.body, "job": job_id, "idx": idx,
+                                   "line": item.line})
+                pending += 1
+            idx += 1
+            if pending >= SUBMIT_CHUNK:
+                pipe.hincrby(job_key, "submitted", pending)
+                pipe.execute()
+                pending = 0
+                if on_progress:
+                    on_progress(idx)
+        if pending:
+            pipe.hincrby(job_key, "submitted", pending)
+            pipe.execute()
+        if on_progress:
+            on_progress(idx)
+        return idx
+
+    def _reject(self, job_id: str, idx: int, item: InputLine) -> None:
+        """A line that cannot be sent becomes its error row at once."""
+        err = item.error
+        assert err is not None
+        # As the scheduler's rows: the line number is the row's `line` column, not in the message.
+        row = ResultRow.error(err.code, err.message, job_id=job_id, idx=idx, line=item.line)
+        self.redis.hincrby(self.keys.job(job_id), "submitted", 1)
+        if self.publisher.publish(row).finalizing:
+            self._enqueue_export(job_id)
+
+    def _enqueue_export(self, job_id: str) -> None:
+        from batchinfer.jobs.export import enqueue_export
+
+        enqueue_export(self.redis, self.settings, job_id)
+
+    def status(self, job_id: str) -> JobRecord:
+        """The job's record; :class:`JobNotFound` when there is none."""
+        record = self.store.get(job_id)
+        if record is None:
+            raise JobNotFound(job_id)
+        return record
+
+    def wait(self, job_id: str, *, timeout: float | None = None, poll_seconds: float = 0.5,
+             progress: Callable[[JobRecord], None] | None = None) -> JobRecord:
+        """Block until the job ends (completed, failed, expired, cancelled); ``TimeoutError`` after
+        ``timeout`` seconds. ``progress(record)`` is called after every poll."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            record = self.status(job_id)
+            if progress:
+                progress(record)
+            if record.terminal:
+                return record
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} is still {record.status.value} after {timeout:g} s")
+            time.sleep(poll_seconds)
+
+    def cancel(self, job_id: str) -> JobStatus:
+        """Ask for cancellation; returns the status after the call (unchanged for an ended job)."""
+        status = self.store.cancel(job_id)
+        if status is None:
+            raise JobNotFound(job_id)
+        return status
+
+    def jobs(self, limit: int = 100) -> list[JobRecord]:
+        """The newest jobs first."""
+        return self.store.list(limit)
+
+    def workers(self, model: str | None = None) -> list[WorkerInfo]:
+        """Live workers (those whose heartbeat has not expired)."""
+        return Registry(self.redis, self.keys).live_workers(model)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def result_rows(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """The job's result rows (docs/protocol.md dicts) in the order they were published.
+
+        Read from the job's results stream; once that has expired, from the exported file.
+        """
+        record = self.status(job_id)
+        key = self.keys.results(job_id)
+        if self.redis.exists(key):
+            start = "-"
+            while True:
+                entries = self.redis.xrange(key, min=start, max="+", count=READ_CHUNK)
+                for _, fields in entries:
+                    yield json.loads(fields[b"row"])
+                if len(entries) < READ_CHUNK:
+                    return
+                start = "(" + entries[-1][0].decode()
+        elif record.output and record.status == JobStatus.COMPLETED:
+            yield from _rows_from_parquet(record.output)
+
+    def results_table(self, job_id: str) -> pa.Table:
+        """The job's results as a pyarrow Table of the result schema, sorted by input order."""
+        from batchinfer.jobs.formats import arrow_table
+
+        rows = sorted(self.result_rows(job_id), key=lambda r: (r.get("idx") is None, r.get("idx") or 0))
+        return arrow_table(rows)
+
+    def results(self, job_id: str) -> pd.DataFrame:
+        """The job's results as a pandas DataFrame (one row per request, input order)."""
+        return self.results_table(job_id).to_pandas()
+
+    def write_results(self, job_id: str, path_or_uri: str, fmt: str = "parquet") -> str:
+        """Write the job's results, in input order, to a path or pyarrow filesystem URI.
+
+        Returns the location written. Memory stays bounded: rows are sorted through spill files.
+        """
+        import tempfile
+
+        from batchinfer.jobs.export import sorted_rows
+        from batchinfer.jobs.output import write_rows
+
+        record = self.status(job_id)
+        if "://" not in path_or_uri:
+            path_or_uri = os.path.abspath(path_or_uri)  # the caller's cwd, not a results root
+        key = self.keys.results(job_id)
+        if not self.redis.exists(key) and record.output and record.status == JobStatus.COMPLETED:
+            return write_rows(_rows_from_parquet(record.output), path_or_uri, fmt)
+        with tempfile.TemporaryDirectory(prefix="batchinfer-results-") as spill:
+            return write_rows(sorted_rows(self.redis, key, spill, record.total), path_or_uri, fmt)
+
+    # -- direct requests -------------------------------------------------------------------------
+
+    def request(self, body: Mapping[str, Any] | str, *, model: str | None = None, timeout: float = 600.0,
+                client_request_id: str | None = None) -> ResultRow:
+        """Send one request without a job and wait for its row on a private ``reply_to`` stream."""
+        rows = self.requests([body], model=model, timeout=timeout,
+                             client_request_ids=[client_request_id] if client_request_id else None)
+        try:
+            return next(rows)
+        finally:
+            rows.close()  # deletes the reply stream now, not at garbage collection
+
+    def requests(self, bodies: Iterable[Mapping[str, Any] | str], *, model: str | None = None,
+                 timeout: float | None = 600.0, window: int = 1000,
+                 client_request_ids: Iterable[str] | None = None) -> Iterator[ResultRow]:
+        """Send many direct requests; yield their rows as they arrive (not in input order).
+
+        At most ``window`` requests are outstanding at once. ``row.custom_id`` (from the body) or
+        ``row.request_id`` (the intake entry id) tells rows apart. ``TimeoutError`` when no row
+        arrives for ``timeout`` seconds.
+        """
+        reply = self.keys.reply(uuid.uuid4().hex)  # same hash tag as every key
+        ids = iter(client_request_ids) if client_request_ids is not None else None
+        todo = iter(bodies)
+        outstanding = 0
+        last = "0-0"
+        exhausted = False
+        try:
+            while True:
+                pipe = self.redis.pipeline(transaction=False)
+                while not exhausted and outstanding < window:
+                    body = next(todo, None)
+                    if body is None:
+                        exhausted = True
+                        break
+                    entry = IntakeEntry(body=_direct_body(body, model), reply_to=reply,
+                                        client_request_id=next(ids, None) if ids is not None else None)
+                    pipe.xadd(self.keys.requests, entry.to_fields())
+                    outstanding += 1
+                pipe.execute()
+                if outstanding == 0:
+                    return
+                block_ms = 0 if timeout is None else max(1, int(timeout * 1000))
+                got = self.redis.xread({reply: last}, count=window, block=block_ms)
+                if not got:
+                    raise TimeoutError(f"no result on {reply} within {timeout:g} s "
+                                       f"({outstanding} request(s) outstanding)")
+                for entry_id, fields in got[0][1]:
+                    last = entry_id
+                    outstanding -= 1
+                    yield ResultRow.from_json(fields[b"row"])
+        finally:
+            self.redis.delete(reply)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _direct_body(body: Mapping[str, Any] | str, model: str | None) -> str:
+    """A direct request's body as JSON text; ``model`` fills in a missing ``model`` field."""
+    if isinstance(body, Mapping):
+        if model is not None and "model" not in body:
+            body = {**body, "model": model}
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    if model is not None:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return body  # sent as it is: the scheduler answers with an invalid_json row
+        if isinstance(parsed, dict) and "model" not in parsed:
+            parsed["model"] = model
+            return json.dumps(parsed, ensure_ascii=False, separators=(",", ":"))
+    return body
+
+
+def _rows_from_parquet(location: str) -> Iterator[dict[str, Any]]:
+    """Rows of an exported Parquet file, converted back to the protocol's dicts (ms timestamps)."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(location) if "://" not in location else _open_uri(location)
+    for batch in pf.iter_batches():
+        for row in batch.to_pylist():
+            for name in ("created_at", "started_at", "finished_at"):
+                if row.get(name) is not None:
+                    row[name] = int(row[name].timestamp() * 1000)
+            for name in ("sampling_params", "metadata"):
+                if isinstance(row.get(name), str):
+                    row[name] = json.loads(row[name])
+            yield row
+
+
+def _open_uri(uri: str):
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return pq.ParquetFile(fs.open_input_file(path))

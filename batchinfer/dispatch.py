@@ -1,0 +1,170 @@
+"""Dispatch: staged requests -> packed batches on ``{p}:batches:<model>``, within backpressure.
+
+Per model, each pass: requests of cancelled / expired jobs leave staging as rows (whether or not
+a worker is live); then, if the live workers have fewer than ``BATCHES_PER_WORKER`` undelivered
+batches each, a bounded window of staged requests is read, packed (``batchinfer.packing``) and
+moved into batches in one MULTI (XADD batch + XDEL staging). The rest stays in Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+
+import redis
+
+from batchinfer.keys import WORKERS_GROUP, Keys
+from batchinfer.lookups import JobCache, ModelCache, RowSink
+from batchinfer.metrics import SchedulerMetrics
+from batchinfer.packing import Budget, Packer
+from batchinfer.protocol import PROTOCOL_VERSION
+from batchinfer.registry import Registry, WorkerInfo
+from batchinfer.rows import BatchRequest, ResultRow
+from batchinfer.staging import Staging, parse_member, request_dict
+
+log = logging.getLogger(__name__)
+
+BATCHES_PER_WORKER = 2  # undelivered batches kept ready per live worker
+WINDOW_FACTOR = 2  # candidates read per pass = this x what the batches can hold
+MAX_QUEUES = 256  # staging streams read per pass (rotating among equal priorities)
+ENDED_ROWS_PER_PASS = 2000  # cancelled / expired rows published per model per pass
+
+
+def batch_fields(requests: list[BatchRequest]) -> dict[str, str]:
+    """The XADD fields of a batch entry (docs/protocol.md)."""
+    body = json.dumps([request_dict(q) for q in requests], separators=(",", ":"), ensure_ascii=False)
+    return {"v": PROTOCOL_VERSION, "requests": body}
+
+
+def ensure_group(r: redis.Redis, stream: str) -> None:
+    """The workers' group on a batch stream (from id 0, as the workers create it)."""
+    try:
+        r.xgroup_create(stream, WORKERS_GROUP, id="0", mkstream=True)
+    except redis.ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+def undelivered(r: redis.Redis, stream: str, cap: int) -> int:
+    """Entries of ``stream`` the workers' group has not read yet (counted up to ``cap``)."""
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:
+        return 0  # no stream yet
+    for g in groups:
+        info = {(k.decode() if isinstance(k, bytes) else k): v for k, v in g.items()}
+        name = info.get("name")
+        if (name.decode() if isinstance(name, bytes) else name) != WORKERS_GROUP:
+            continue
+        if info.get("lag") is not None:
+            return int(info["lag"])
+        last = info.get("last-delivered-id", b"0-0")  # Redis < 7, or deleted entries hide the lag
+        last = last.decode() if isinstance(last, bytes) else last
+        return len(r.xrange(stream, min=f"({last}", max="+", count=cap))
+    return r.xlen(stream)
+
+
+def worker_budget(workers: list[WorkerInfo], fallback: dict[str, int]) -> Budget:
+    """The smallest advertised batch budget among ``workers`` (any of them may take any batch)."""
+    caps = [w.capacity for w in workers if w.capacity.get("kv_tokens") and w.capacity.get("max_num_seqs")]
+    caps = caps or [fallback]
+    return Budget(kv_tokens=min(c["kv_tokens"] for c in caps),
+                  max_num_seqs=min(c["max_num_seqs"] for c in caps))
+
+
+class Dispatcher:
+    """Moves staged requests into batches, model by model."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, registry: Registry, models: ModelCache, staging: Staging,
+                 jobs: JobCache, sink: RowSink, metrics: SchedulerMetrics | None = None):
+        self.redis, self.keys, self.registry, self.models = r, keys, registry, models
+        self.staging, self.jobs, self.sink, self.metrics = staging, jobs, sink, metrics
+        self.packers: dict[str, Packer] = defaultdict(Packer)
+        self.rotation: dict[str, int] = defaultdict(int)
+        self.grouped: set[str] = set()  # batch streams whose workers' group exists (reset on reconnect)
+
+    def step(self) -> int:
+        """One pass over every registered model; returns the number of batches dispatched."""
+        return sum(self.dispatch(model) for model in self.registry.models())
+
+    def dispatch(self, model: str) -> int:
+        members = self.staging.members(model)
+        members = self._drop_ended(model, members)
+        if not members:
+            self.packers.pop(model, None)
+            return 0
+        served = self.models.get(model)
+        workers = [w for w in self.registry.live_workers(model) if w.info.get("state") != "draining"]
+        if served is None or not workers:
+            return 0  # requests wait in staging until a worker serves the model
+        stream = self.keys.batches(model)
+        if stream not in self.grouped:
+            ensure_group(self.redis, stream)
+            self.grouped.add(stream)
+        target = BATCHES_PER_WORKER * len(workers)
+        want = target - undelivered(self.redis, stream, cap=target)
+        if want <= 0:
+            return 0
+        budget = worker_budget(workers, served.info.capacity)
+        chosen = self._choose(model, members)
+        window = want * budget.max_num_seqs * WINDOW_FACTOR
+        per_member = max(1, -(-window // len(chosen)))
+        staged = self.staging.read(model, chosen, per_member, served.info.max_model_len)
+        by_key = {s.candidate.key: s for s in staged}
+        batches = self.packers[model].pack([s.candidate for s in staged], budget, want)
+        if not batches:
+            return 0
+        pipe = self.redis.pipeline(transaction=True)
+        for batch in batches:
+            chosen_staged = [by_key[c.key] for c in batch]
+            pipe.xadd(stream, batch_fields([s.request for s in chosen_staged]))
+            self.staging.remove(pipe, chosen_staged)
+        pipe.execute()
+        if self.metrics is not None:
+            for batch in batches:
+                self.metrics.batch_dispatched(model, len(batch), sum(c.cost for c in batch))
+            self.metrics.set_pending(model, len(staged) - sum(len(b) for b in batches))
+        log.debug("model %s: dispatched %d batch(es) of %s requests", model, len(batches),
+                  [len(b) for b in batches])
+        return len(batches)
+
+    def _choose(self, model: str, members: list[tuple[str, int]]) -> list[str]:
+        """Up to MAX_QUEUES members, highest priority first, rotating within a priority."""
+        by_priority: dict[int, list[str]] = defaultdict(list)
+        for member, priority in members:
+            by_priority[priority].append(member)
+        turn = self.rotation[model]
+        self.rotation[model] = turn + 1
+        chosen: list[str] = []
+        for priority in sorted(by_priority, reverse=True):
+            level = by_priority[priority]
+            k = turn % len(level)
+            chosen.extend((level[k:] + level[:k])[: MAX_QUEUES - len(chosen)])
+            if len(chosen) >= MAX_QUEUES:
+                break
+        return chosen
+
+    def _drop_ended(self, model: str, members: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Publish ``cancelled`` / ``expired`` rows for staged requests of ended jobs; the live rest."""
+        jobs = {m: parse_member(m)[1] for m, _ in members}
+        views = self.jobs.get_many([j for j in jobs.values() if j])
+        budget, live = ENDED_ROWS_PER_PASS, []
+        for member, priority in members:
+            job = jobs[member]
+            ended = views[job].ended_as() if job else None
+            if ended is None:
+                live.append((member, priority))
+            elif budget > 0:
+                staged = self.staging.read(model, [member], budget, max_model_len=1)
+                for s in staged:
+                    self.sink.publish(ResultRow.error(ended, f"the job was {ended} before this request ran",
+                                                      status=ended, request=s.request), s.request.reply_to)
+                pipe = self.redis.pipeline(transaction=True)
+                self.staging.remove(pipe, staged)
+                pipe.execute()
+                budget -= len(staged)
+                if staged:
+                    log.info("job %s: %d staged request(s) %s", job, len(staged), ended)
+        return live
+

@@ -1,0 +1,265 @@
+"""``batchinfer doctor``: checks a deployment and says what to fix.
+
+:func:`run_doctor` returns one :class:`Check` per finding: Redis (reachable, version >= 6.2, AOF,
+a memory policy that cannot evict the request streams, memory headroom), a model directory
+(config, safetensors weights, tokenizer, chat template), the torch device and the attention
+backends. :func:`render_text` / :func:`render_json` print them; :func:`exit_code` is 1 when an
+error-level check failed (warnings do not fail).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from batchinfer.config import Settings
+from batchinfer.redis_conn import connect, redact_url
+
+MIN_REDIS = (6, 2)
+MEMORY_WARN_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding: ``ok`` or not, what was seen (``detail``) and, when not ok, how to ``fix`` it.
+
+    A failed check of ``severity="warning"`` is reported but does not fail the doctor.
+    """
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    severity: str = "error"  # error | warning
+
+    @property
+    def status(self) -> str:
+        return "PASS" if self.ok else ("WARN" if self.severity == "warning" else "FAIL")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
+
+
+# --- Redis ---------------------------------------------------------------------------------------
+def check_redis(client: redis.Redis, where: str) -> list[Check]:
+    """Reachability, version, persistence and memory policy of the Redis behind ``client``."""
+    try:
+        server = client.info("server")
+        persistence = client.info("persistence")
+        memory = client.info("memory")
+    except (redis.RedisError, OSError) as exc:
+        return [Check("redis", False, f"{where}: cannot reach Redis ({type(exc).__name__}: {exc})",
+                      "start Redis >= 6.2 and point batchinfer at it with --redis-url or "
+                      "BATCHINFER_REDIS_URL (rediss:// with --redis-ca-file for TLS; user:password@ "
+                      "for ACL users)")]
+    version = str(server.get("redis_version", "0"))
+    checks = [Check("redis", True, f"{where}: Redis {version} reachable")]
+    checks.append(Check(
+        "redis version", _version(version) >= MIN_REDIS, f"Redis {version} (needs >= 6.2; 7.x advised)",
+        "upgrade Redis to 6.2 or newer: batchinfer uses XAUTOCLAIM and exclusive XRANGE ranges"))
+    aof = str(persistence.get("aof_enabled", "0")) == "1"
+    checks.append(Check(
+        "redis aof", aof, "appendonly is " + ("on" if aof else "off"),
+        "turn AOF on so queued requests survive a Redis restart: CONFIG SET appendonly yes, and "
+        "`appendonly yes` in redis.conf (docker-compose: redis-server --appendonly yes)", severity="warning"))
+    policy = str(memory.get("maxmemory_policy", "noeviction"))
+    evicts_streams = policy.startswith("allkeys-")
+    detail = f"maxmemory-policy is {policy}"
+    if evicts_streams:
+        detail += ": under memory pressure Redis may evict the request, batch and result streams"
+    elif policy.startswith("volatile-"):
+        detail += ": only keys with a TTL (heartbeats, idempotency keys, exported results) can be evicted"
+    checks.append(Check(
+        "redis memory policy", not evicts_streams, detail,
+        "CONFIG SET maxmemory-policy noeviction (and `maxmemory-policy noeviction` in redis.conf); "
+        "a volatile-* policy is also safe"))
+    used, limit = int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0))
+    if limit:
+        frac = used / limit
+        checks.append(Check(
+            "redis memory", frac < MEMORY_WARN_FRACTION, f"{_bytes(used)} used of maxmemory {_bytes(limit)} "
+            f"({frac:.0%})", "raise maxmemory, add workers, or export and expire finished jobs' results",
+            severity="warning"))
+    else:
+        checks.append(Check("redis memory", True, f"{_bytes(used)} used, no maxmemory limit"))
+    return checks
+
+
+# --- model directory -----------------------------------------------------------------------------
+def _guard(name: str, fix: str, fn: Callable[[], str]) -> Check:
+    try:
+        return Check(name, True, fn())
+    except Exception as exc:  # every failure of a model file is a finding to print, not a crash
+        return Check(name, False, f"{type(exc).__name__}: {exc}", fix)
+
+
+def check_model_dir(model_dir: str | Path) -> list[Check]:
+    """The files a worker needs in ``model_dir``: config, safetensors weights, tokenizer, template."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        return [Check("model dir", False, f"{path}: not a directory",
+                      "pass the folder of a Hugging Face checkpoint (config.json, *.safetensors, "
+                      "tokenizer.json) to --model")]
+
+    def config() -> str:
+        from batchinfer.workers.models.config import ModelConfig
+
+        c = ModelConfig.from_dir(path)
+        return (f"{c.architecture}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+                f"{c.num_attention_heads}/{c.num_key_value_heads} heads, context {c.max_position_embeddings}")
+
+    def weights() -> str:
+        from safetensors import safe_open
+
+        from batchinfer.workers.models.loader import weight_files
+
+        files = weight_files(path)
+        tensors = 0
+        for f in files:  # reads the headers only: cheap even for large checkpoints
+            with safe_open(str(f), framework="pt") as handle:
+                tensors += len(list(handle.keys()))
+        size = sum(f.stat().st_size for f in files)
+        return f"{len(files)} safetensors file(s), {tensors} tensors, {_bytes(size)}"
+
+    def tokenizer() -> str:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        return f"tokenizer.json: vocabulary of {tok.get_vocab_size()}"
+
+    checks = [
+        Check("model dir", True, str(path.resolve())),
+        _guard("model config", "use a Llama, Mistral, Qwen2 or Qwen3 checkpoint with a complete config.json",
+               config),
+        _guard("model weights", "download the *.safetensors files (and model.safetensors.index.json when "
+               "sharded); .bin checkpoints are not read", weights),
+        _guard("model tokenizer", "copy tokenizer.json from the model's Hugging Face repository", tokenizer),
+    ]
+    tc_path = path / "tokenizer_config.json"
+    try:
+        has_template = bool(json.loads(tc_path.read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        has_template = False
+    checks.append(Check(
+        "model chat template", has_template,
+        "tokenizer_config.json has a chat_template" if has_template
+        else "no chat_template in tokenizer_config.json: requests with `messages` will be rejected",
+        "copy tokenizer_config.json (with its chat_template) from the model's repository",
+        severity="warning"))
+    return checks
+
+
+# --- torch and kernels ---------------------------------------------------------------------------
+def check_device(device: str | None = None) -> Check:
+    """torch's build and the CUDA devices it sees; with ``device``, whether that device is usable."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    seen = [f"cuda:{i} {torch.cuda.get_device_name(i)} ({_bytes(torch.cuda.mem_get_info(i)[1])})"
+            for i in range(count)]
+    detail = f"torch {torch.__version__}; " + (", ".join(seen) if seen else "no CUDA device (CPU only)")
+    if device is None or device == "cpu":
+        return Check("torch device", True, detail + (f"; using {device}" if device else ""))
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        return Check("torch device", False, f"{device!r}: {exc}", "use --device cpu or --device cuda:N")
+    usable = dev.type == "cuda" and cuda and (dev.index or 0) < count
+    choices = ", ".join(["cpu"] + [f"cuda:{i}" for i in range(count)])
+    return Check("torch device", usable, f"{detail}; asked for {device}",
+                 f"pick one of: {choices} (check CUDA_VISIBLE_DEVICES, the NVIDIA driver and that torch "
+                 "is a CUDA build)")
+
+
+def check_backends(device: str | None = None) -> Check:
+    """Attention backends ``batchinfer.kernels`` can run on ``device`` (default: cuda when present), and
+    why each other one cannot."""
+    import torch
+
+    from batchinfer import kernels
+
+    target = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    lister = getattr(kernels, "available_backends", None)
+    if lister is None:
+        return Check("attention backends", True, "reference (this batchinfer.kernels does not list others)")
+    try:
+        names = list(lister(target))
+    except (RuntimeError, ValueError) as exc:
+        return Check("attention backends", False, f"on {target}: {exc}", "use --device cpu or cuda:N")
+    detail = f"on {target}: {', '.join(names) or 'none'}"
+    try:
+        from batchinfer.kernels.backends import BACKENDS, unavailable_reason
+    except ImportError:
+        pass
+    else:
+        missing = [f"{b}: {unavailable_reason(b, target)}" for b in BACKENDS if b not in names]
+        if missing:
+            detail += " (" + "; ".join(missing) + ")"
+    gpu_without_kernels = target.startswith("cuda") and not any(n != "reference" for n in names)
+    return Check("attention backends", bool(names) and not gpu_without_kernels, detail,
+                 "install triton (it comes with CUDA builds of torch) or vllm-flash-attn for GPU kernels; "
+                 "the reference backend is slow", severity="warning" if names else "error")
+
+
+# --- the doctor ----------------------------------------------------------------------------------
+def run_doctor(settings: Settings, model_dir: str | Path | None = None, device: str | None = None,
+               redis_client: redis.Redis | None = None) -> list[Check]:
+    """Every check, in the order a person fixes things: Redis, model, device, kernels."""
+    where = redact_url(settings.redis_url) or "redis://127.0.0.1:6379/0 (default)"
+    checks: list[Check]
+    try:
+        if redis_client is None:
+            redis_client = connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5,
+                                   socket_connect_timeout=3)
+        checks = check_redis(redis_client, where)
+    except ValueError as exc:  # a malformed URL
+        checks = [Check("redis", False, str(exc), "use a redis://, rediss:// or unix:// URL")]
+    if model_dir is not None:
+        checks += check_model_dir(model_dir)
+    checks.append(check_device(device))
+    checks.append(check_backends(device))
+    return checks
+
+
+def exit_code(checks: list[Check]) -> int:
+    """1 when an error-level check failed, else 0 (warnings alone pass)."""
+    return int(any(c.status == "FAIL" for c in checks))
+
+
+def render_text(checks: list[Check]) -> str:
+    """A table a person reads: status, name, detail, and the fix under each failed check."""
+    width = max((len(c.name) for c in checks), default=0)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status:4}  {c.name:{width}}  {c.detail}")
+        if not c.ok and c.fix:
+            lines.append(f"{'':4}  {'':{width}}  fix: {c.fix}")
+    counts = {s: sum(c.status == s for c in checks) for s in ("PASS", "WARN", "FAIL")}
+    lines.append(f"{counts['PASS']} passed, {counts['WARN']} warning(s), {counts['FAIL']} failed")
+    return "\n".join(lines)
+
+
+def render_json(checks: list[Check]) -> str:
+    """``{"ok": ..., "checks": [{name, ok, status, severity, detail, fix}, ...]}``."""
+    payload: dict[str, Any] = {"ok": exit_code(checks) == 0,
+                               "checks": [{**asdict(c), "status": c.status} for c in checks]}
+    return json.dumps(payload, indent=2)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+__all__ = ["Check", "check_backends", "check_device", "check_model_dir", "check_redis", "exit_code",
+           "render_json", "render_text", "run_doctor"]

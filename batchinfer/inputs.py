@@ -1,0 +1,257 @@
+"""Streamed readers of job inputs: JSONL (plain or OpenAI Batch lines), Parquet, records, DataFrames.
+
+Readers yield :class:`InputLine` items one at a time, so a file of millions of lines is read in
+constant memory. They do not validate request bodies (the scheduler does, once): they only turn
+each line or row into a raw JSON body with its 1-based line number. A line that cannot even be
+carried as a body (longer than the limit, not UTF-8) is yielded with an ``error`` instead of
+stopping the read, and becomes an error row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from batchinfer.protocol import REQUEST_FIELDS, RequestError
+from batchinfer.workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow as pa
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+PARQUET_BATCH_ROWS = 4096
+INPUT_COLUMNS = ("prompt", "prompt_token_ids", "messages")
+_READ_CHUNK = 1 << 20
+# Integer fields: a pandas column with missing values turns them into floats (16.0), undone here.
+_INT_COLUMNS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "top_k", "seed", "logprobs",
+                "priority")
+
+
+class InputError(ValueError):
+    """The input as a whole cannot be read (missing file, a Parquet file without a prompt column)."""
+
+
+@dataclass(frozen=True)
+class InputLine:
+    """One request-to-be: ``body`` (raw JSON text) or ``error``, at 1-based ``line``."""
+
+    line: int
+    body: str | None = None
+    error: RequestError | None = None
+
+
+def open_input(source: str | Path | IO[bytes] | Iterable[Any] | pd.DataFrame, *,
+               max_line_bytes: int = 10 * 1024 * 1024, fmt: str | None = None) -> Iterator[InputLine]:
+    """Dispatch on the kind of ``source``.
+
+    A path (``"-"`` = stdin) is Parquet when it ends in ``.parquet``/``.pq`` or ``fmt="parquet"``,
+    else JSONL (``.gz`` decompressed on the fly); a binary file object is JSONL; a pandas DataFrame
+    is read like Parquet; any other iterable holds records (dicts or JSON strings).
+    """
+    if isinstance(source, (str, Path)):
+        name = str(source)
+        if fmt == "parquet" or (fmt is None and name.lower().endswith(PARQUET_SUFFIXES)):
+            return read_parquet(source)
+        return read_jsonl(source, max_line_bytes=max_line_bytes)
+    if hasattr(source, "read"):
+        return read_jsonl(source, max_line_bytes=max_line_bytes)  # type: ignore[arg-type]
+    if _is_dataframe(source):
+        return read_dataframe(source)  # type: ignore[arg-type]
+    return read_records(source, max_line_bytes=max_line_bytes)  # type: ignore[arg-type]
+
+
+def input_name(source: Any) -> str:
+    """A short name for the job record: the file name, ``<stdin>``, ``<dataframe>`` or ``<records>``."""
+    if isinstance(source, (str, Path)):
+        return "<stdin>" if str(source) == "-" else Path(source).name
+    if hasattr(source, "read"):
+        return getattr(source, "name", None) or "<stream>"
+    return "<dataframe>" if _is_dataframe(source) else "<records>"
+
+
+def _is_dataframe(obj: Any) -> bool:
+    return type(obj).__name__ == "DataFrame" and hasattr(obj, "columns")
+
+
+# -- JSONL -----------------------------------------------------------------------------------------
+
+
+def read_jsonl(source: str | Path | IO[bytes], *,
+               max_line_bytes: int = 10 * 1024 * 1024) -> Iterator[InputLine]:
+    """Yield every non-blank line of a JSONL file as a raw body, with its 1-based line number.
+
+    A missing file raises :class:`InputError` at once, before anything is read.
+    """
+    if not isinstance(source, (str, Path)):
+        return _jsonl_lines(source, max_line_bytes)
+    if str(source) == "-":
+        return _jsonl_lines(sys.stdin.buffer, max_line_bytes)
+    path = Path(source)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    return _jsonl_file(path, max_line_bytes)
+
+
+def _jsonl_file(path: Path, max_line_bytes: int) -> Iterator[InputLine]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        yield from _jsonl_lines(f, max_line_bytes)
+
+
+def _jsonl_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[InputLine]:
+    number = 0
+    while True:
+        raw = f.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            size = len(raw) + _skip_to_newline(f)
+            yield InputLine(number, error=RequestError(
+                "line_too_long", f"line is {size} bytes, more than the limit of {max_line_bytes} bytes "
+                f"(BATCHINFER_MAX_LINE_BYTES)", line=number))
+            continue
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]  # a UTF-8 byte order mark
+        try:
+            text = raw.decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            yield InputLine(number, error=RequestError("invalid_json", f"line is not UTF-8: {e}",
+                                                       line=number))
+            continue
+        if text:
+            yield InputLine(number, body=text)
+
+
+def _skip_to_newline(f: IO[bytes]) -> int:
+    """Consume the rest of an over-long line without holding it; returns the bytes skipped."""
+    skipped = 0
+    while True:
+        chunk = f.readline(_READ_CHUNK)
+        skipped += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return skipped
+
+
+# -- records ---------------------------------------------------------------------------------------
+
+
+def read_records(records: Iterable[Mapping[str, Any] | str | bytes], *,
+                 max_line_bytes: int = 10 * 1024 * 1024) -> Iterator[InputLine]:
+    """Yield Python records (dicts, or JSON text) as bodies; ``line`` is the 1-based position."""
+    for number, record in enumerate(records, start=1):
+        if isinstance(record, bytes):
+            try:
+                record = record.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield InputLine(number, error=RequestError("invalid_json", f"record is not UTF-8: {e}",
+                                                           line=number))
+                continue
+        if isinstance(record, str):
+            body = record
+        else:
+            try:
+                body = json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=_json_default)
+            except (TypeError, ValueError) as e:
+                yield InputLine(number, error=RequestError(
+                    "invalid_request", f"record cannot be written as JSON: {e}", line=number))
+                continue
+        if len(body) > max_line_bytes and len(body.encode("utf-8")) > max_line_bytes:
+            yield InputLine(number, error=RequestError(
+                "line_too_long", f"record is more than the limit of {max_line_bytes} bytes", line=number))
+            continue
+        yield InputLine(number, body=body)
+
+
+def _json_default(value: Any) -> Any:
+    """numpy scalars and arrays, as found in DataFrame and Parquet rows."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+# -- Parquet and DataFrames ------------------------------------------------------------------------
+
+
+def allowed_columns() -> frozenset[str]:
+    """Columns a Parquet input may have: request fields and sampling parameters."""
+    return frozenset(REQUEST_FIELDS) | frozenset(SamplingParams.FIELDS) | {"max_completion_tokens"}
+
+
+def check_columns(names: Iterable[str], where: str) -> None:
+    """A Parquet input needs one prompt column and no column that is not a request field."""
+    names = list(names)
+    if not any(c in names for c in INPUT_COLUMNS):
+        raise InputError(f"{where}: needs a 'prompt', 'messages' or 'prompt_token_ids' column "
+                         f"(columns: {', '.join(names) or 'none'})")
+    unknown = [c for c in names if c not in allowed_columns()]
+    if unknown:
+        raise InputError(f"{where}: column(s) {', '.join(unknown)} are not request fields (allowed: "
+                         f"{', '.join(sorted(allowed_columns()))})")
+
+
+def read_parquet(source: str | Path | IO[bytes], *,
+                 batch_rows: int = PARQUET_BATCH_ROWS) -> Iterator[InputLine]:
+    """Yield the rows of a Parquet file as bodies, one row group batch in memory at a time.
+
+    ``line`` is the 1-based row number. Null cells are left out of the body, so optional columns
+    work per row. A ``messages`` cell may be a list of structs or JSON text. A missing file, a
+    file that is not Parquet or a column that is not a request field raises :class:`InputError`
+    at once.
+    """
+    import pyarrow.parquet as pq
+
+    name = str(source) if isinstance(source, (str, Path)) else getattr(source, "name", "<parquet>")
+    if isinstance(source, (str, Path)) and not Path(source).is_file():
+        raise InputError(f"{source}: no such file")
+    try:
+        pf = pq.ParquetFile(source)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants for non-Parquet bytes
+        raise InputError(f"{name}: not a readable Parquet file: {e}") from None
+    check_columns(pf.schema_arrow.names, name)
+    return _arrow_rows(pf.iter_batches(batch_size=batch_rows))
+
+
+def read_dataframe(df: pd.DataFrame, *, batch_rows: int = PARQUET_BATCH_ROWS) -> Iterator[InputLine]:
+    """Yield the rows of a pandas DataFrame like a Parquet file (``line`` = 1-based row)."""
+    import pyarrow as pa
+
+    check_columns([str(c) for c in df.columns], "DataFrame")
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    return _arrow_rows(table.to_batches(max_chunksize=batch_rows))
+
+
+def _arrow_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[InputLine]:
+    number = 0
+    for batch in batches:
+        columns = batch.schema.names
+        values = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
+        for row in zip(*values, strict=True):
+            number += 1
+            record = {c: v for c, v in zip(columns, row, strict=True) if v is not None}
+            for c in _INT_COLUMNS:
+                v = record.get(c)
+                if isinstance(v, float) and v.is_integer():
+                    record[c] = int(v)
+            if isinstance(record.get("messages"), str):
+                # left as text when it is not JSON: the scheduler reports a bad 'messages' field
+                with contextlib.suppress(ValueError):
+                    record["messages"] = json.loads(record["messages"])
+            try:
+                body = json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=_json_default)
+            except (TypeError, ValueError) as e:
+                yield InputLine(number, error=RequestError(
+                    "invalid_request", f"row cannot be written as JSON: {e}", line=number))
+                continue
+            yield InputLine(number, body=body)
+
+
+__all__ = ["InputError", "InputLine", "check_columns", "input_name", "open_input", "read_dataframe",
+           "read_jsonl", "read_parquet", "read_records"]

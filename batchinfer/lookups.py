@@ -1,0 +1,165 @@
+"""What the scheduler looks up over and over, cached briefly: job states, model tokenizers.
+
+Also :class:`RowSink`, the one way the scheduler publishes rows (error, cancelled, expired,
+dead-lettered): publish exactly once, count it, and enqueue the export when the row was the
+job's last.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis
+
+from batchinfer.config import Settings
+from batchinfer.keys import Keys
+from batchinfer.metrics import SchedulerMetrics
+from batchinfer.publish import Publisher
+from batchinfer.registry import ModelInfo, Registry
+from batchinfer.rows import ResultRow, now_ms
+from batchinfer.workers.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+CANCELLED_STATUSES = ("cancelling", "cancelled")
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The few job fields the scheduler decides on; ``exists=False`` for an id with no record."""
+
+    job_id: str
+    exists: bool
+    status: str | None = None
+    model: str | None = None
+    expires_at: int | None = None
+    priority: int = 0
+
+    def ended_as(self) -> str | None:
+        """``"cancelled"`` or ``"expired"`` when the job's pending requests must not run, else None.
+
+        The job's status decides; the accounting sweep moves a job past its window to ``expired``.
+        """
+        if self.status in CANCELLED_STATUSES:
+            return "cancelled"
+        if self.status == "expired":
+            return "expired"
+        return None
+
+
+class JobCache:
+    """Job views, each re-read after ``ttl`` seconds (so a cancel is seen within ``ttl``)."""
+
+    def __init__(self, redis_client: redis.Redis, keys: Keys, ttl: float = 1.0, max_entries: int = 10_000):
+        self.redis, self.keys, self.ttl, self.max_entries = redis_client, keys, ttl, max_entries
+        self._views: dict[str, tuple[float, JobView]] = {}
+
+    def get(self, job_id: str) -> JobView:
+        return self.get_many([job_id])[job_id]
+
+    def get_many(self, job_ids: list[str]) -> dict[str, JobView]:
+        """Views of ``job_ids``; stale or missing ones are read in one round trip."""
+        now = time.monotonic()
+        out, stale = {}, []
+        for job_id in dict.fromkeys(job_ids):
+            hit = self._views.get(job_id)
+            if hit and now - hit[0] < self.ttl:
+                out[job_id] = hit[1]
+            else:
+                stale.append(job_id)
+        if stale:
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in stale:
+                pipe.hmget(self.keys.job(job_id), "status", "model", "expires_at", "priority")
+            if len(self._views) + len(stale) > self.max_entries:
+                self._views.clear()  # bounded memory; a miss costs one HMGET
+            for job_id, (status, model, expires, priority) in zip(stale, pipe.execute(), strict=True):
+                view = JobView(job_id, exists=status is not None, status=_text(status), model=_text(model),
+                               expires_at=int(expires) if expires else None,
+                               priority=int(priority) if priority else 0)
+                self._views[job_id] = (now, view)
+                out[job_id] = view
+        return out
+
+    def forget(self, job_id: str) -> None:
+        self._views.pop(job_id, None)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A registered model and its tokenizer, built from the files its workers registered."""
+
+    info: ModelInfo
+    tokenizer: Tokenizer
+
+
+class ModelCache:
+    """Tokenizers per model, rebuilt when a model's tokenizer fingerprint changes."""
+
+    def __init__(self, registry: Registry, refresh: float = 5.0):
+        self.registry, self.refresh = registry, refresh
+        self._models: dict[str, tuple[float, ServedModel | None]] = {}
+
+    def get(self, name: str) -> ServedModel | None:
+        """The served model ``name``, or None when no worker registered it (re-checked each refresh)."""
+        now = time.monotonic()
+        hit = self._models.get(name)
+        if hit and now - hit[0] < self.refresh:
+            return hit[1]
+        served = hit[1] if hit else None
+        fingerprint = self.registry.model_fingerprint(name)
+        if fingerprint is None:
+            served = None
+        elif served is None or served.info.fingerprint != fingerprint:
+            served = self._load(name)
+        if len(self._models) > 1024:  # unknown names must not grow memory without bound
+            self._models.clear()
+        self._models[name] = (now, served)
+        return served
+
+    def _load(self, name: str) -> ServedModel | None:
+        info = self.registry.get_model(name)
+        if info is None:
+            return None
+        files = info.files
+        template = files.get("chat_template.jinja")
+        try:
+            tokenizer = Tokenizer.from_files(files["tokenizer.json"], files.get("tokenizer_config.json"),
+                                             files.get("generation_config.json"),
+                                             template.decode("utf-8") if template is not None else None)
+        except ValueError as e:
+            log.error("model %s: registered tokenizer files are unusable: %s", name, e)
+            return None
+        return ServedModel(info, tokenizer)
+
+
+class RowSink:
+    """Publishes the scheduler's rows exactly once and enqueues exports for jobs they complete."""
+
+    def __init__(self, redis_client: redis.Redis, settings: Settings, keys: Keys,
+                 metrics: SchedulerMetrics | None = None):
+        self.redis, self.settings, self.metrics = redis_client, settings, metrics
+        self.publisher = Publisher(redis_client, keys)
+
+    def publish(self, row: ResultRow, reply_to: str | None = None) -> bool:
+        """Publish ``row``; returns whether this call wrote it."""
+        if row.finished_at is None:
+            row.finished_at = now_ms()
+        outcome = self.publisher.publish(row, reply_to=reply_to)
+        if outcome.published and self.metrics is not None:
+            self.metrics.row_published(row)
+        if outcome.finalizing and row.job_id:
+            self.enqueue_export(row.job_id)
+        return outcome.published
+
+    def enqueue_export(self, job_id: str) -> None:
+        from batchinfer.jobs.export import enqueue_export
+
+        enqueue_export(self.redis, self.settings, job_id)
+        log.info("job %s: every request has its row; export enqueued", job_id)
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,391 @@
+"""Prometheus metrics of the scheduler and worker daemons (docs/operations.md lists them all).
+
+Each daemon owns one :class:`SchedulerMetrics` or :class:`WorkerMetrics` and calls its small
+methods from its loop; :mod:`batchinfer.httpserver` serves ``registry`` on ``--metrics-port``.
+Metrics kept in Redis (queue depths, intake lag, jobs by status) are read at scrape time by
+:class:`QueueCollector`, which only the scheduler registers so that each series has one source.
+Counters move only for events that happened in this process; a row counts once, when the
+exactly-once publish says this process wrote it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from batchinfer import queue_state
+from batchinfer.keys import Keys
+
+log = logging.getLogger(__name__)
+
+# ``*_created`` series double a scrape's size and nothing here reads them (rate() needs none).
+disable_created_metrics()
+
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+STEP_TOKENS_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+INFERENCE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+E2E_BUCKETS = (0.5, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400)  # includes queueing
+BATCH_REQUESTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BATCH_TOKENS_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+UNKNOWN = "unknown"  # label value of a row whose model could not be read
+
+
+class Row(Protocol):
+    """What the metrics read from a ``batchinfer.rows.ResultRow``."""
+
+    status: str
+    model: str | None
+    error_code: str | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    created_at: int | None
+    started_at: int | None
+    finished_at: int | None
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: type
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+M = ("model",)
+# Every metric the daemons update (QueueCollector's scrape-time gauges are listed in it).
+C, G, H = Counter, Gauge, Histogram
+SPECS: dict[str, Spec] = {
+    # both daemons: rows they published
+    "batchinfer_requests_completed_total": Spec(C, "Requests answered successfully.", M),
+    "batchinfer_requests_failed_total": Spec(
+        C, "Requests ended by an error row, by code (cancelled, expired too).", ("model", "code")),
+    "batchinfer_requests_dead_lettered_total": Spec(
+        C, "Requests moved to the dead-letter stream after too many worker crashes.", M),
+    # scheduler
+    "batchinfer_requests_received_total": Spec(C, "Entries the scheduler read from the intake stream."),
+    "batchinfer_pending_requests": Spec(G, "Validated requests waiting in the scheduler to be packed.", M),
+    "batchinfer_batches_dispatched_total": Spec(C, "Batches written to a batch stream (re-dispatches too).",
+                                                M),
+    "batchinfer_batch_requests": Spec(H, "Requests per dispatched batch.", M, BATCH_REQUESTS_BUCKETS),
+    "batchinfer_batch_tokens": Spec(H, "Prompt + max_tokens budget per dispatched batch.", M,
+                                    BATCH_TOKENS_BUCKETS),
+    "batchinfer_lease_reclaims_total": Spec(C, "Batches re-dispatched after their lease expired.", M),
+    "batchinfer_lease_reclaimed_requests_total": Spec(
+        C, "Unpublished requests taken back from expired leases.", M),
+    # worker
+    "batchinfer_worker_info": Spec(G, "Always 1; labels say which worker serves what.",
+                                   ("worker", "model", "device")),
+    "batchinfer_step_duration_seconds": Spec(H, "Wall time of one engine step.", M, STEP_SECONDS_BUCKETS),
+    "batchinfer_step_tokens": Spec(H, "Tokens computed in one engine step.", M, STEP_TOKENS_BUCKETS),
+    "batchinfer_prompt_tokens_total": Spec(C, "Prompt tokens of requests whose prefill finished.", M),
+    "batchinfer_generation_tokens_total": Spec(C, "Tokens generated.", M),
+    "batchinfer_time_to_first_token_seconds": Spec(
+        H, "From admission into the engine to the first token.", M, TTFT_BUCKETS),
+    "batchinfer_request_inference_seconds": Spec(
+        H, "From admission into the engine to the last token.", M, INFERENCE_BUCKETS),
+    "batchinfer_e2e_request_latency_seconds": Spec(
+        H, "From intake to published result (queueing included).", M, E2E_BUCKETS),
+    "batchinfer_prefix_cache_queried_tokens_total": Spec(C, "Prompt tokens looked up in the prefix cache.",
+                                                         M),
+    "batchinfer_prefix_cache_hit_tokens_total": Spec(C, "Prompt tokens found in the prefix cache.", M),
+    "batchinfer_running_sequences": Spec(G, "Sequences in the engine's running set.", M),
+    "batchinfer_waiting_sequences": Spec(G, "Sequences waiting for admission into the engine.", M),
+    "batchinfer_kv_cache_usage_ratio": Spec(G, "Fraction of KV cache blocks in use (0..1).", M),
+    "batchinfer_preemptions_total": Spec(C, "Sequences preempted (KV cache full), to be recomputed.", M),
+}
+
+# One metric object per (registry, name): the scheduler and a worker may share a registry in one
+# process (``batchinfer run``), and then their common counters are one series.
+_metrics: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Any]] = weakref.WeakKeyDictionary()
+_metrics_lock = threading.Lock()
+
+
+def _metric(registry: CollectorRegistry, name: str) -> Any:
+    spec = SPECS[name]
+    with _metrics_lock:
+        table = _metrics.setdefault(registry, {})
+        if name not in table:
+            extra = {"buckets": spec.buckets} if spec.buckets else {}
+            table[name] = spec.kind(name, spec.doc, spec.labels, registry=registry, **extra)
+        return table[name]
+
+
+class _DaemonMetrics:
+    """Request outcome counters both daemons publish rows for, and the registry they live in."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        own = registry is None
+        self.registry = registry if registry is not None else CollectorRegistry()
+        if own:  # resident memory, CPU seconds, open fds of this process
+            ProcessCollector(registry=self.registry)
+        r = self.registry
+        self.completed = _metric(r, "batchinfer_requests_completed_total")
+        self.failed = _metric(r, "batchinfer_requests_failed_total")
+        self.dead_lettered = _metric(r, "batchinfer_requests_dead_lettered_total")
+
+    def row_published(self, row: Row) -> None:
+        """Count a result row this process published (call only when the publish says it wrote it)."""
+        model = row.model or UNKNOWN
+        if row.status == "completed":
+            self.completed.labels(model=model).inc()
+        else:
+            self.failed.labels(model=model, code=row.error_code or row.status).inc()
+
+    def request_dead_lettered(self, model: str | None, count: int = 1) -> None:
+        """``count`` requests of ``model`` went to the dead-letter stream."""
+        self.dead_lettered.labels(model=model or UNKNOWN).inc(count)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text format (what ``/metrics`` serves)."""
+        return generate_latest(self.registry)
+
+
+class SchedulerMetrics(_DaemonMetrics):
+    """The scheduler's hooks. With ``redis_client`` given, Redis-held queue state is read at each scrape
+    (give it a client with a socket timeout, so a hung Redis cannot hang a scrape)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, redis_client: redis.Redis | None = None,
+                 keys: Keys | None = None, max_jobs: int = 10_000):
+        super().__init__(registry)
+        r = self.registry
+        self.received = _metric(r, "batchinfer_requests_received_total")
+        self.pending = _metric(r, "batchinfer_pending_requests")
+        self.dispatched = _metric(r, "batchinfer_batches_dispatched_total")
+        self.batch_requests = _metric(r, "batchinfer_batch_requests")
+        self.batch_tokens = _metric(r, "batchinfer_batch_tokens")
+        self.reclaims = _metric(r, "batchinfer_lease_reclaims_total")
+        self.reclaimed_requests = _metric(r, "batchinfer_lease_reclaimed_requests_total")
+        if redis_client is not None:
+            self.registry.register(QueueCollector(redis_client, keys or Keys(), max_jobs=max_jobs))
+
+    def intake_read(self, count: int) -> None:
+        """``count`` entries were read from the intake stream."""
+        self.received.inc(count)
+
+    def set_pending(self, model: str, count: int) -> None:
+        """Requests validated for ``model`` and buffered for packing, now."""
+        self.pending.labels(model=model).set(count)
+
+    def batch_dispatched(self, model: str, num_requests: int, num_tokens: int) -> None:
+        """A batch of ``num_requests`` requests (``num_tokens`` prompt + max_tokens) was dispatched."""
+        self.dispatched.labels(model=model).inc()
+        self.batch_requests.labels(model=model).observe(num_requests)
+        self.batch_tokens.labels(model=model).observe(num_tokens)
+
+    def lease_reclaimed(self, model: str, num_requests: int) -> None:
+        """One expired batch lease was reclaimed, holding ``num_requests`` unpublished requests."""
+        self.reclaims.labels(model=model).inc()
+        self.reclaimed_requests.labels(model=model).inc(num_requests)
+
+
+class ThroughputWindow:
+    """Tokens per second over the last ``window_s`` seconds (for the heartbeat ``top`` reads)."""
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self._events: deque[tuple[float, int]] = deque()
+        self._since = clock()
+        self._lock = threading.Lock()  # the loop adds, the heartbeat thread reads
+
+    def add(self, count: int) -> None:
+        with self._lock:
+            self._events.append((self.clock(), count))
+
+    def rate(self) -> float:
+        with self._lock:
+            now = self.clock()
+            while self._events and self._events[0][0] < now - self.window_s:
+                self._events.popleft()
+            span = min(self.window_s, now - self._since)
+            return sum(c for _, c in self._events) / span if span > 0 else 0.0
+
+
+class WorkerMetrics(_DaemonMetrics):
+    """The worker's hooks: engine steps, request timings, engine state, published rows."""
+
+    def __init__(self, model: str, worker: str = "", device: str = "", *,
+                 registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic):
+        super().__init__(registry)
+        self.model, self.device, self.clock = model, device, clock
+        r = self.registry
+        _metric(r, "batchinfer_worker_info").labels(worker=worker, model=model, device=device).set(1)
+
+        def mine(name: str) -> Any:  # this worker serves one model: bind its label once
+            return _metric(r, name).labels(model=model)
+
+        self.step_seconds = mine("batchinfer_step_duration_seconds")
+        self.step_tokens = mine("batchinfer_step_tokens")
+        self.prompt_tokens = mine("batchinfer_prompt_tokens_total")
+        self.generation_tokens = mine("batchinfer_generation_tokens_total")
+        self.ttft = mine("batchinfer_time_to_first_token_seconds")
+        self.inference = mine("batchinfer_request_inference_seconds")
+        self.e2e = mine("batchinfer_e2e_request_latency_seconds")
+        self.prefix_queried = mine("batchinfer_prefix_cache_queried_tokens_total")
+        self.prefix_hits = mine("batchinfer_prefix_cache_hit_tokens_total")
+        self.running = mine("batchinfer_running_sequences")
+        self.waiting = mine("batchinfer_waiting_sequences")
+        self.kv_usage = mine("batchinfer_kv_cache_usage_ratio")
+        self.preemptions = mine("batchinfer_preemptions_total")
+        self._preemptions_seen = 0
+        self.throughput = ThroughputWindow(clock=clock)
+        self._state: dict[str, Any] = {}
+        # request id -> [admitted at (clock), first token at or None, tokens seen so far]
+        self._inflight: dict[str, list[Any]] = {}
+
+    # -- engine hooks -------------------------------------------------------------------------------
+    def request_started(self, request_id: str) -> None:
+        """The request was just added to the engine (its TTFT clock starts)."""
+        self._inflight[request_id] = [self.clock(), None, 0]
+
+    def request_aborted(self, request_id: str) -> None:
+        """The request left the engine without finishing (cancelled, engine error)."""
+        self._inflight.pop(request_id, None)
+
+    def step_done(self, outputs: Iterable[Any], seconds: float, *,
+                  num_batched_tokens: int | None = None) -> None:
+        """Record one ``Engine.step()``: its duration, tokens, and each output's progress.
+
+        ``outputs`` are the step's ``RequestOutput``s. ``num_batched_tokens`` is what the engine
+        computed this step when it reports it; otherwise new prompt tokens (cache hits excluded) plus
+        new generated tokens are used.
+        """
+        now = self.clock()
+        new_prompt = new_generated = computed_prompt = 0
+        for out in outputs:
+            timing = self._inflight.get(out.request_id)
+            if timing is None:  # not admitted through request_started (e.g. metrics enabled late)
+                timing = self._inflight[out.request_id] = [now - seconds, None, 0]
+            seen = sum(len(c.token_ids) for c in out.outputs)
+            delta = max(0, seen - timing[2])
+            if delta and timing[1] is None:  # prefill finished: first token
+                timing[1] = now
+                self.ttft.observe(now - timing[0])
+                new_prompt += len(out.prompt_token_ids)
+                computed_prompt += len(out.prompt_token_ids) - (out.num_cached_tokens or 0)
+            timing[2] = seen
+            new_generated += delta
+            if out.finished:
+                del self._inflight[out.request_id]
+                if all(c.finish_reason != "abort" for c in out.outputs):
+                    self.inference.observe(now - timing[0])
+        self.step_seconds.observe(seconds)
+        self.step_tokens.observe(num_batched_tokens if num_batched_tokens is not None
+                                 else computed_prompt + new_generated)
+        self.prompt_tokens.inc(new_prompt)
+        self.generation_tokens.inc(new_generated)
+        self.throughput.add(new_prompt + new_generated)
+
+    def set_engine_state(self, running: int, waiting: int, kv_usage: float | None = None,
+                         preemptions: int | None = None) -> None:
+        """The engine's running / waiting sequence counts, KV cache use (0..1) and, when it counts
+        them, its cumulative number of preemptions (``Engine.num_preemptions``), now."""
+        if preemptions is not None:
+            self.preemptions.inc(max(0, preemptions - self._preemptions_seen))
+            self._preemptions_seen = max(self._preemptions_seen, preemptions)
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self._state.update(running=running, waiting=waiting)
+        if kv_usage is not None:
+            if not 0.0 <= kv_usage <= 1.0:
+                raise ValueError(f"kv_usage must be within 0..1, got {kv_usage}")
+            self.kv_usage.set(kv_usage)
+            self._state["kv_usage"] = round(kv_usage, 4)
+
+    def row_published(self, row: Row) -> None:
+        """Count a row this worker published, with its prefix cache use and end-to-end latency."""
+        super().row_published(row)
+        if row.status != "completed":
+            return
+        if row.prompt_tokens:
+            self.prefix_queried.inc(row.prompt_tokens)
+            self.prefix_hits.inc(row.cached_tokens or 0)
+        if row.created_at and row.finished_at and row.finished_at >= row.created_at:
+            self.e2e.observe((row.finished_at - row.created_at) / 1000)
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        """Fields for ``Registry.heartbeat_worker`` info, as ``batchinfer top`` reads them."""
+        fields: dict[str, Any] = {"tokens_per_s": round(self.throughput.rate(), 1), **self._state}
+        if self.device:
+            fields["device"] = self.device
+        return fields
+
+
+QUEUE_GAUGES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "up": ("batchinfer_redis_up", "1 when the last scrape could read Redis.", ()),
+    "lag": ("batchinfer_intake_lag_requests", "Intake entries the scheduler has not read yet.", ()),
+    "lag_s": ("batchinfer_intake_lag_seconds", "Age of the oldest intake entry not read yet.", ()),
+    "unacked": ("batchinfer_intake_unacked_requests", "Intake entries read, not yet packed in a batch.", ()),
+    "queued": ("batchinfer_batches_queued", "Batches not yet pulled by a worker.", M),
+    "in_flight": ("batchinfer_batches_in_flight", "Batches pulled by a worker, not yet acknowledged.", M),
+    "jobs": ("batchinfer_jobs", "Jobs by status (the most recent jobs, up to a cap).", ("status",)),
+    "dead": ("batchinfer_dead_letter_requests", "Entries in the dead-letter stream.", ()),
+    "workers": ("batchinfer_live_workers", "Workers with a live heartbeat.", M),
+}
+
+
+class QueueCollector(Collector):
+    """Reads queue state from Redis at scrape time; a Redis outage shows as ``batchinfer_redis_up 0``."""
+
+    def __init__(self, redis_client: redis.Redis, keys: Keys, max_jobs: int = 10_000):
+        self.redis, self.keys = redis_client, keys
+        self.job_counter = queue_state.JobStatusCounter(max_jobs)
+
+    @staticmethod
+    def _families() -> dict[str, GaugeMetricFamily]:
+        return {key: GaugeMetricFamily(name, doc, labels=labels)
+                for key, (name, doc, labels) in QUEUE_GAUGES.items()}
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families().values()  # names only: registering must not touch Redis
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        f = self._families()
+        try:
+            state = queue_state.queue_state(self.redis, self.keys)
+            jobs = self.job_counter.count(self.redis, self.keys)
+            workers = queue_state.live_workers(self.redis, self.keys)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("metrics: cannot read queue state from Redis: %s", exc)
+            f["up"].add_metric([], 0)
+            yield f["up"]
+            return
+        f["up"].add_metric([], 1)
+        f["lag"].add_metric([], state.intake.undelivered)
+        f["lag_s"].add_metric([], state.intake.lag_seconds())
+        f["unacked"].add_metric([], state.intake.unacked)
+        for model, stream in state.batches.items():
+            f["queued"].add_metric([model], stream.undelivered)
+            f["in_flight"].add_metric([model], stream.unacked)
+        for status, count in jobs.items():
+            f["jobs"].add_metric([status], count)
+        f["dead"].add_metric([], state.deadletter)
+        per_model: dict[str, int] = dict.fromkeys(state.batches, 0)
+        for w in workers:
+            per_model[w.model] = per_model.get(w.model, 0) + 1
+        for model, count in per_model.items():
+            f["workers"].add_metric([model], count)
+        yield from f.values()
+
+
+__all__ = ["QueueCollector", "SchedulerMetrics", "ThroughputWindow", "WorkerMetrics"]

@@ -1,0 +1,126 @@
+"""Exactly-once publication of result rows, and the end of a job's submission.
+
+Delivery is at-least-once everywhere (a crashed worker's batch is re-run), so publication is
+where duplicates stop: one Lua script sets the request's guard bit only if it was unset, appends
+the row to the job's results stream (and ``reply_to``), bumps the job's counters and, when the
+last row of an ended submission lands, makes the job final. Exactly one caller learns
+``finalizing=True`` and enqueues the export job.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import TYPE_CHECKING, Protocol
+
+import redis
+
+from batchinfer.keys import DIRECT, Keys
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+DIRECT_GUARD_TTL = 7 * 24 * 3600  # seconds a direct request's guard outlives its publication
+
+
+class Row(Protocol):
+    """What publishing needs from a ``batchinfer.protocol.ResultRow``."""
+
+    job_id: str | None
+    idx: int | None
+    request_id: str
+    status: str
+
+    def to_json(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    """``published``: this call wrote the row; ``finalizing``: it also made the job final."""
+
+    published: bool
+    finalizing: bool
+
+
+@cache
+def lua_source(name: str) -> str:
+    """The text of ``batchinfer/lua/<name>.lua``, after the ``finalize.lua`` prelude if it uses it."""
+    lua = resources.files("batchinfer") / "lua"
+    text = (lua / f"{name}.lua").read_text(encoding="utf-8")
+    if name != "finalize" and "maybe_finalize(" in text:
+        text = (lua / "finalize.lua").read_text(encoding="utf-8") + "\n" + text
+    return text
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Publisher:
+    """Publishes result rows exactly once; see docs/protocol.md for the keys it touches."""
+
+    def __init__(self, redis_client: redis.Redis, keys: Keys, direct_guard_ttl: int = DIRECT_GUARD_TTL):
+        self.redis = redis_client
+        self.keys = keys
+        self.direct_guard_ttl = int(direct_guard_ttl)
+        # redis-py Script objects use EVALSHA and reload on NOSCRIPT (e.g. after a Redis restart)
+        self._publish = redis_client.register_script(lua_source("publish"))
+        self._finish = redis_client.register_script(lua_source("finish_submission"))
+
+    def _guard(self, job_id: str | None, request_id: str) -> str:
+        return self.keys.published(job_id) if job_id else self.keys.published_direct(request_id)
+
+    def publish(self, row: Row, reply_to: str | None = None) -> PublishOutcome:
+        """Publish ``row`` unless the same request already has one (one atomic Lua call).
+
+        ``row.status == "completed"`` bumps the job's ``completed`` counter; any other status
+        (failed, cancelled, expired) bumps ``failed``. ``reply_to``, when given, receives a copy.
+        On Redis Cluster a ``reply_to`` stream must carry the same hash tag as the prefix.
+        """
+        job_id = row.job_id or None
+        if job_id is not None and (row.idx is None or row.idx < 0):
+            raise ValueError(f"row {row.request_id!r} of job {job_id!r} has no valid idx: {row.idx!r}")
+        keys = [self._guard(job_id, row.request_id), self.keys.results(job_id or DIRECT),
+                self.keys.job(job_id or DIRECT)]
+        if reply_to:
+            keys.append(reply_to)
+        counter = "completed" if row.status == "completed" else "failed"
+        idx = row.idx if job_id is not None else -1
+        published, finalizing = self._publish(
+            keys=keys, args=[idx, row.to_json(), counter, now_ms(), self.direct_guard_ttl])
+        return PublishOutcome(bool(published), bool(finalizing))
+
+    def finish_submission(self, job_id: str, total: int) -> bool:
+        """Record that job ``job_id`` has ``total`` requests; ``validating`` -> ``in_progress``.
+
+        Returns True when this call made the job final (every row was already published): the
+        caller then enqueues the export. Raises KeyError for a job that does not exist.
+        """
+        if total < 0:
+            raise ValueError(f"total must be >= 0, got {total}")
+        result = self._finish(keys=[self.keys.job(job_id)], args=[total, now_ms()])
+        if result == -1:
+            raise KeyError(f"job {job_id!r} does not exist")
+        return bool(result)
+
+    def is_published(self, job_id: str | None, idx: int | None, request_id: str | None = None) -> bool:
+        """Whether request ``idx`` of ``job_id`` (or the direct request ``request_id``) has its row."""
+        return self.published_mask([(job_id, idx, request_id)])[0]
+
+    def published_mask(self, requests: Iterable[tuple[str | None, int | None, str | None]]) -> list[bool]:
+        """``is_published`` for many ``(job_id, idx, request_id)`` triples in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        n = 0
+        for job_id, idx, request_id in requests:
+            if job_id:
+                if idx is None or idx < 0:
+                    raise ValueError(f"request of job {job_id!r} has no valid idx: {idx!r}")
+                pipe.getbit(self.keys.published(job_id), idx)
+            elif request_id:
+                pipe.exists(self.keys.published_direct(request_id))
+            else:
+                raise ValueError("a direct request needs its request_id")
+            n += 1
+        return [bool(v) for v in pipe.execute()] if n else []

@@ -1,0 +1,268 @@
+"""Read-only views of the queue's state in Redis, for metrics collectors, ``batchinfer top`` and doctor.
+
+Every function reads a bounded amount (a few commands per stream, jobs in chunks up to a cap), so a
+Prometheus scrape or a ``top`` refresh stays cheap however many requests are queued. Formats are
+those of docs/protocol.md; key names come from :class:`batchinfer.keys.Keys`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
+
+ACTIVE_JOB_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+JOB_STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired",
+                "cancelling", "cancelled")
+LAG_COUNT_CAP = 1000  # when Redis cannot tell a group's lag, count at most this many entries
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(_text(value))
+    except (TypeError, ValueError):
+        return default
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """One stream and one of its consumer groups.
+
+    ``undelivered``: entries not yet read by the group (a lower bound of ``LAG_COUNT_CAP`` when
+    Redis < 7 or a deleted entry hides the exact lag); ``unacked``: read but not acknowledged;
+    ``oldest_undelivered_ms``: the id time of the first undelivered entry (None when none).
+    """
+
+    length: int = 0
+    undelivered: int = 0
+    unacked: int = 0
+    oldest_undelivered_ms: int | None = None
+    group_exists: bool = False
+
+    def lag_seconds(self, now: int | None = None) -> float:
+        """Age of the oldest entry the group has not read yet (0 when it has read everything)."""
+        if self.oldest_undelivered_ms is None:
+            return 0.0
+        return max(0.0, ((now if now is not None else now_ms()) - self.oldest_undelivered_ms) / 1000)
+
+
+def _id_ms(entry_id: Any) -> int:
+    return _int(_text(entry_id).split("-", 1)[0])
+
+
+def stream_state(r: redis.Redis, stream: str, group: str) -> StreamState:
+    """Length, lag and pending count of ``group`` on ``stream`` (zeros when the stream is absent)."""
+    length = r.xlen(stream)
+    if length == 0 and not r.exists(stream):
+        return StreamState()
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:
+        groups = []
+    info = next(({_text(k): v for k, v in g.items()} for g in groups if _text(g.get("name")) == group), None)
+    if info is None:  # nobody consumes yet: every entry waits
+        first = r.xrange(stream, count=1)
+        return StreamState(length=length, undelivered=length,
+                           oldest_undelivered_ms=_id_ms(first[0][0]) if first else None)
+    last = _text(info.get("last-delivered-id", "0-0"))
+    following = r.xrange(stream, min=f"({last}", max="+", count=1)
+    lag = info.get("lag")
+    if lag is None:  # Redis < 7, or tombstones in the stream: count, up to a cap
+        lag = len(r.xrange(stream, min=f"({last}", max="+", count=LAG_COUNT_CAP)) if following else 0
+    return StreamState(length=length, undelivered=_int(lag), unacked=_int(info.get("pending")),
+                       oldest_undelivered_ms=_id_ms(following[0][0]) if following else None,
+                       group_exists=True)
+
+
+def known_models(r: redis.Redis, keys: Keys) -> list[str]:
+    """Registered model names (``{p}:models``), sorted."""
+    return sorted(_text(m) for m in r.smembers(keys.models))
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """Intake (scheduler group), batches per model (workers group) and the dead-letter stream."""
+
+    intake: StreamState
+    batches: dict[str, StreamState]
+    deadletter: int
+
+
+def queue_state(r: redis.Redis, keys: Keys) -> QueueState:
+    """Depths of every queue batchinfer keeps in Redis."""
+    return QueueState(
+        intake=stream_state(r, keys.requests, SCHEDULER_GROUP),
+        batches={m: stream_state(r, keys.batches(m), WORKERS_GROUP) for m in known_models(r, keys)},
+        deadletter=r.xlen(keys.deadletter),
+    )
+
+
+TERMINAL_JOB_STATUSES = ("completed", "failed", "expired", "cancelled")
+
+
+class JobStatusCounter:
+    """Counts the ``max_jobs`` most recent jobs by status, scrape after scrape.
+
+    A job in a terminal status never leaves it, so its status is remembered and only the other
+    jobs are read again: a scrape with 10,000 finished jobs costs one ZREVRANGE.
+    """
+
+    def __init__(self, max_jobs: int = 10_000, chunk: int = 500):
+        self.max_jobs, self.chunk = max_jobs, chunk
+        self._terminal: dict[str, str] = {}
+
+    def count(self, r: redis.Redis, keys: Keys) -> dict[str, int]:
+        """Every status listed, 0s kept."""
+        counts = dict.fromkeys(JOB_STATUSES, 0)
+        ids = [_text(j) for j in r.zrevrange(keys.jobs, 0, self.max_jobs - 1)]
+        unknown = [j for j in ids if j not in self._terminal]
+        for start in range(0, len(unknown), self.chunk):
+            part = unknown[start:start + self.chunk]
+            pipe = r.pipeline(transaction=False)
+            for job_id in part:
+                pipe.hget(keys.job(job_id), "status")
+            for job_id, status in zip(part, pipe.execute(), strict=True):
+                if status is None:  # removed since the ZREVRANGE
+                    continue
+                name = _text(status)
+                counts[name] = counts.get(name, 0) + 1
+                if name in TERMINAL_JOB_STATUSES:
+                    self._terminal[job_id] = name
+        known, fresh = set(ids), set(unknown)
+        for job_id in ids:
+            if job_id not in fresh and job_id in self._terminal:
+                counts[self._terminal[job_id]] += 1
+        if len(self._terminal) > len(known):  # forget jobs that left the window (or were deleted)
+            self._terminal = {j: s for j, s in self._terminal.items() if j in known}
+        return counts
+
+
+def jobs_by_status(r: redis.Redis, keys: Keys, max_jobs: int = 10_000) -> dict[str, int]:
+    """How many of the ``max_jobs`` most recent jobs are in each status (every status listed)."""
+    return JobStatusCounter(max_jobs).count(r, keys)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What ``top`` shows of one job; ``total`` is None while its submission is still running."""
+
+    id: str
+    status: str
+    model: str
+    submitted: int
+    total: int | None
+    completed: int
+    failed: int
+    created_at: int
+    in_progress_at: int | None = None
+
+    @property
+    def done(self) -> int:
+        return self.completed + self.failed
+
+    @property
+    def known_total(self) -> int:
+        return self.total if self.total is not None else self.submitted
+
+    def rate(self, now: int) -> float | None:
+        """Requests finished per second since the job started running (None before any finished)."""
+        start = self.in_progress_at or self.created_at
+        elapsed = (now - start) / 1000
+        if self.done <= 0 or elapsed <= 0:
+            return None
+        return self.done / elapsed
+
+    def eta_seconds(self, now: int) -> float | None:
+        """Seconds left at the average rate so far; None while the total or the rate is unknown."""
+        rate = self.rate(now)
+        if rate is None or self.total is None:
+            return None
+        return max(0, self.total - self.done) / rate
+
+
+def job_view(job_id: str, raw: dict[Any, Any]) -> JobView:
+    """A :class:`JobView` from a ``{p}:job:<id>`` hash as HGETALL returns it."""
+    h = {_text(k): _text(v) for k, v in raw.items()}
+    return JobView(
+        id=h.get("id", job_id), status=h.get("status", "?"), model=h.get("model", ""),
+        submitted=_int(h.get("submitted")),
+        total=_int(h["total"]) if h.get("total", "") != "" else None,
+        completed=_int(h.get("completed")), failed=_int(h.get("failed")),
+        created_at=_int(h.get("created_at")),
+        in_progress_at=_int(h["in_progress_at"]) if h.get("in_progress_at") else None,
+    )
+
+
+def active_jobs(r: redis.Redis, keys: Keys, scan: int = 500, limit: int = 50) -> list[JobView]:
+    """Up to ``limit`` unfinished jobs among the ``scan`` most recent, oldest first."""
+    ids = [_text(j) for j in r.zrevrange(keys.jobs, 0, scan - 1)]
+    pipe = r.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hgetall(keys.job(job_id))
+    views = [job_view(j, raw) for j, raw in zip(ids, pipe.execute(), strict=True) if raw]
+    active = [v for v in views if v.status in ACTIVE_JOB_STATUSES]
+    return sorted(active, key=lambda v: v.created_at)[:limit]
+
+
+@dataclass
+class WorkerView:
+    """A live worker as ``top`` shows it: fields of its heartbeat hash (see WorkerMetrics)."""
+
+    name: str
+    model: str
+    heartbeat_at: int
+    device: str = ""
+    running: int | None = None
+    waiting: int | None = None
+    max_num_seqs: int | None = None
+    kv_usage: float | None = None
+    tokens_per_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def load(self) -> float | None:
+        """Running sequences over the engine's max: how full the worker's batch is."""
+        if self.running is None or not self.max_num_seqs:
+            return None
+        return self.running / self.max_num_seqs
+
+
+def _num(value: Any, cast=float) -> Any:
+    try:
+        return cast(value) if value is not None and value != "" else None
+    except (TypeError, ValueError):
+        return None
+
+
+_WORKER_FIELDS = ("model", "device", "running", "waiting", "kv_usage", "tokens_per_s", "heartbeat_at",
+                  "capacity")
+
+
+def live_workers(r: redis.Redis, keys: Keys) -> list[WorkerView]:
+    """Workers with an unexpired registration, by name (via :class:`batchinfer.registry.Registry`)."""
+    from batchinfer.registry import Registry
+
+    views = []
+    for w in Registry(r, keys).live_workers():
+        info = w.info
+        capacity = w.capacity
+        views.append(WorkerView(
+            name=w.name, model=w.model, heartbeat_at=w.heartbeat_at, device=str(info.get("device", "")),
+            running=_num(info.get("running"), int), waiting=_num(info.get("waiting"), int),
+            max_num_seqs=_num(capacity.get("max_num_seqs"), int),
+            kv_usage=_num(info.get("kv_usage")), tokens_per_s=_num(info.get("tokens_per_s")),
+            extra={k: v for k, v in info.items() if k not in _WORKER_FIELDS},
+        ))
+    return views

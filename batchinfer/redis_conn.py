@@ -1,0 +1,81 @@
+"""Redis connections from URLs: ``redis://``, ``rediss://`` (TLS, CA file), ``unix://``, ACL users.
+
+Every process (client, CLI, daemons) connects through :func:`connect`, so retries with backoff on
+connection errors and the health check interval are the same everywhere.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+SCHEMES = ("redis", "rediss", "unix")
+
+# Retries cover a restarting Redis (a few seconds); a daemon's own loop reconnects beyond that.
+RETRIES = 6
+BACKOFF_CAP_S = 2.0
+BACKOFF_BASE_S = 0.05
+HEALTH_CHECK_INTERVAL_S = 15
+
+
+def connect(
+    url: str | None,
+    ca_file: str | None = None,
+    decode_responses: bool = False,
+    *,
+    socket_timeout: float | None = None,
+    socket_connect_timeout: float = 5.0,
+) -> redis.Redis:
+    """A ``redis.Redis`` for ``url`` (``None``: :data:`DEFAULT_URL`).
+
+    ``rediss://`` verifies the server with ``ca_file`` when given (else the system store); user and
+    password in the URL select an ACL user. Commands that fail on a connection error or a timeout
+    are retried with exponential backoff. ``socket_timeout`` stays ``None`` by default because the
+    daemons use blocking ``XREADGROUP`` calls.
+    """
+    url = url or DEFAULT_URL
+    scheme = urlsplit(url).scheme
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"Redis URL {redact_url(url)!r}: scheme must be one of redis://, rediss://, unix://"
+        )
+    kwargs: dict = {
+        "decode_responses": decode_responses,
+        "retry": Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES),
+        "retry_on_error": [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+        "health_check_interval": HEALTH_CHECK_INTERVAL_S,
+        "socket_timeout": socket_timeout,
+        "client_name": "batchinfer",
+    }
+    if scheme != "unix":
+        kwargs["socket_connect_timeout"] = socket_connect_timeout
+        kwargs["socket_keepalive"] = True
+    if scheme == "rediss" and ca_file:
+        kwargs["ssl_ca_certs"] = ca_file
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def redact_url(url: str | None) -> str:
+    """``url`` with its password replaced by ``***`` (user names are kept), for logs and output."""
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = quote(unquote(parts.username), safe="") if parts.username else ""
+    netloc = f"{user}:***@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def describe(url: str | None) -> str:
+    """A short human description of where a URL points, password redacted."""
+    return redact_url(url or DEFAULT_URL)

@@ -1,0 +1,193 @@
+"""Served models and live workers, as registered in Redis (docs/protocol.md).
+
+A worker registers its model once at start (tokenizer files and capacity, so the scheduler can
+tokenise and pack without a shared filesystem) and then heartbeats: its ``{p}:worker:<name>`` hash
+expires unless refreshed, and ``{p}:workers`` scores names by their last heartbeat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from batchinfer.keys import Keys
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "special_tokens_map.json", "chat_template.jinja")
+CAPACITY_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_tokens")
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def _decode(raw: bytes | str) -> Any:
+    """Hash values are JSON when not plain strings; plain strings come back as they are."""
+    text = _text(raw)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A served model: its tokenizer files (bytes by file name) and the capacity workers advertise."""
+
+    name: str
+    files: dict[str, bytes]
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_tokens: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    fingerprint: str = ""  # sha256 of the tokenizer files: changes when the tokenizer does
+    registered_at: int = 0
+
+    @property
+    def capacity(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in CAPACITY_FIELDS}
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A live worker: its served model, last heartbeat (ms) and everything else it reported."""
+
+    name: str
+    model: str
+    heartbeat_at: int
+    info: dict[str, Any]
+
+    @property
+    def capacity(self) -> dict[str, int]:
+        cap = self.info.get("capacity")
+        return {k: int(v) for k, v in cap.items()} if isinstance(cap, dict) else {}
+
+
+def fingerprint(files: dict[str, bytes]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name] + b"\0")
+    return digest.hexdigest()
+
+
+class Registry:
+    """Read and write model and worker registrations."""
+
+    def __init__(self, redis_client: redis.Redis, keys: Keys):
+        self.redis = redis_client
+        self.keys = keys
+
+    # models
+    def register_model(self, name: str, files: dict[str, bytes], capacity: dict[str, Any],
+                       eos_token_ids: list[int] | None = None) -> None:
+        """Store (or replace) model ``name``: tokenizer ``files`` by file name, and ``capacity``.
+
+        ``capacity`` needs ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens`` and
+        ``kv_tokens`` (the dict ``Engine.capacity()`` returns); ``eos_token_ids`` may also be in it.
+        """
+        if not name or any(c.isspace() for c in name):
+            raise ValueError(f"model name must be non-empty without spaces, got {name!r}")
+        if "tokenizer.json" not in files:
+            raise ValueError(f"model {name!r}: tokenizer files must include tokenizer.json")
+        unknown = set(files) - set(TOKENIZER_FILES)
+        if unknown:
+            raise ValueError(f"model {name!r}: unexpected tokenizer files {sorted(unknown)}")
+        missing = [f for f in CAPACITY_FIELDS if f not in capacity]
+        if missing:
+            raise ValueError(f"model {name!r}: capacity lacks {missing}")
+        values = {f: int(capacity[f]) for f in CAPACITY_FIELDS}
+        if min(values.values()) <= 0:
+            raise ValueError(f"model {name!r}: capacity values must be positive, got {values}")
+        eos = eos_token_ids if eos_token_ids is not None else capacity.get("eos_token_ids", [])
+        mapping: dict[str, Any] = {**files, **values, "eos_token_ids": json.dumps([int(t) for t in eos]),
+                                   "fingerprint": fingerprint(files), "registered_at": _now_ms()}
+        key = self.keys.model(name)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(key)  # a re-registration replaces files that are gone
+        pipe.hset(key, mapping=mapping)
+        pipe.sadd(self.keys.models, name)
+        pipe.execute()
+
+    def get_model(self, name: str) -> ModelInfo | None:
+        """The registration of model ``name``, or None when no worker registered it."""
+        raw = {_text(k): v for k, v in self.redis.hgetall(self.keys.model(name)).items()}
+        if not raw or "tokenizer.json" not in raw:
+            return None
+        return ModelInfo(
+            name=name,
+            files={f: raw[f] for f in TOKENIZER_FILES if f in raw},
+            eos_token_ids=json.loads(raw.get("eos_token_ids", b"[]")),
+            fingerprint=_text(raw.get("fingerprint", b"")),
+            registered_at=int(raw.get("registered_at", 0)),
+            **{f: int(raw[f]) for f in CAPACITY_FIELDS},
+        )
+
+    def model_fingerprint(self, name: str) -> str | None:
+        """The tokenizer fingerprint of model ``name`` (cheap: one field), or None if unknown."""
+        value = self.redis.hget(self.keys.model(name), "fingerprint")
+        return _text(value) if value is not None else None
+
+    def models(self) -> list[str]:
+        """Names of every registered model, sorted."""
+        return sorted(_text(m) for m in self.redis.smembers(self.keys.models))
+
+    # workers
+    def heartbeat_worker(self, name: str, info: dict[str, Any], ttl: float) -> None:
+        """Create or refresh worker ``name`` (``info`` must hold its ``model``); expires after ``ttl`` s.
+
+        String values are stored as they are, anything else as JSON (e.g. ``capacity``, ``load``).
+        """
+        if not info.get("model"):
+            raise ValueError(f"worker {name!r}: info must name its model")
+        now = _now_ms()
+        mapping = {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}
+        mapping["heartbeat_at"] = str(now)
+        key = self.keys.worker(name)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping=mapping)
+        pipe.pexpire(key, max(1, int(ttl * 1000)))
+        pipe.zadd(self.keys.workers, {name: now})
+        pipe.execute()
+
+    def unregister_worker(self, name: str) -> None:
+        """Remove worker ``name`` at once (a clean shutdown), instead of waiting for its TTL."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.keys.worker(name))
+        pipe.zrem(self.keys.workers, name)
+        pipe.execute()
+
+    def live_workers(self, model: str | None = None) -> list[WorkerInfo]:
+        """Workers whose registration has not expired (all, or those serving ``model``), by name.
+
+        Names whose hash expired are pruned from ``{p}:workers`` on the way.
+        """
+        names = [_text(n) for n in self.redis.zrange(self.keys.workers, 0, -1)]
+        if not names:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(self.keys.worker(name))
+        live, dead = [], []
+        for name, raw in zip(names, pipe.execute(), strict=True):
+            if not raw:
+                dead.append(name)
+                continue
+            info = {_text(k): _decode(v) for k, v in raw.items()}
+            info["model"] = _text(raw[b"model"]) if b"model" in raw else str(info.get("model", ""))
+            worker = WorkerInfo(name=name, model=info["model"], heartbeat_at=int(info.get("heartbeat_at", 0)),
+                                info=info)
+            if model is None or worker.model == model:
+                live.append(worker)
+        if dead:
+            self.redis.zrem(self.keys.workers, *dead)
+        return sorted(live, key=lambda w: w.name)

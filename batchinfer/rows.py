@@ -1,0 +1,174 @@
+"""What travels after validation: ``BatchRequest`` (an element of a batch entry) and ``ResultRow``
+(one result: a results-stream entry, a ``reply_to`` entry, a Parquet row). docs/protocol.md.
+
+Both are re-exported by :mod:`batchinfer.protocol`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchinfer.workers.outputs import RequestOutput
+    from batchinfer.workers.sampling_params import SamplingParams
+
+ROW_STATUSES = ("completed", "failed", "cancelled", "expired")
+
+
+def now_ms() -> int:
+    """Milliseconds since the epoch (UTC): the protocol's one time unit."""
+    return time.time_ns() // 1_000_000
+
+
+def request_id_for(job_id: str | None, idx: int | None, entry_id: str | None = None) -> str:
+    """``<job_id>:<idx>`` for a job's request; a direct request is named by its intake entry id."""
+    if job_id is not None and idx is not None:
+        return f"{job_id}:{idx}"
+    if entry_id is None:
+        raise ValueError("a direct request needs its intake entry id")
+    return entry_id
+
+
+def _from_mapping(cls, d: Mapping[str, Any]):
+    """Build a dataclass from a mapping, ignoring keys a newer writer may have added."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class BatchRequest:
+    """One request inside a batch entry (``{bi}:batches:<model>``), ready for a worker's engine."""
+
+    request_id: str
+    job_id: str | None
+    idx: int | None
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]  # SamplingParams.to_dict()
+    model: str
+    line: int | None = None
+    custom_id: str | None = None
+    reply_to: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    created_at: int | None = None
+    attempts: int = 0
+    url: str | None = None  # OpenAI endpoint of an OpenAI Batch line (shapes OpenAI output)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BatchRequest:
+        return _from_mapping(cls, d)
+
+    def params(self) -> SamplingParams:
+        """The sampling parameters as a ``SamplingParams`` (validated again)."""
+        from batchinfer.workers.sampling_params import SamplingParams
+
+        return SamplingParams.from_dict(self.sampling_params)
+
+
+@dataclass
+class ResultRow:
+    """One request's result; the columns of the Parquet output (docs/protocol.md)."""
+
+    job_id: str | None
+    request_id: str
+    status: str  # completed | failed | cancelled | expired
+    idx: int | None = None
+    custom_id: str | None = None
+    model: str | None = None
+    finish_reason: str | None = None  # of the first completion: stop | length | abort
+    output_text: str | None = None  # first completion
+    output_token_ids: list[int] | None = None  # first completion
+    outputs: list[dict[str, Any]] | None = None  # all n completions
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None  # over all completions
+    cached_tokens: int | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    line: int | None = None
+    created_at: int | None = None
+    started_at: int | None = None
+    finished_at: int | None = None
+    worker: str | None = None
+    sampling_params: dict[str, Any] | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    url: str | None = None  # OpenAI endpoint of an OpenAI Batch line; not a Parquet column
+
+    def __post_init__(self) -> None:
+        if self.status not in ROW_STATUSES:
+            raise ValueError(f"status must be one of {', '.join(ROW_STATUSES)}, got {self.status!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ResultRow:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ResultRow:
+        return _from_mapping(cls, d)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "completed"
+
+    @classmethod
+    def for_request(cls, request: BatchRequest, output: RequestOutput, *, worker: str | None = None,
+                    started_at: int | None = None, finished_at: int | None = None,
+                    status: str = "completed") -> ResultRow:
+        """The row of a request the engine finished (``status="cancelled"`` for an aborted one)."""
+        outs = [
+            {"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
+             "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+             # JSON object keys are strings: token id -> logprob
+             "logprobs": None if o.logprobs is None else [{str(t): lp for t, lp in step.items()}
+                                                           for step in o.logprobs]}
+            for o in output.outputs
+        ]
+        first = outs[0] if outs else {"text": None, "token_ids": None, "finish_reason": None}
+        return cls(
+            job_id=request.job_id, request_id=request.request_id, status=status, idx=request.idx,
+            custom_id=request.custom_id, model=request.model, finish_reason=first["finish_reason"],
+            output_text=first["text"], output_token_ids=first["token_ids"], outputs=outs,
+            prompt_tokens=len(output.prompt_token_ids),
+            completion_tokens=sum(len(o["token_ids"]) for o in outs),
+            cached_tokens=output.num_cached_tokens, line=request.line, created_at=request.created_at,
+            started_at=started_at, finished_at=finished_at if finished_at is not None else now_ms(),
+            worker=worker, sampling_params=request.sampling_params, metadata=dict(request.metadata),
+            url=request.url,
+        )
+
+    @classmethod
+    def error(cls, code: str, message: str, *, status: str = "failed", request: BatchRequest | None = None,
+              job_id: str | None = None, idx: int | None = None, request_id: str | None = None,
+              line: int | None = None, custom_id: str | None = None, model: str | None = None,
+              metadata: Mapping[str, str] | None = None, created_at: int | None = None,
+              worker: str | None = None, sampling_params: dict[str, Any] | None = None,
+              url: str | None = None) -> ResultRow:
+        """An error row (``failed``, ``cancelled`` or ``expired``); fields default from ``request``."""
+        if request is not None:
+            job_id = job_id if job_id is not None else request.job_id
+            idx = idx if idx is not None else request.idx
+            request_id = request_id or request.request_id
+            line = line if line is not None else request.line
+            custom_id = custom_id if custom_id is not None else request.custom_id
+            model = model or request.model
+            metadata = metadata if metadata is not None else request.metadata
+            created_at = created_at if created_at is not None else request.created_at
+            sampling_params = sampling_params if sampling_params is not None else request.sampling_params
+            url = url or request.url
+        if request_id is None:
+            request_id = request_id_for(job_id, idx)
+        return cls(job_id=job_id, request_id=request_id, status=status, idx=idx, custom_id=custom_id,
+                   model=model, error_code=code, error_message=message, line=line, created_at=created_at,
+                   finished_at=now_ms(), worker=worker, sampling_params=sampling_params,
+                   metadata=dict(metadata or {}), url=url)

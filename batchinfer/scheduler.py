@@ -1,0 +1,143 @@
+"""The scheduler daemon: intake -> validate -> tokenise -> stage -> pack -> dispatch; leases; jobs.
+
+The loop only loops; each concern is one object (docs/scheduler.md):
+
+- :class:`batchinfer.intake.Intake` — the intake group, validation, tokenisation, staging,
+  error rows, idempotency, and the holding area for models not served yet;
+- :class:`batchinfer.dispatch.Dispatcher` — backpressure and packing into batches;
+- :class:`batchinfer.leases.Leases` — expired batch leases: re-dispatch or dead-letter;
+- :class:`batchinfer.accounting.Accounting` — job expiry and the export safety net.
+
+Everything the scheduler knows lives in Redis; its memory holds caches and one pass's window.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from batchinfer.accounting import Accounting
+from batchinfer.config import Settings
+from batchinfer.dispatch import Dispatcher
+from batchinfer.intake import Admission, Intake
+from batchinfer.keys import Keys
+from batchinfer.leases import Leases
+from batchinfer.lookups import JobCache, ModelCache, RowSink
+from batchinfer.metrics import SchedulerMetrics
+from batchinfer.registry import Registry
+from batchinfer.staging import Staging
+
+log = logging.getLogger(__name__)
+
+BACKOFF_START_S, BACKOFF_CAP_S = 0.1, 5.0
+STALL_AFTER_S = 300.0  # /healthz fails when a pass has not finished for this long
+
+
+class Periodic:
+    """``due()`` is True at most once every ``period`` seconds."""
+
+    def __init__(self, period: float):
+        self.period, self.last = period, float("-inf")
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.period:
+            return False
+        self.last = now
+        return True
+
+
+class Scheduler:
+    """One scheduler process. ``run(stop)`` serves; ``run_once()`` is one pass (tests call it)."""
+
+    def __init__(self, r: redis.Redis, settings: Settings, *, name: str = "scheduler",
+                 metrics: SchedulerMetrics | None = None, block_ms: int = 200, direct_hold_s: float = 600.0):
+        self.redis, self.settings, self.name, self.block_ms = r, settings, name, block_ms
+        self.keys = keys = Keys(settings.prefix)
+        registry = Registry(r, keys)
+        jobs, models, staging = JobCache(r, keys), ModelCache(registry), Staging(r, keys)
+        self.sink = RowSink(r, settings, keys, metrics)
+        self.admission = Admission(r, keys, settings, jobs, models, direct_hold_s=direct_hold_s)
+        self.intake = Intake(r, keys, self.admission, staging, self.sink, consumer=name)
+        self.dispatcher = Dispatcher(r, keys, registry, models, staging, jobs, self.sink, metrics)
+        self.leases = Leases(r, keys, settings, registry, jobs, self.sink, consumer=name)
+        self.accounting = Accounting(r, keys, settings, jobs, self.sink)
+        self.timers = {"leases": Periodic(max(0.05, settings.lease_seconds / 4)), "held": Periodic(2.0),
+                       "accounting": Periodic(1.0)}
+        self._ready = False
+
+    def run_once(self, block_ms: int | None = None) -> int:
+        """One pass over every concern; returns how much work it found (0: idle)."""
+        if not self._ready:
+            self.intake.ensure_group()
+            self._ready = True
+        work = self.intake.step(block_ms)
+        work += self.dispatcher.step()
+        if self.timers["leases"].due():
+            work += self.leases.step()
+        if self.timers["held"].due():
+            work += self.intake.sweep_held()
+        if self.timers["accounting"].due():
+            work += self.accounting.step()
+        return work
+
+    def _reset(self) -> None:
+        """After an error: re-create the groups, re-read own pending intake entries."""
+        self._ready = self.intake.recovered = False
+        self.dispatcher.grouped.clear()
+
+    def run(self, stop: threading.Event, tick: Callable[[], None] | None = None) -> None:
+        """Serve until ``stop`` is set; Redis outages are waited out with backoff.
+
+        ``tick`` is called after every pass (the health server's liveness).
+        """
+        log.info("scheduler %s: serving prefix %s (lease %g s, max attempts %d)", self.name,
+                 self.settings.prefix, self.settings.lease_seconds, self.settings.max_attempts)
+        backoff, busy = BACKOFF_START_S, False
+        while not stop.is_set():
+            try:
+                busy = self.run_once(block_ms=None if busy else self.block_ms) > 0
+                backoff = BACKOFF_START_S
+                if tick is not None:
+                    tick()
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("scheduler: Redis unavailable (%s); retrying in %.1f s", e, backoff)
+                self._reset()
+                stop.wait(backoff)
+                backoff = min(BACKOFF_CAP_S, backoff * 2)
+            except Exception:  # a bug in one pass must not end the daemon; log it and go on
+                log.exception("scheduler: pass failed; continuing")
+                self._reset()
+                stop.wait(1.0)
+        log.info("scheduler %s: stopped", self.name)
+
+
+def main(settings: Settings) -> int:
+    """``batchinfer scheduler``: serve until SIGTERM / SIGINT; returns the exit code."""
+    from batchinfer.httpserver import Readiness, serve
+    from batchinfer.redis_conn import connect
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("scheduler: %s received; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    r = connect(settings.redis_url, settings.redis_ca_file)
+    metrics = SchedulerMetrics(redis_client=r, keys=Keys(settings.prefix))
+    readiness = Readiness(stall_after=STALL_AFTER_S)
+    readiness.add_probe("redis", r.ping)
+    server = serve(settings.metrics_port, metrics.registry, readiness)
+    try:
+        Scheduler(r, settings, metrics=metrics).run(stop, tick=readiness.tick)
+    finally:
+        if server is not None:
+            server.stop()
+    return 0

@@ -1,0 +1,149 @@
+"""The scheduler's Redis-side waiting room: validated requests between intake and a batch.
+
+The intake stream is one FIFO; fair share needs to see a ten-request job that arrived behind a
+million-request one. So the scheduler validates and tokenises intake entries as they come and
+moves each (atomically with its XACK + XDEL) into a staging stream per (model, priority, job):
+
+- ``{p}:queue:<model>:<priority>:<job>`` stream: one entry per request, field ``req`` = the
+  ``BatchRequest`` JSON (token ids included);
+- ``{p}:queues:<model>`` sorted set: the active staging streams of a model, member
+  ``<priority>:<job>``, score = priority.
+
+Dispatch reads a bounded window from these streams, packs it, and moves the packed entries into a
+batch (MULTI: XADD batch + XDEL staging). A request is therefore always in exactly one of: the
+intake group's pending list, a staging stream, the holding area (unknown model) or a batch.
+
+``{p}:held`` (stream) is the holding area of requests for models no worker has registered yet:
+their original intake fields plus ``held_from`` (the intake entry id) and ``held_until`` (ms).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from functools import cached_property
+
+import redis
+
+from batchinfer.keys import DIRECT, Keys
+from batchinfer.packing import PREFIX_SORT_TOKENS, Candidate
+from batchinfer.publish import lua_source
+from batchinfer.rows import BatchRequest
+
+
+def queue_key(keys: Keys, model: str, member: str) -> str:
+    """The staging stream of ``member`` (``<priority>:<job>``) for ``model``."""
+    return keys.queue(model, member)
+
+
+def queues_key(keys: Keys, model: str) -> str:
+    """Sorted set of the active staging streams of ``model``."""
+    return keys.queues(model)
+
+
+def held_key(keys: Keys) -> str:
+    """The holding area of requests whose model is not (yet) served."""
+    return keys.held
+
+
+def member_for(priority: int, job_id: str | None) -> str:
+    return f"{priority}:{job_id or DIRECT}"
+
+
+def parse_member(member: str) -> tuple[int, str | None]:
+    """``(priority, job_id)`` of a staging member; job ids never hold ':' (protocol.valid_job_id)."""
+    priority, job = member.split(":", 1)
+    return int(priority), (None if job == DIRECT else job)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One staged request: where it is (stream + entry id) and what it is."""
+
+    model: str
+    member: str
+    entry_id: str
+    request: BatchRequest
+    priority: int
+    max_model_len: int
+
+    @cached_property
+    def candidate(self) -> Candidate:
+        """The packing view: cost = prompt + max_tokens (the rest of the context when unbounded)."""
+        prompt = len(self.request.prompt_token_ids)
+        max_tokens = self.request.sampling_params.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = max(1, self.max_model_len - prompt)
+        return Candidate(key=f"{self.member}/{self.entry_id}", job=self.request.job_id or DIRECT,
+                         priority=self.priority, prompt_tokens=prompt, max_tokens=int(max_tokens),
+                         arrival=self.request.created_at or 0,
+                         prefix=tuple(self.request.prompt_token_ids[:PREFIX_SORT_TOKENS]))
+
+
+REQUEST_FIELDS = tuple(f.name for f in fields(BatchRequest))
+
+
+def request_dict(request: BatchRequest) -> dict:
+    """``request.to_dict()`` without its deep copy (a hot path: every request passes here twice)."""
+    return {name: getattr(request, name) for name in REQUEST_FIELDS}
+
+
+def encode_request(request: BatchRequest) -> str:
+    return json.dumps(request_dict(request), separators=(",", ":"), ensure_ascii=False)
+
+
+class Staging:
+    """Reads and writes the staging streams of every model."""
+
+    def __init__(self, redis_client: redis.Redis, keys: Keys):
+        self.redis = redis_client
+        self.keys = keys
+        self._prune = redis_client.register_script(lua_source("prune_queue"))
+
+    def add(self, pipe: redis.client.Pipeline, model: str, priority: int, request: BatchRequest) -> None:
+        """Queue ``request`` on ``pipe`` (the caller's MULTI, which also acks its intake entry)."""
+        member = member_for(priority, request.job_id)
+        pipe.xadd(queue_key(self.keys, model, member), {"req": encode_request(request)})
+        pipe.zadd(queues_key(self.keys, model), {member: priority})
+
+    def members(self, model: str, limit: int = 4096) -> list[tuple[str, int]]:
+        """Active ``(member, priority)`` of ``model``, highest priority first (at most ``limit``)."""
+        rows = self.redis.zrevrange(queues_key(self.keys, model), 0, limit - 1, withscores=True)
+        return [(m.decode() if isinstance(m, bytes) else m, int(score)) for m, score in rows]
+
+    def read(self, model: str, members: list[str], per_member: int, max_model_len: int) -> list[Staged]:
+        """Up to ``per_member`` oldest entries of each member's stream; empty streams are pruned."""
+        if not members:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for member in members:
+            pipe.xrange(queue_key(self.keys, model, member), count=per_member)
+        out: list[Staged] = []
+        for member, entries in zip(members, pipe.execute(), strict=True):
+            if not entries:
+                self._prune(keys=[queue_key(self.keys, model, member), queues_key(self.keys, model)],
+                            args=[member])
+                continue
+            priority, _ = parse_member(member)
+            for entry_id, entry in entries:
+                request = BatchRequest.from_dict(json.loads(entry[b"req"]))
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                out.append(Staged(model, member, eid, request, priority, max_model_len))
+        return out
+
+    def remove(self, pipe: redis.client.Pipeline, staged: list[Staged]) -> None:
+        """XDEL ``staged`` on ``pipe`` (grouped per stream)."""
+        by_stream: dict[str, list[str]] = {}
+        for s in staged:
+            by_stream.setdefault(queue_key(self.keys, s.model, s.member), []).append(s.entry_id)
+        for stream, ids in by_stream.items():
+            pipe.xdel(stream, *ids)
+
+    def count(self, model: str, limit: int = 4096) -> int:
+        """Requests staged for ``model`` (over its first ``limit`` members)."""
+        members = self.members(model, limit)
+        pipe = self.redis.pipeline(transaction=False)
+        for member, _ in members:
+            pipe.xlen(queue_key(self.keys, model, member))
+        return sum(pipe.execute()) if members else 0
+

@@ -1,0 +1,190 @@
+"""``batchinfer top``: a live terminal view of workers, jobs in progress and queue depths.
+
+:func:`snapshot_from_redis` reads everything once (bounded reads, see :mod:`batchinfer.queue_state`),
+:func:`render_top` turns a :class:`Snapshot` into a rich renderable (pure: tests render it to a
+string), and :func:`run_top` refreshes it in place until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from batchinfer import queue_state
+from batchinfer.keys import Keys
+from batchinfer.queue_state import JobView, QueueState, WorkerView
+
+STALE_HEARTBEATS = 3  # a worker silent for this many heartbeat periods is shown in red
+
+
+@dataclass
+class Snapshot:
+    """Everything one frame of ``top`` shows, read at ``taken_at`` (ms since the epoch)."""
+
+    taken_at: int
+    workers: list[WorkerView]
+    jobs: list[JobView]
+    queues: QueueState
+    where: str = ""
+    heartbeat_seconds: float = 5.0
+
+
+def snapshot_from_redis(r: redis.Redis, keys: Keys, *, where: str = "", heartbeat_seconds: float = 5.0,
+                        max_jobs: int = 50) -> Snapshot:
+    """Read workers, unfinished jobs and queue depths from Redis."""
+    return Snapshot(
+        taken_at=queue_state.now_ms(),
+        workers=queue_state.live_workers(r, keys),
+        jobs=queue_state.active_jobs(r, keys, limit=max_jobs),
+        queues=queue_state.queue_state(r, keys),
+        where=where,
+        heartbeat_seconds=heartbeat_seconds,
+    )
+
+
+def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
+    """A JSON-ready dict of the snapshot (``batchinfer top --once --json``), with rates and ETAs added."""
+    data = asdict(snapshot)
+    now = snapshot.taken_at
+    for job, view in zip(data["jobs"], snapshot.jobs, strict=True):
+        job.update(done=view.done, rate=view.rate(now), eta_seconds=view.eta_seconds(now))
+    for worker, view in zip(data["workers"], snapshot.workers, strict=True):
+        worker["load"] = view.load
+    data["queues"]["intake"]["lag_seconds"] = snapshot.queues.intake.lag_seconds(now)
+    return data
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _usage_cell(usage: float | None) -> RenderableType:
+    if usage is None:
+        return Text("-")
+    cell = Table.grid(padding=(0, 1))
+    cell.add_row(ProgressBar(total=1.0, completed=usage, width=10), _percent(usage))
+    return cell
+
+
+def _workers_table(snap: Snapshot) -> Table:
+    table = Table(title="workers", title_justify="left", expand=True)
+    for name, justify in (("worker", "left"), ("model", "left"), ("device", "left"), ("load", "right"),
+                          ("waiting", "right"), ("tokens/s", "right"), ("KV use", "left"),
+                          ("heartbeat", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for w in snap.workers:
+        age = max(0.0, (snap.taken_at - w.heartbeat_at) / 1000)
+        stale = age > STALE_HEARTBEATS * snap.heartbeat_seconds
+        load = "-" if w.running is None else (
+            f"{w.running}/{w.max_num_seqs} ({_percent(w.load)})" if w.max_num_seqs else str(w.running))
+        table.add_row(
+            w.name, w.model, w.device or "-", load, "-" if w.waiting is None else str(w.waiting),
+            "-" if w.tokens_per_s is None else f"{w.tokens_per_s:,.1f}", _usage_cell(w.kv_usage),
+            Text(f"{_duration(age)} ago", style="bold red" if stale else ""),
+        )
+    if not snap.workers:
+        table.add_row(Text("no live workers", style="dim"), *[""] * 7)
+    return table
+
+
+def _jobs_table(snap: Snapshot) -> Table:
+    table = Table(title="jobs in progress", title_justify="left", expand=True)
+    for name, justify in (("job", "left"), ("model", "left"), ("status", "left"), ("progress", "left"),
+                          ("done/total", "right"), ("failed", "right"), ("req/s", "right"), ("ETA", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for j in snap.jobs:
+        total = j.known_total
+        rate = j.rate(snap.taken_at)
+        eta = j.eta_seconds(snap.taken_at)
+        bar = ProgressBar(total=max(total, 1), completed=j.done, width=20)
+        shown_total = str(total) if j.total is not None else f"{total}+"  # still submitting
+        table.add_row(
+            j.id, j.model or "-", j.status, bar, f"{j.done}/{shown_total}",
+            Text(str(j.failed), style="red" if j.failed else ""),
+            "-" if rate is None else f"{rate:,.1f}", _duration(eta),
+        )
+    if not snap.jobs:
+        table.add_row(Text("no jobs in progress", style="dim"), *[""] * 7)
+    return table
+
+
+def _queues_table(snap: Snapshot) -> Table:
+    table = Table(title="queues", title_justify="left", expand=True)
+    for name in ("queue", "waiting", "taken, not done", "oldest waiting"):
+        table.add_column(name, justify="left" if name == "queue" else "right", no_wrap=True)
+    intake = snap.queues.intake
+    table.add_row("intake (requests)", str(intake.undelivered), str(intake.unacked),
+                  _duration(intake.lag_seconds(snap.taken_at)) if intake.undelivered else "-")
+    for model, state in sorted(snap.queues.batches.items()):
+        table.add_row(f"batches: {model}", str(state.undelivered), str(state.unacked),
+                      _duration(state.lag_seconds(snap.taken_at)) if state.undelivered else "-")
+    dead = snap.queues.deadletter
+    table.add_row("dead letters", Text(str(dead), style="bold red" if dead else ""), "-", "-")
+    return table
+
+
+def render_top(snapshot: Snapshot) -> RenderableType:
+    """One frame: a header line, then the workers, jobs and queues tables."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.taken_at / 1000))
+    header = Text.assemble(("batchinfer top", "bold"), f"  {snapshot.where}  {stamp}  ",
+                           f"{len(snapshot.workers)} worker(s), {len(snapshot.jobs)} job(s) in progress")
+    return Group(header, _workers_table(snapshot), _jobs_table(snapshot), _queues_table(snapshot))
+
+
+def render_to_text(snapshot: Snapshot, width: int = 120) -> str:
+    """The frame as plain text (for ``--once`` without a terminal, and for tests)."""
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    console.print(render_top(snapshot))
+    return console.file.getvalue()
+
+
+def run_top(r: redis.Redis, keys: Keys, refresh: float = 1.0, *, where: str = "",
+            heartbeat_seconds: float = 5.0, console: Console | None = None, frames: int | None = None) -> int:
+    """Redraw every ``refresh`` seconds until Ctrl-C (or ``frames`` frames); returns the exit code.
+
+    A Redis error shows in the frame and the view keeps retrying: ``top`` is for watching outages too.
+    """
+    if refresh <= 0:
+        raise ValueError(f"refresh must be > 0 seconds, got {refresh}")
+
+    def frame() -> RenderableType:
+        try:
+            return render_top(snapshot_from_redis(r, keys, where=where, heartbeat_seconds=heartbeat_seconds))
+        except (redis.RedisError, OSError) as exc:
+            return Text(f"batchinfer top  {where}: cannot read Redis ({type(exc).__name__}: {exc}); retrying",
+                        style="bold red")
+
+    shown = 0
+    try:
+        with Live(frame(), console=console, refresh_per_second=4, screen=False) as live:
+            shown = 1
+            while frames is None or shown < frames:
+                time.sleep(refresh)
+                live.update(frame())
+                shown += 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+__all__ = ["Snapshot", "render_to_text", "render_top", "run_top", "snapshot_from_redis", "snapshot_to_dict"]

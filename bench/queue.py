@@ -1,0 +1,262 @@
+"""Queue benchmarks (issue 4): intake, queue overhead, scale. The last line printed is one JSON object.
+
+- intake: ``Client.submit`` of a JSONL file, requests/s ÷ raw pipelined XADD of the same intake
+  entries to the same Redis, in one run (best of ``--repeats`` each, interleaved).
+- overhead: one job through Redis + scheduler + one worker (subprocesses, the tiny model on CPU)
+  ÷ the same requests through the in-process ``LLM``, same engine settings; time from submit to
+  the job's last row (``finalizing``). Both are timed warm (after one untimed run of the same
+  requests: an engine's first steps pay one-off costs), interleaved, best of ``--repeats``.
+  Tokens are checked to be equal.
+- scale: echo-engine jobs of 10k and ``--scale-requests`` (default 50k; ``1000000`` for the full
+  run): Redis memory per queued request (intake entries before the scheduler runs), steady
+  throughput (rows per second between the first and the last result's stream ids), and the peak
+  resident memory (VmHWM) of the scheduler and the worker.
+
+Everything runs against a private redis-server (``batchinfer.embedded``) in a temporary folder.
+``python bench/queue.py [--scale-requests 1000000] [--skip-overhead]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as a script, this file's folder comes first on sys.path, and its name hides the standard
+# library's ``queue`` module (which redis-py imports).
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import redis  # noqa: E402
+
+from batchinfer.client import SUBMIT_CHUNK, Client  # noqa: E402
+from batchinfer.config import Settings  # noqa: E402
+from batchinfer.embedded import EmbeddedRedis  # noqa: E402
+from batchinfer.keys import Keys  # noqa: E402
+from batchinfer.protocol import PROTOCOL_VERSION  # noqa: E402
+
+PREFIX = "{bench}"
+
+
+class Daemon:
+    """A ``python -m batchinfer.cli`` subprocess; its peak RSS is read before it is stopped."""
+
+    def __init__(self, url: str, workdir: Path, *args: str):
+        env = {**os.environ, "BATCHINFER_REDIS_URL": url, "BATCHINFER_PREFIX": PREFIX,
+               "BATCHINFER_RESULTS_ROOT": str(workdir), "BATCHINFER_LOG_LEVEL": "WARNING"}
+        self.log = open(workdir / f"{args[0]}-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "batchinfer.cli", *args], env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def peak_rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def wait_for(cond, timeout: float, what: str, daemons: tuple[Daemon, ...] = ()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        for d in daemons:
+            if d.proc.poll() is not None:
+                raise RuntimeError(f"{d.proc.args[3]} exited with {d.proc.returncode} (log: {d.log.name})")
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def job_done(r: redis.Redis, job: str) -> bool:
+    return r.hget(Keys(PREFIX).job(job), "status") in (b"finalizing", b"completed")
+
+
+def client(url: str, workdir: Path) -> Client:
+    return Client(settings=Settings(redis_url=url, prefix=PREFIX, results_root=str(workdir)))
+
+
+# -- intake -----------------------------------------------------------------------------------------
+
+
+def bench_intake(url: str, workdir: Path, n: int, repeats: int) -> dict:
+    r = redis.Redis.from_url(url)
+    path = workdir / "intake.jsonl"
+    lines = [json.dumps({"custom_id": f"r{i}", "prompt": f"Tell me about the number {i}.", "max_tokens": 16})
+             for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    c = client(url, workdir)
+    best_submit = best_raw = float("inf")
+    for _ in range(repeats):
+        r.flushdb()
+        t0 = time.perf_counter()
+        pipe = r.pipeline(transaction=False)
+        for i, body in enumerate(lines):  # what submit sends, as fast as redis-py can
+            pipe.xadd("raw", {"v": PROTOCOL_VERSION, "body": body, "job": "raw", "idx": i, "line": i + 1})
+            if (i + 1) % SUBMIT_CHUNK == 0:
+                pipe.execute()
+        pipe.execute()
+        best_raw = min(best_raw, time.perf_counter() - t0)
+        r.flushdb()
+        t0 = time.perf_counter()
+        c.submit(path, model="bench")
+        best_submit = min(best_submit, time.perf_counter() - t0)
+    r.flushdb()
+    return {"intake_requests": n, "submit_rps": round(n / best_submit), "raw_xadd_rps": round(n / best_raw),
+            "intake_ratio": round(best_raw / best_submit, 3)}
+
+
+# -- queue overhead -----------------------------------------------------------------------------------
+
+
+def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: int) -> dict:
+    from batchinfer.workers.testing import make_tiny_model
+
+    from batchinfer import LLM, SamplingParams
+
+    model_dir = make_tiny_model(workdir / "tiny-llama")
+    rnd = random.Random(0)
+    prompts = [[rnd.randrange(3, 300) for _ in range(rnd.randrange(16, 64))] for _ in range(n)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    records = [{"custom_id": str(i), "prompt_token_ids": p, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True} for i, p in enumerate(prompts)]
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    keys = Keys(PREFIX)
+    daemons = (Daemon(url, workdir, "worker", "--model", str(model_dir), "--device", "cpu", "--name", "w0"),
+               Daemon(url, workdir, "scheduler"))
+    llm = LLM(model_dir)  # the same engine settings as the worker's: EngineConfig's defaults
+
+    def in_process() -> tuple[float, list[list[int]]]:
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
+
+    def through_queue() -> tuple[float, str]:
+        t0 = time.perf_counter()
+        job = client(url, workdir).submit(records, model=model_dir.name)
+        wait_for(lambda: job_done(r, job), 1800, "the overhead job", daemons)
+        return time.perf_counter() - t0, job
+
+    try:
+        wait_for(lambda: r.exists(keys.model(model_dir.name)) and r.exists(keys.worker("w0")), 300,
+                 "the worker to register", daemons)
+        # Timed warm, interleaved, best of `repeats`: an engine's first steps pay one-off costs, and
+        # a shared machine's load comes and goes.
+        in_process()
+        through_queue()
+        inprocess_s = queue_s = float("inf")
+        for _ in range(repeats):
+            t, expected = in_process()
+            inprocess_s = min(inprocess_s, t)
+            t, job = through_queue()
+            queue_s = min(queue_s, t)
+    finally:
+        for d in daemons:
+            d.stop()
+    rows = [json.loads(f[b"row"]) for _, f in r.xrange(keys.results(job))]
+    got = {int(row["custom_id"]): row["output_token_ids"] for row in rows}
+    match = got == dict(enumerate(expected))
+    r.flushdb()
+    return {"overhead_requests": n, "overhead_max_tokens": max_tokens, "inprocess_s": round(inprocess_s, 2),
+            "queue_s": round(queue_s, 2), "overhead_ratio": round(inprocess_s / queue_s, 3),
+            "overhead_tokens_match": match}
+
+
+# -- scale ----------------------------------------------------------------------------------------------
+
+
+def bench_scale(url: str, workdir: Path, n: int) -> dict:
+    """One echo job of ``n`` requests: Redis memory per queued request, throughput, daemon memory."""
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    path = workdir / f"scale-{n}.jsonl"
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"custom_id": f"r{i}", "prompt": f"echo {i}", "max_tokens": 8}) + "\n")
+    before = r.info("memory")["used_memory"]
+    t0 = time.perf_counter()
+    job = client(url, workdir).submit(path, model="echo")
+    submit_s = time.perf_counter() - t0
+    per_request = (r.info("memory")["used_memory"] - before) / n
+    daemons = (Daemon(url, workdir, "worker", "--echo", "--device", "cpu", "--name", "echo0"),
+               Daemon(url, workdir, "scheduler"))
+    try:
+        wait_for(lambda: job_done(r, job), 3600, f"the {n}-request echo job", daemons)
+        rss = {"scheduler_rss_mb": round(daemons[1].peak_rss_mb(), 1),
+               "worker_rss_mb": round(daemons[0].peak_rss_mb(), 1)}
+    finally:
+        codes = [d.stop() for d in daemons]
+    stream = Keys(PREFIX).results(job)
+    first, last = r.xrange(stream, count=1)[0][0], r.xrevrange(stream, count=1)[0][0]
+    span_s = (int(last.split(b"-")[0]) - int(first.split(b"-")[0])) / 1000
+    peak = r.info("memory")["used_memory_peak"]
+    r.flushdb()
+    return {"requests": n, "submit_rps": round(n / submit_s),
+            "redis_bytes_per_queued_request": round(per_request),
+            "throughput_rps": round((n - 1) / span_s) if span_s > 0 else None,
+            "redis_peak_mb": round(peak / 2**20), "daemon_exit_codes": codes, **rss}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--intake-requests", type=int, default=20_000)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--overhead-requests", type=int, default=64)
+    ap.add_argument("--overhead-max-tokens", type=int, default=32)
+    ap.add_argument("--scale-requests", type=int, default=50_000)
+    ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--skip-scale", action="store_true")
+    args = ap.parse_args()
+    figures: dict = {}
+    with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="bench-queue-") as tmp:
+        workdir = Path(tmp)
+        figures.update(bench_intake(server.url, workdir, args.intake_requests, args.repeats))
+        print(f"intake: submit {figures['submit_rps']}/s vs raw XADD {figures['raw_xadd_rps']}/s "
+              f"-> ratio {figures['intake_ratio']}", flush=True)
+        if not args.skip_overhead:
+            figures.update(bench_overhead(server.url, workdir, args.overhead_requests,
+                                          args.overhead_max_tokens, args.repeats))
+            print(f"overhead: in-process {figures['inprocess_s']} s vs queue {figures['queue_s']} s "
+                  f"-> ratio {figures['overhead_ratio']} (tokens match: {figures['overhead_tokens_match']})",
+                  flush=True)
+        if not args.skip_scale:
+            small = bench_scale(server.url, workdir, 10_000)
+            print(f"scale 10k: {small}", flush=True)
+            large = bench_scale(server.url, workdir, args.scale_requests)
+            print(f"scale {args.scale_requests}: {large}", flush=True)
+            figures.update({
+                "scale_requests": args.scale_requests,
+                "throughput_10k_rps": small["throughput_rps"],
+                "throughput_large_rps": large["throughput_rps"],
+                "throughput_ratio": round(large["throughput_rps"] / small["throughput_rps"], 3),
+                "redis_bytes_per_queued_request": large["redis_bytes_per_queued_request"],
+                "redis_peak_mb": large["redis_peak_mb"],
+                "scheduler_rss_mb": large["scheduler_rss_mb"], "worker_rss_mb": large["worker_rss_mb"],
+                "scheduler_rss_10k_mb": small["scheduler_rss_mb"],
+                "worker_rss_10k_mb": small["worker_rss_mb"],
+            })
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Export a job's results stream to Parquet / JSONL / OpenAI batch output (an rq job).
+
+``export_job`` reads ``{bi}:results:<job>`` in chunks, orders the rows by ``idx`` with bounded
+memory (rows are spilled to per-range temporary files, see :class:`IdxSorter`), writes them to a
+temporary name and renames it into place (:mod:`batchinfer.jobs.output`); only then does the job
+record get its ``output`` and its final status: ``finalizing`` -> ``completed``, ``cancelling`` ->
+``cancelled``, ``expired`` stays. A failure is recorded on the job record (``errors``,
+``export_error``) and raised, so rq retries it; after the last retry the job is ``failed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import struct
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+import redis
+from batchinfer.jobs.formats import EXTENSIONS, RESULT_SCHEMA, check_format
+from batchinfer.jobs.output import resolve, write_rows
+
+from batchinfer.config import Settings
+from batchinfer.keys import RQ_QUEUE, Keys
+
+__all__ = ["RESULT_SCHEMA", "IdxSorter", "enqueue_export", "export_job", "iter_stream", "rq_job_id",
+           "write_rows"]
+
+log = logging.getLogger(__name__)
+
+STREAM_CHUNK = 1000  # entries per XRANGE
+BUCKET_ROWS = 100_000  # rows sorted in memory at once (more for jobs over MAX_BUCKETS buckets)
+MAX_BUCKETS = 256  # spill files open at once
+RETRY_INTERVALS = (10, 30, 60)  # seconds before each rq retry
+EXPORT_TIMEOUT_S = 6 * 3600
+_RECORD = struct.Struct("<qI")  # spill record header: idx, length of the row's JSON
+
+# KEYS: job hash, cancelled set, results stream, guard bitmap, attempts hash.
+# ARGV: output location, now ms, ttl seconds, job id. Returns the final status, or nil for no job.
+_MARK_EXPORTED = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return false end
+local final = st
+if st == 'finalizing' or (st == 'failed' and redis.call('HEXISTS', KEYS[1], 'export_error') == 1) then
+  final = 'completed'
+elseif st == 'cancelling' then
+  final = 'cancelled'
+end
+redis.call('HSET', KEYS[1], 'output', ARGV[1], 'exported_at', ARGV[2])
+if final ~= st then redis.call('HSET', KEYS[1], 'status', final, final .. '_at', ARGV[2]) end
+redis.call('HDEL', KEYS[1], 'export_error')
+redis.call('SREM', KEYS[2], ARGV[4])
+for i = 3, 5 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
+return final
+"""
+
+# KEYS: job hash. ARGV: message, now ms, '1' when no retry is left. Appends to `errors` (JSON list).
+_MARK_FAILED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local errors = {}
+local raw = redis.call('HGET', KEYS[1], 'errors')
+if raw then
+  local ok, value = pcall(cjson.decode, raw)
+  if ok and type(value) == 'table' then errors = value end
+end
+table.insert(errors, ARGV[1])
+while #errors > 20 do table.remove(errors, 1) end
+redis.call('HSET', KEYS[1], 'errors', cjson.encode(errors), 'export_error', ARGV[1])
+local st = redis.call('HGET', KEYS[1], 'status')
+if ARGV[3] == '1' and (st == 'finalizing' or st == 'cancelling') then
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'failed_at', ARGV[2])
+end
+return 1
+"""
+
+EXPORTABLE = ("finalizing", "cancelling", "expired", "completed", "cancelled", "failed")
+
+
+def iter_stream(r: redis.Redis, key: str, *, count: int = STREAM_CHUNK, start: str = "-",
+                end: str = "+") -> Iterator[tuple[bytes, dict[bytes, bytes]]]:
+    """Every entry of stream ``key`` between ``start`` and ``end``, read ``count`` at a time."""
+    while True:
+        entries = r.xrange(key, min=start, max=end, count=count)
+        yield from entries
+        if len(entries) < count:
+            return
+        last = entries[-1][0]
+        start = "(" + (last.decode() if isinstance(last, bytes) else last)
+
+
+class IdxSorter:
+    """Orders ``(idx, row JSON)`` pairs by idx in bounded memory; later duplicates of an idx are dropped.
+
+    Rows go to a bucket per ``bucket_rows`` consecutive idx values; buffered buckets are appended
+    to their spill file whenever ``buffer_rows`` rows are held. Iterating reads the buckets back
+    one at a time, each sorted in memory.
+    """
+
+    def __init__(self, directory: str, bucket_rows: int = BUCKET_ROWS, buffer_rows: int = 32_768):
+        self.directory = directory
+        self.bucket_rows = bucket_rows
+        self.buffer_rows = buffer_rows
+        self.duplicates = 0
+        self._buffers: dict[int, list[tuple[int, bytes]]] = defaultdict(list)
+        self._files: dict[int, BinaryIO] = {}
+        self._held = 0
+
+    def add(self, idx: int, raw: bytes) -> None:
+        self._buffers[idx // self.bucket_rows].append((idx, raw))
+        self._held += 1
+        if self._held >= self.buffer_rows:
+            self._spill()
+
+    def _spill(self) -> None:
+        for bucket, items in self._buffers.items():
+            f = self._files.get(bucket)
+            if f is None:
+                path = os.path.join(self.directory, f"bucket-{bucket}.bin")
+                f = self._files[bucket] = open(path, "w+b")  # noqa: SIM115 (closed in __iter__ / close)
+            f.write(b"".join(_RECORD.pack(i, len(raw)) + raw for i, raw in items))
+        self._buffers.clear()
+        self._held = 0
+
+    def _read(self, f: BinaryIO) -> Iterator[tuple[int, bytes]]:
+        f.flush()
+        f.seek(0)
+        data = f.read()
+        pos = 0
+        while pos < len(data):
+            idx, size = _RECORD.unpack_from(data, pos)
+            pos += _RECORD.size
+            yield idx, data[pos:pos + size]
+            pos += size
+
+    def __iter__(self) -> Iterator[bytes]:
+        for bucket in sorted(set(self._buffers) | set(self._files)):
+            items = self._buffers.pop(bucket, [])
+            f = self._files.pop(bucket, None)
+            if f is not None:
+                with f:
+                    items = list(self._read(f)) + items
+            items.sort(key=lambda item: item[0])  # stable: the first published copy wins
+            previous = None
+            for idx, raw in items:
+                if idx == previous:
+                    self.duplicates += 1
+                    continue
+                previous = idx
+                yield raw
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        self._buffers.clear()
+
+
+def sorted_rows(r: redis.Redis, stream: str, directory: str, total: int | None = None) -> Iterator[dict]:
+    """The rows of a job's results stream as dicts, ordered by idx."""
+    n = total if total is not None else r.xlen(stream)
+    sorter = IdxSorter(directory, bucket_rows=max(BUCKET_ROWS, math.ceil(n / MAX_BUCKETS)))
+    try:
+        for entry_id, fields in iter_stream(r, stream):
+            raw = fields.get(b"row")
+            if raw is None:
+                raise ValueError(f"{stream} entry {entry_id!r} has no 'row' field")
+            idx = json.loads(raw).get("idx")
+            if not isinstance(idx, int) or idx < 0:
+                raise ValueError(f"{stream} entry {entry_id!r}: row has no valid idx ({idx!r})")
+            sorter.add(idx, raw)
+        for raw in sorter:
+            yield json.loads(raw)
+        if sorter.duplicates:
+            log.warning("%s: dropped %d duplicate rows", stream, sorter.duplicates)
+    finally:
+        sorter.close()
+
+
+def _text(value: Any) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _connection(redis_url: str | None, settings: Settings) -> redis.Redis:
+    """``redis_url``, else the connection of the rq job running this, else the settings' URL."""
+    from batchinfer.redis_conn import connect
+
+    if redis_url:
+        return connect(redis_url, settings.redis_ca_file)
+    from rq import get_current_job
+
+    job = get_current_job()
+    if job is not None:
+        return job.connection
+    return connect(settings.redis_url, settings.redis_ca_file)
+
+
+def _last_attempt() -> bool:
+    """Whether this is the final try: outside rq, or an rq job with no retry left."""
+    from rq import get_current_job
+
+    job = get_current_job()
+    return job is None or not job.retries_left
+
+
+def export_job(job_id: str, *, prefix: str | None = None, output: str | None = None, fmt: str | None = None,
+               redis_url: str | None = None) -> str:
+    """Export job ``job_id``'s results and settle the job; returns where the file was written.
+
+    ``output`` and ``fmt`` default to the job record's ``output`` / ``output_format`` and then to
+    ``<results_root>/<job_id>.parquet``. Arguments are JSON values (this is an rq job function).
+    """
+    settings = Settings.from_env(prefix=prefix)
+    r = _connection(redis_url, settings)
+    keys = Keys(settings.prefix)
+    try:
+        record = {_text(k): _text(v) for k, v in r.hgetall(keys.job(job_id)).items()}
+        if not record:
+            raise LookupError(f"job {job_id!r} does not exist under prefix {settings.prefix!r}")
+        status = record.get("status")
+        if status not in EXPORTABLE:
+            raise RuntimeError(f"job {job_id} is {status}: not every request has its result yet")
+        fmt = check_format(fmt or record.get("output_format") or "parquet")
+        dest = resolve(output or record.get("output") or f"{job_id}{EXTENSIONS[fmt]}", settings.results_root)
+        total = int(record["total"]) if record.get("total") else None
+        with tempfile.TemporaryDirectory(prefix="batchinfer-export-") as spill:
+            location = write_rows(sorted_rows(r, keys.results(job_id), spill, total), dest, fmt)
+        final = r.eval(_MARK_EXPORTED, 5, keys.job(job_id), keys.cancelled, keys.results(job_id),
+                       keys.published(job_id), keys.attempts(job_id),
+                       location, _now_ms(), settings.results_ttl_seconds, job_id)
+        log.info("job %s exported to %s (%s)", job_id, location, _text(final),
+                 extra={"job_id": job_id})
+        return location
+    except Exception as e:
+        message = f"export failed: {type(e).__name__}: {e}"
+        last = _last_attempt()
+        with contextlib.suppress(redis.RedisError):
+            r.eval(_MARK_FAILED, 1, keys.job(job_id), message, _now_ms(), "1" if last else "0")
+        log.error("job %s: %s%s", job_id, message, "" if last else " (will retry)", extra={"job_id": job_id})
+        raise
+
+
+def _now_ms() -> int:
+    from batchinfer.rows import now_ms
+
+    return now_ms()
+
+
+def rq_job_id(kind: str, prefix: str, name: str) -> str:
+    """A deterministic rq job id for ``name`` under ``prefix`` (rq allows letters, digits, ``_``, ``-``)."""
+    digest = hashlib.sha1(f"{prefix}\0{name}".encode()).hexdigest()[:12]
+    return f"batchinfer-{kind}-{re.sub(r'[^A-Za-z0-9_-]', '_', name)[:80]}-{digest}"
+
+
+def enqueue_export(r: redis.Redis, settings: Settings, job_id: str, *, output: str | None = None,
+                   fmt: str | None = None) -> str:
+    """Enqueue ``export_job`` for ``job_id`` on the rq queue (JSON serializer, retries); returns its rq id.
+
+    The rq job id is derived from the prefix and job id, so a second call replaces the first.
+    """
+    from rq import Queue, Retry
+    from rq.serializers import JSONSerializer
+
+    queue = Queue(RQ_QUEUE, connection=r, serializer=JSONSerializer)
+    job = queue.enqueue_call(
+        "batchinfer.jobs.export.export_job", args=[job_id],
+        kwargs={"prefix": settings.prefix, "output": output, "fmt": fmt},
+        job_id=rq_job_id("export", settings.prefix, job_id), description=f"export {job_id}",
+        retry=Retry(max=len(RETRY_INTERVALS), interval=list(RETRY_INTERVALS)),
+        timeout=EXPORT_TIMEOUT_S, result_ttl=settings.results_ttl_seconds,
+        failure_ttl=settings.results_ttl_seconds,
+    )
+    return job.id

@@ -1,0 +1,126 @@
+"""Nightly export of direct results (requests sent without a job) into a Hive-partitioned dataset.
+
+``{bi}:results:direct`` holds the rows of requests that producers ``XADD``-ed without a job id.
+Each night, after midnight UTC, :func:`nightly_export` (an rq job the exporter's scheduler runs)
+writes every row of the finished days to ``<root>/date=YYYY-MM-DD/part-<from>-<to>.parquet`` (the
+day of the row's stream id, UTC; ``from``/``to`` the ms range the run covered) and trims from the
+stream the rows that are older than the results TTL.
+
+The dataset is its own watermark: the largest ``to`` among its file names is where the next run
+starts, so a run that failed half-way is simply repeated (same file names, atomic renames: no
+duplicates) and nothing needs remembering in Redis. Each run schedules the next night first, so
+the chain survives a failed run; :func:`schedule_nightly` is idempotent (one rq job id per night).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import itertools
+import json
+import logging
+import re
+
+import pyarrow.fs as pafs
+import redis
+from batchinfer.jobs.export import RETRY_INTERVALS, _connection, iter_stream, rq_job_id
+from batchinfer.jobs.output import Destination, resolve, write_rows
+
+from batchinfer.config import Settings
+from batchinfer.keys import DIRECT, RQ_QUEUE, Keys
+
+log = logging.getLogger(__name__)
+
+NIGHTLY_AT = dt.time(0, 10)  # UTC: a few minutes after midnight, when yesterday is complete
+DAY_MS = 24 * 3600 * 1000
+_PART = re.compile(r"^part-(\d+)-(\d+)\.parquet$")
+
+
+def _day(entry_id: bytes) -> str:
+    ms = int(entry_id.split(b"-", 1)[0])
+    return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).date().isoformat()
+
+
+def watermark(root: Destination) -> int:
+    """ms up to which the dataset at ``root`` holds every direct row (0 for an empty dataset)."""
+    selector = pafs.FileSelector(root.path, recursive=True, allow_not_found=True)
+    ends = [int(m.group(2)) for info in root.fs.get_file_info(selector)
+            if (m := _PART.match(info.base_name)) and info.type == pafs.FileType.File]
+    return max(ends, default=0)
+
+
+def start_of_day_ms(now: dt.datetime | None = None) -> int:
+    """The last midnight (UTC) before ``now``, in ms since the epoch."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    midnight = dt.datetime.combine(now.astimezone(dt.timezone.utc).date(), dt.time(), dt.timezone.utc)
+    return int(midnight.timestamp() * 1000)
+
+
+def export_direct(*, prefix: str | None = None, root: str | None = None, until_ms: int | None = None,
+                  redis_url: str | None = None) -> list[str]:
+    """Write the direct rows published before ``until_ms`` (default: last midnight UTC); returns files.
+
+    ``root`` (default ``<results_root>/direct``) is a local path or a pyarrow filesystem URI.
+    """
+    settings = Settings.from_env(prefix=prefix)
+    r = _connection(redis_url, settings)
+    keys = Keys(settings.prefix)
+    base = resolve(root or "direct", settings.results_root)
+    start = watermark(base)
+    server_s, server_us = r.time()
+    # Rows published later get later stream ids: never look past the server's clock.
+    cutoff = min(until_ms if until_ms is not None else start_of_day_ms(), server_s * 1000 + server_us // 1000)
+    written: list[str] = []
+    if cutoff > start:
+        stream = keys.results(DIRECT)
+        entries = iter_stream(r, stream, start=f"{start}-0", end=f"({cutoff}-0")
+        for day, group in itertools.groupby(entries, key=lambda e: _day(e[0])):
+            # An empty range writes nothing and the next run starts from the same place.
+            rel = f"/date={day}/part-{start}-{cutoff}.parquet"
+            dest = Destination(base.fs, base.path.rstrip("/") + rel, base.location.rstrip("/") + rel)
+            written.append(write_rows((json.loads(fields[b"row"]) for _, fields in group), dest, "parquet"))
+        keep_from = cutoff - settings.results_ttl_seconds * 1000
+        if keep_from > 0:
+            r.xtrim(stream, minid=f"{keep_from}-0", approximate=False)
+    log.info("nightly export of direct results through %d: %d file(s)", cutoff, len(written))
+    return written
+
+
+def nightly_export(*, prefix: str | None = None, root: str | None = None) -> list[str]:
+    """The scheduled rq job: book tomorrow's run, then export up to last midnight."""
+    settings = Settings.from_env(prefix=prefix)
+    from rq import get_current_job
+
+    job = get_current_job()
+    if job is not None:
+        schedule_nightly(job.connection, settings, root=root)
+    return export_direct(prefix=settings.prefix, root=root)
+
+
+def next_run(now: dt.datetime | None = None, at: dt.time = NIGHTLY_AT) -> dt.datetime:
+    """The first ``at`` (UTC) strictly after ``now``."""
+    now = (now or dt.datetime.now(dt.timezone.utc)).astimezone(dt.timezone.utc)
+    when = dt.datetime.combine(now.date(), at, dt.timezone.utc)
+    return when if when > now else when + dt.timedelta(days=1)
+
+
+def schedule_nightly(r: redis.Redis, settings: Settings, *, when: dt.datetime | None = None,
+                     root: str | None = None) -> str:
+    """Schedule :func:`nightly_export` at ``when`` (default :func:`next_run`); returns the rq job id.
+
+    Idempotent: the rq job id names the prefix and the night, and an existing one is kept.
+    """
+    from rq import Queue, Retry
+    from rq.exceptions import DuplicateJobError
+    from rq.serializers import JSONSerializer
+
+    when = when or next_run()
+    job_id = rq_job_id("nightly", settings.prefix, when.strftime("%Y-%m-%dT%H%M"))
+    queue = Queue(RQ_QUEUE, connection=r, serializer=JSONSerializer)
+    with contextlib.suppress(DuplicateJobError):  # this night is booked already
+        queue.enqueue_at(when, "batchinfer.jobs.nightly.nightly_export",
+                         kwargs={"prefix": settings.prefix, "root": root}, job_id=job_id, unique=True,
+                         description=f"nightly direct export {when:%Y-%m-%d}",
+                         retry=Retry(max=len(RETRY_INTERVALS), interval=list(RETRY_INTERVALS)),
+                         job_timeout=6 * 3600, result_ttl=7 * 24 * 3600)
+    return job_id

@@ -1,0 +1,118 @@
+"""Eager entry points: check the inputs' shapes, pick the backend, run it.
+
+Checks read shapes, dtypes and devices only — never tensor values — so they cost no host
+sync and are safe during CUDA-graph capture. (The reference backend does read values.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from batchinfer.kernels import backends, reference
+
+
+def check_attention_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, sliding_window: int | None,
+) -> None:
+    """Raise ``ValueError`` naming the first argument that breaks the contract."""
+    if q.dim() != 3:
+        raise ValueError(f"paged_attention: q must be [num_q_tokens, num_heads, head_dim], "
+                         f"got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("paged_attention: k_cache and v_cache must both be [num_blocks, block_size, "
+                         f"num_kv_heads, head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"paged_attention: q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"paged_attention: num_heads {num_heads} must be a multiple of "
+                         f"num_kv_heads {num_kv_heads}")
+    if seq_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"paged_attention: block_tables {tuple(block_tables.shape)} must be "
+                         f"[num_seqs, max_blocks] with num_seqs = len(seq_lens) and seq_lens 1-D, "
+                         f"got seq_lens {tuple(seq_lens.shape)}")
+    if cu_seqlens_q.shape != (seq_lens.shape[0] + 1,):
+        raise ValueError(f"paged_attention: cu_seqlens_q must have num_seqs + 1 = {seq_lens.shape[0] + 1} "
+                         f"entries, got shape {tuple(cu_seqlens_q.shape)}")
+    for name, t in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"paged_attention: {name} must be int32 (or int64), got {t.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"paged_attention: {name} is on {t.device} but q is on {q.device}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"paged_attention: sliding_window must be >= 1 or None, got {sliding_window}")
+
+
+def check_write_kv_inputs(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Raise ``ValueError`` naming the first argument that breaks the contract."""
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"write_kv: k and v must both be [num_tokens, num_kv_heads, head_dim], "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"write_kv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
+                         f"[num_blocks, block_size, {k.shape[1]}, {k.shape[2]}] to match k")
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"write_kv: slot_mapping must be int32/int64 of shape ({k.shape[0]},), got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+        if t.device != k.device:
+            raise ValueError(f"write_kv: {name} is on {t.device} but k is on {k.device}")
+
+
+@functools.lru_cache(maxsize=256)
+def _select(backend: str | None, device: torch.device, dtype: torch.dtype, block_size: int,
+            head_dim: int) -> str:
+    return backends.select_backend(backend, device, dtype, block_size, head_dim)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+    sliding_window: int | None = None, backend: str | None = None,
+) -> torch.Tensor:  # [Tq, H, D]
+    """Check, select, run (see ``batchinfer.kernels.paged_attention``)."""
+    check_attention_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sliding_window)
+    name = _select(backend, q.device, k_cache.dtype, k_cache.shape[1], q.shape[2])
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
+    if name == "reference":
+        return reference.paged_attention(*args)
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_attention[{name}]: q, k_cache and v_cache must share a dtype, "
+                         f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if name == "triton":
+        from batchinfer.kernels import triton_attention
+
+        return triton_attention.paged_attention(*args)
+    from batchinfer.kernels import flash
+
+    return flash.paged_attention(*args)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, backend: str | None = None,
+) -> None:
+    """Check, select, run (see ``batchinfer.kernels.write_kv``).
+
+    flash-attn has no cache-write op, so ``flash`` writes with the Triton kernel when Triton is
+    available (it is wherever flash is, in practice) and with the reference otherwise.
+    """
+    check_write_kv_inputs(k, v, k_cache, v_cache, slot_mapping)
+    name = _select(backend, k.device, k_cache.dtype, k_cache.shape[1], k.shape[2])
+    if name == "flash":
+        triton_ok = backends.unavailable_reason("triton", k.device, k_cache.dtype) is None
+        name = "triton" if triton_ok else "reference"
+    if name == "triton":
+        from batchinfer.kernels import triton_cache
+
+        triton_cache.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        reference.write_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,116 @@
+"""Random paged batches and a naive dense attention, shared by the kernel tests and benchmarks.
+
+``make_paged_batch`` lays each sequence's keys/values into randomly chosen (shuffled, never
+contiguous) cache blocks with ``reference.write_kv`` and keeps the dense copies, so any backend
+can be checked against ``dense_attention`` built from the very same K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from batchinfer.kernels import reference
+
+
+@dataclass
+class PagedBatch:
+    """One step's attention inputs plus the dense per-sequence K/V they were built from."""
+
+    q: torch.Tensor  # [Tq, H, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor  # [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32
+    keys: list[torch.Tensor]  # per sequence [L_i, KVH, D]
+    values: list[torch.Tensor]  # per sequence [L_i, KVH, D]
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        """Positional arguments of ``paged_attention`` in contract order."""
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens)
+
+
+def make_paged_batch(
+    seqs: list[tuple[int, int]],  # per sequence (context length incl. queries, number of queries)
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    spare_blocks: int = 3,
+    generator: torch.Generator | None = None,
+) -> PagedBatch:
+    """A ragged batch over a paged cache with ``spare_blocks`` unused (garbage-filled) blocks."""
+    for i, (length, num_q) in enumerate(seqs):
+        if not 0 <= num_q <= length:
+            raise ValueError(f"sequence {i}: need 0 <= num_q <= length, got ({length}, {num_q})")
+    gen = generator or torch.Generator().manual_seed(0)
+    blocks_per_seq = [-(-length // block_size) for length, _ in seqs]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    max_blocks = max(blocks_per_seq + [1])
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    # Garbage everywhere first: a kernel reading a slot it should not will show it.
+    k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim) * 10
+    v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim) * 10
+    order = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    keys, values, queries = [], [], []
+    used = 0
+    for i, (length, num_q) in enumerate(seqs):
+        blocks = order[used:used + blocks_per_seq[i]]
+        used += blocks_per_seq[i]
+        block_tables[i, : len(blocks)] = blocks.to(torch.int32)
+        k, v = randn(length, num_kv_heads, head_dim), randn(length, num_kv_heads, head_dim)
+        positions = torch.arange(length)
+        slots = (blocks[positions // block_size] * block_size + positions % block_size).to(device)
+        reference.write_kv(k, v, k_cache, v_cache, slots)
+        keys.append(k)
+        values.append(v)
+        queries.append(randn(num_q, num_heads, head_dim))
+    num_qs = torch.tensor([n for _, n in seqs], dtype=torch.int32)
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(num_qs, 0)
+    return PagedBatch(
+        q=torch.cat(queries) if queries else randn(0, num_heads, head_dim),
+        k_cache=k_cache, v_cache=v_cache,
+        block_tables=block_tables.to(device), cu_seqlens_q=cu.to(device),
+        seq_lens=torch.tensor([n for n, _ in seqs], dtype=torch.int32, device=device),
+        keys=keys, values=values,
+    )
+
+
+def dense_attention(
+    q: torch.Tensor,  # [Lq, H, D]: the last Lq tokens of the sequence
+    k: torch.Tensor,  # [L, KVH, D]
+    v: torch.Tensor,  # [L, KVH, D]
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [Lq, H, D] float32
+    """Textbook attention in float64 (torch SDPA, math kernel) with an explicit boolean mask built
+    from ``tril``/``triu`` — a construction independent of the backends': the tests' ground truth."""
+    num_q, num_heads, head_dim = q.shape
+    length, group = k.shape[0], num_heads // k.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    ones = torch.ones(num_q, length, dtype=torch.bool, device=q.device)
+    mask = ones.tril(diagonal=length - num_q)  # query i sits at position length - num_q + i
+    if sliding_window is not None:
+        mask &= ones.triu(diagonal=length - num_q - sliding_window + 1)
+    k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(0, 1), k, v, attn_mask=mask, scale=scale)  # [H, Lq, D]
+    return out.transpose(0, 1).float()
+
+
+def dense_reference(batch: PagedBatch, scale: float | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:  # [Tq, H, D] float32
+    """``dense_attention`` for every sequence of ``batch``, concatenated like ``batch.q``."""
+    cu = batch.cu_seqlens_q.tolist()
+    outs = [dense_attention(batch.q[cu[i]:cu[i + 1]], batch.keys[i], batch.values[i], scale, sliding_window)
+            for i in range(len(batch.keys))]
+    return torch.cat(outs) if outs else batch.q.float()

@@ -1,0 +1,158 @@
+"""Exactly-once publication, finish_submission transitions, and the model / worker registry."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from batchinfer.keys import Keys
+from batchinfer.protocol import ResultRow
+from batchinfer.publish import Publisher
+from batchinfer.registry import Registry
+
+KEYS = Keys("{t}")
+
+
+@pytest.fixture
+def r(redis_server):
+    return redis_server.client()
+
+
+def make_job(r, job_id: str, status: str = "validating") -> None:
+    r.hset(KEYS.job(job_id), mapping={"id": job_id, "status": status, "completed": 0, "failed": 0})
+
+
+def row(job_id: str | None, idx: int | None, status: str = "completed", request_id: str | None = None):
+    if status == "completed":
+        return ResultRow(job_id=job_id, idx=idx, request_id=request_id or f"{job_id}:{idx}", status=status,
+                         output_text="hi")
+    return ResultRow.error("boom", "it broke", status=status, job_id=job_id, idx=idx, request_id=request_id)
+
+
+def job_fields(r, job_id: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in r.hgetall(KEYS.job(job_id)).items()}
+
+
+def test_publish_once_under_concurrency(r):
+    make_job(r, "j1", "in_progress")
+    r.hset(KEYS.job("j1"), "total", 1)
+    outcomes = []
+    barrier = threading.Barrier(8)
+
+    def worker():
+        pub = Publisher(r, KEYS)
+        barrier.wait()
+        outcomes.append(pub.publish(row("j1", 0)))
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(o.published for o in outcomes) == 1
+    assert sum(o.finalizing for o in outcomes) == 1
+    assert r.xlen(KEYS.results("j1")) == 1
+    fields = job_fields(r, "j1")
+    assert fields["completed"] == "1" and fields["failed"] == "0"
+    assert fields["status"] == "finalizing" and "finalizing_at" in fields
+    assert Publisher(r, KEYS).is_published("j1", 0)
+
+
+def test_counters_reply_to_and_row_content(r):
+    make_job(r, "j2", "in_progress")
+    pub = Publisher(r, KEYS)
+    assert pub.publish(row("j2", 0), reply_to="{t}:reply:a").published
+    assert pub.publish(row("j2", 1, "failed")).published
+    assert pub.publish(row("j2", 2, "cancelled")).published
+    assert not pub.publish(row("j2", 1, "completed")).published  # a late duplicate changes nothing
+    fields = job_fields(r, "j2")
+    assert (fields["completed"], fields["failed"]) == ("1", "2")
+    assert fields["status"] == "in_progress"  # no total yet: submission has not ended
+    (_, reply), = r.xrange("{t}:reply:a")
+    assert ResultRow.from_json(reply[b"row"]).output_text == "hi"
+    assert 0 < r.ttl("{t}:reply:a") <= pub.direct_guard_ttl  # an abandoned reply stream expires
+    rows = [ResultRow.from_json(f[b"row"]) for _, f in r.xrange(KEYS.results("j2"))]
+    assert [(x.idx, x.status) for x in rows] == [(0, "completed"), (1, "failed"), (2, "cancelled")]
+    assert pub.published_mask([("j2", 0, None), ("j2", 3, None), ("j2", 2, None)]) == [True, False, True]
+
+
+def test_direct_request_guarded_by_request_id(r):
+    pub = Publisher(r, KEYS)
+    first = pub.publish(row(None, None, request_id="1-0"), reply_to="{t}:reply:b")
+    again = pub.publish(row(None, None, request_id="1-0"), reply_to="{t}:reply:b")
+    assert first.published and not again.published and not first.finalizing
+    assert r.xlen(KEYS.results("direct")) == 1 and r.xlen("{t}:reply:b") == 1
+    assert 0 < r.ttl(KEYS.published_direct("1-0")) <= pub.direct_guard_ttl
+    assert pub.is_published(None, None, "1-0") and not pub.is_published(None, None, "2-0")
+
+
+def test_finish_submission_before_and_after_rows(r):
+    pub = Publisher(r, KEYS)
+    make_job(r, "a")
+    pub.publish(row("a", 0))
+    assert not pub.finish_submission("a", 2)  # one row still owed
+    assert job_fields(r, "a")["status"] == "in_progress"
+    assert pub.publish(row("a", 1, "failed")).finalizing
+    assert job_fields(r, "a")["status"] == "finalizing"
+
+    make_job(r, "b")
+    pub.publish(row("b", 0))
+    pub.publish(row("b", 1))
+    assert pub.finish_submission("b", 2)  # every row already there: this call finalizes
+    assert job_fields(r, "b")["status"] == "finalizing"
+    assert not pub.finish_submission("b", 2)  # only once
+
+    make_job(r, "empty")
+    assert pub.finish_submission("empty", 0)
+    with pytest.raises(KeyError, match="nope"):
+        pub.finish_submission("nope", 1)
+
+
+def test_cancelling_job_keeps_status_but_still_requests_export(r):
+    pub = Publisher(r, KEYS)
+    make_job(r, "c", "cancelling")
+    assert not pub.finish_submission("c", 1)
+    assert job_fields(r, "c")["status"] == "cancelling"
+    assert pub.publish(row("c", 0, "cancelled")).finalizing
+    fields = job_fields(r, "c")
+    assert fields["status"] == "cancelling" and "export_requested_at" in fields
+
+
+def test_publish_survives_script_flush(redis_server):
+    r = redis_server.client()
+    make_job(r, "f", "in_progress")
+    pub = Publisher(r, KEYS)
+    assert pub.publish(row("f", 0)).published
+    r.script_flush()  # as after a Redis restart: EVALSHA misses, the script is loaded again
+    assert pub.publish(row("f", 1)).published
+
+
+def test_registry_models_and_workers(r):
+    reg = Registry(r, KEYS)
+    assert reg.get_model("m") is None and reg.models() == []
+    cap = {"max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 512, "kv_tokens": 4096}
+    reg.register_model("m", {"tokenizer.json": b"{}", "tokenizer_config.json": b'{"a": 1}'}, cap, [2])
+    info = reg.get_model("m")
+    assert info.capacity == cap and info.eos_token_ids == [2]
+    assert info.files["tokenizer_config.json"] == b'{"a": 1}'
+    assert reg.models() == ["m"] and reg.model_fingerprint("m") == info.fingerprint
+    reg.register_model("m", {"tokenizer.json": b'{"v": 2}'}, cap)
+    assert reg.get_model("m").fingerprint != info.fingerprint
+    assert "tokenizer_config.json" not in reg.get_model("m").files
+    with pytest.raises(ValueError, match="kv_tokens"):
+        reg.register_model("x", {"tokenizer.json": b"{}"}, {"max_model_len": 1})
+
+    reg.heartbeat_worker("w1", {"model": "m", "device": "cpu", "capacity": cap}, ttl=30)
+    reg.heartbeat_worker("w2", {"model": "other"}, ttl=0.05)
+    assert [w.name for w in reg.live_workers()] == ["w1", "w2"]
+    (w1,) = reg.live_workers("m")
+    assert w1.info["device"] == "cpu" and w1.capacity == cap and w1.heartbeat_at > 0
+    deadline = time.monotonic() + 5
+    while r.exists(KEYS.worker("w2")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [w.name for w in reg.live_workers()] == ["w1"]
+    assert r.zrange(KEYS.workers, 0, -1) == [b"w1"]  # the expired name was pruned
+    reg.unregister_worker("w1")
+    assert reg.live_workers() == []

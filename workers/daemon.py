@@ -1,0 +1,439 @@
+"""The worker daemon: pull batches for one model, drive an ``Engine``, publish each result once.
+
+One loop, one screen (:meth:`WorkerDaemon._iteration`): publish finished rows and ack complete
+batches -> forget batches whose lease was lost -> poll cancellations -> pull a batch when the
+engine has room (one batch stays prefetched) -> feed waiting requests into the engine -> step.
+Requests from consecutive batches share the engine (continuous batching across batches).
+
+Faults stay local: a request the engine refuses gets an ``invalid_request`` row; a request the
+engine fails gets an ``engine_error`` row; a step that raises without naming its request is
+bisected (:class:`~batchinfer.workers.inflight.Quarantine`); Redis outages are retried with
+backoff while rows wait in the outbox (publication is idempotent). Only an engine whose every
+step fails (``max_failed_steps`` in a row) ends the daemon, with exit code 3: its batches return
+to the queue through their leases. SIGTERM drains: no more pulling, everything held finishes,
+exit 0; a second SIGTERM / SIGINT stops at once (exit 1; leases return the batches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import redis
+from batchinfer.workers.inflight import Book, Held, Quarantine, parse_batch
+from batchinfer.workers.keeper import Keeper
+
+from batchinfer.config import Settings
+from batchinfer.httpserver import Readiness, serve
+from batchinfer.keys import WORKERS_GROUP, Keys
+from batchinfer.metrics import WorkerMetrics
+from batchinfer.publish import Publisher
+from batchinfer.registry import TOKENIZER_FILES, Registry
+from batchinfer.rows import BatchRequest, ResultRow, now_ms
+
+log = logging.getLogger(__name__)
+
+BACKOFF_S = (0.5, 1, 2, 5, 10)
+EXIT_ENGINE_BROKEN = 3
+
+
+class WorkerDaemon:
+    """Serves ``model_name`` from ``engine`` (an ``Engine`` or ``EchoEngine``) until ``run``'s stop event."""
+
+    def __init__(self, r: redis.Redis, settings: Settings, engine: Any, name: str,
+                 model_name: str | None = None, *, device: str = "cpu",
+                 tokenizer_files: dict[str, bytes] | None = None, block_ms: int = 1000,
+                 cancel_poll_seconds: float = 0.5, cancel_poll_steps: int = 8, max_failed_steps: int = 32,
+                 stall_seconds: float | None = None, hard_stop: threading.Event | None = None,
+                 metrics: WorkerMetrics | None = None, readiness: Readiness | None = None):
+        self.redis, self.settings, self.engine, self.name = r, settings, engine, name
+        self.model = model_name or engine.model_name
+        self.device = device
+        self.keys = Keys(settings.prefix)
+        self.stream = self.keys.batches(self.model)
+        self.publisher = Publisher(r, self.keys)
+        self.capacity = dict(engine.capacity())
+        self.max_seqs = int(self.capacity["max_num_seqs"])
+        if tokenizer_files is None:  # the echo engine carries its files; an Engine has its model folder
+            tokenizer_files = getattr(engine, "tokenizer_files", None)
+        self.tokenizer_files = tokenizer_files or read_tokenizer_files(engine.config.model)
+        self.block_ms, self.max_failed_steps = block_ms, max_failed_steps
+        self.cancel_poll_seconds, self.cancel_poll_steps = cancel_poll_seconds, cancel_poll_steps
+        self.hard_stop = hard_stop or threading.Event()
+        self.book, self.quarantine = Book(), Quarantine()
+        self.outbox: deque[tuple[ResultRow, str | None]] = deque()  # rows to publish, in order
+        self.acks: list[str] = []  # batch entries to XACK + XDEL
+        self.exports: list[str] = []  # jobs this worker made final: export to enqueue
+        self.cancelled: set[str] = set()
+        self.failed_steps = self.steps = self.requests_done = 0
+        self.draining = False
+        self._ready = False
+        self._last_poll, self._polled_at_step = 0.0, 0
+        self.metrics = metrics or WorkerMetrics(self.model, worker=name, device=device)
+        self.readiness = readiness or Readiness()
+        self.keeper = Keeper(r, self.keys, worker=name, model=self.model, status=self.status,
+                             register=self._register_model,
+                             lease_seconds=settings.lease_seconds, stall_seconds=stall_seconds,
+                             heartbeat_seconds=settings.heartbeat_seconds)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> int:
+        """Serve until ``stop`` is set and everything held is published; returns the exit code."""
+        attempt = 0
+        try:
+            while not self.hard_stop.is_set():
+                self.keeper.tick()
+                self.readiness.tick()
+                self.draining = stop.is_set()
+                if self.draining and self._idle():
+                    return 0
+                try:
+                    if not self._ready:
+                        self._start()
+                    self._iteration()
+                    attempt = 0
+                except Exception as e:  # noqa: BLE001 - Redis away (or a bug): back off, never die
+                    delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+                    attempt += 1
+                    if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
+                        log.warning("worker %s: Redis unavailable (%s); retrying in %ss", self.name, e, delay)
+                    else:
+                        log.exception("worker %s: unexpected error; retrying in %ss", self.name, delay)
+                    self.hard_stop.wait(delay)
+                if self.failed_steps >= self.max_failed_steps:
+                    log.critical("worker %s: %d engine steps failed in a row; the engine looks broken, "
+                                 "stopping (held batches return through their leases)",
+                                 self.name, self.failed_steps)
+                    return EXIT_ENGINE_BROKEN
+            return 1
+        finally:
+            self.keeper.stop()
+            with contextlib.suppress(redis.RedisError):  # else the registration expires by itself
+                Registry(self.redis, self.keys).unregister_worker(self.name)
+
+    def _iteration(self) -> None:
+        self._flush()
+        self._forget_lost()
+        self._poll_cancelled()
+        if self._wants_batch():
+            self._pull(block=not self.engine.has_unfinished() and self.book.empty())
+        self._feed()
+        if self.engine.has_unfinished():
+            self._step()
+        elif self.draining or not self.book.empty():
+            time.sleep(0.005)  # nothing the engine can do: rows wait for Redis, or requests for a group
+
+    def _wants_batch(self) -> bool:
+        """Pull while the requests held but not started cannot fill the engine's free room: when the
+        engine is full, exactly one batch waits prefetched. Never while draining or bisecting."""
+        if self.draining or self.quarantine.active:
+            return False
+        return self.book.num_unstarted < max(1, self._room())
+
+    def _idle(self) -> bool:
+        return self.book.empty() and not self.outbox and not self.acks and not self.exports
+
+    def _room(self) -> int:
+        return self.max_seqs - self.engine.num_unfinished()
+
+    def _start(self) -> None:
+        """Register the model, create the group, take back this worker's own pending batches."""
+        self._register_model()
+        self._ensure_group()
+        entries = [(b"0-0", None)]
+        while entries:  # XREADGROUP from an id re-reads this consumer's pending entries
+            entries = self._read(entries[-1][0], count=100)
+            for entry_id, fields in entries:
+                self._take_batch(entry_id, fields)
+        self.keeper.start()
+        self._ready = True
+        self.readiness.mark("serving", True)
+        log.info("worker %s serving %s on %s (capacity %s)", self.name, self.model, self.device,
+                 self.capacity)
+
+    def _register_model(self) -> None:
+        eos = list(getattr(self.engine, "eos_token_ids", []))
+        Registry(self.redis, self.keys).register_model(self.model, self.tokenizer_files, self.capacity, eos)
+
+    def _ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream, WORKERS_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    # -- batches in -------------------------------------------------------------------------------
+
+    def _read(self, from_id: bytes | str, count: int = 1, block: int | None = None) -> list:
+        try:
+            reply = self.redis.xreadgroup(WORKERS_GROUP, self.name, {self.stream: from_id}, count=count,
+                                          block=block)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self._ensure_group()
+            return []
+        entries = reply[0][1] if reply else []
+        gone = [eid for eid, f in entries if not f]  # pending to us, but deleted from the stream
+        if gone:
+            self.redis.xack(self.stream, WORKERS_GROUP, *gone)
+        return [(eid, f) for eid, f in entries if f]
+
+    def _pull(self, block: bool) -> None:
+        for entry_id, fields in self._read(">", block=self.block_ms if block else None):
+            self._take_batch(entry_id, fields)
+
+    def _take_batch(self, entry_id: bytes | str, fields: dict[bytes, bytes]) -> None:
+        entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        requests = self._parse_batch(entry, fields)
+        published = self.publisher.published_mask([(q.job_id, q.idx, q.request_id) for q in requests])
+        if self.book.add_batch(entry, requests, published):
+            self.acks.append(entry)  # nothing left to run (a re-delivery of finished work)
+        else:
+            self.keeper.hold(entry)
+
+    def _parse_batch(self, entry: str, fields: dict[bytes, bytes]) -> list[BatchRequest]:
+        """The batch's requests; malformed ones become error rows, or dead letters when unroutable."""
+        try:
+            requests, rejected = parse_batch(fields)
+        except ValueError as e:
+            self._dead_letter(entry, f"malformed batch entry: {e}", fields)
+            return []
+        for bad in rejected:
+            if bad.route is not None:
+                job, idx = bad.route
+                row = ResultRow.error("protocol_error", bad.reason, job_id=job, idx=idx, worker=self.name)
+                self.outbox.append((row, None))
+            else:
+                self._dead_letter(entry, bad.reason, {b"request": json.dumps(bad.item).encode()})
+        return requests
+
+    def _dead_letter(self, entry: str, error: str, fields: dict[bytes, bytes]) -> None:
+        log.error("worker %s: %s", self.name, error)
+        self.redis.xadd(self.keys.deadletter, {**fields, b"error": error.encode(), b"batch": entry.encode(),
+                                               b"worker": self.name.encode()})
+
+    # -- the engine -------------------------------------------------------------------------------
+
+    def _feed(self) -> None:
+        if self.quarantine.active:  # bisecting a failed step: one group alone in the engine
+            if self.engine.num_unfinished() == 0 and self.quarantine.group_done(self.book.running):
+                for rid in self.quarantine.next_group(self.book.open_ids()) or []:
+                    self._add(self.book.held[rid])
+            return
+        room = self._room()
+        while room > 0 and (held := self.book.next_waiting()) is not None:
+            room -= self._add(held)
+
+    def _add(self, held: Held) -> bool:
+        """Put one request into the engine; a request it refuses gets its error row at once."""
+        req = held.request
+        if req.job_id in self.cancelled:
+            self._end(held, *self._cancel_reason(req.job_id))
+            return False
+        engine_id = self.book.start(held, now_ms())
+        try:
+            self.engine.add_request(engine_id, prompt_token_ids=req.prompt_token_ids,
+                                    sampling_params=req.params())
+            self.metrics.request_started(engine_id)
+        except ValueError as e:
+            self._end(held, "failed", "invalid_request", str(e))
+            return False
+        except Exception as e:  # noqa: BLE001 - one request must not stop the worker
+            log.exception("worker %s: engine refused %s", self.name, req.request_id)
+            self._end(held, "failed", "engine_error", f"{type(e).__name__}: {e}")
+            return False
+        return True
+
+    def _step(self) -> None:
+        began = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - bisect instead of dying
+            self._step_failed(e)
+            return
+        self.metrics.step_done(outputs, time.monotonic() - began)
+        engine = self.engine
+        self.metrics.set_engine_state(getattr(engine, "num_running", len(self.book.running)),
+                                      getattr(engine, "num_waiting", 0), getattr(engine, "kv_usage", None))
+        self.failed_steps = 0
+        self.steps += 1
+        finished_at = now_ms()
+        for out in outputs:
+            held = self.book.resolve(out.request_id) if out.finished else None
+            if held is None:
+                continue  # still running, or aborted by us
+            error = getattr(out, "error", None)
+            if error:
+                self._end(held, "failed", "engine_error", str(error))
+                continue
+            row = ResultRow.for_request(held.request, out, worker=self.name, started_at=held.started_at,
+                                        finished_at=finished_at)
+            self._queue(held, row)
+
+    def _step_failed(self, error: Exception) -> None:
+        self.failed_steps += 1
+        running = sorted(self.book.running)
+        log.error("worker %s: engine step failed with %d request(s) running: %s: %s", self.name, len(running),
+                  type(error).__name__, error, exc_info=True)
+        if not running:
+            return
+        culprit = self.quarantine.failed(running)
+        if culprit is not None:
+            self._abort(self.book.held[culprit])
+            self._end(self.book.held[culprit], "failed", "engine_error", f"{type(error).__name__}: {error}")
+            return
+        for rid in running:  # bisect: each half runs alone until the culprit runs alone
+            self._abort(self.book.held[rid])
+        self.book.unstart(running)
+
+    def _abort(self, held: Held) -> None:
+        if held.engine_id is None:
+            return
+        self.metrics.request_aborted(held.engine_id)
+        try:
+            self.engine.abort(held.engine_id)
+        except Exception:  # noqa: BLE001
+            log.exception("worker %s: abort of %s failed", self.name, held.engine_id)
+
+    # -- rows out ---------------------------------------------------------------------------------
+
+    def _end(self, held: Held, status: str, code: str, message: str) -> None:
+        row = ResultRow.error(code, message, status=status, request=held.request, worker=self.name)
+        self._queue(held, row)
+
+    def _queue(self, held: Held, row: ResultRow) -> None:
+        self.book.close(held.request.request_id)
+        self.outbox.append((row, held.request.reply_to))
+
+    def _flush(self) -> None:
+        """Publish queued rows (exactly once, in order), ack complete batches, enqueue owed exports."""
+        while self.outbox:
+            row, reply_to = self.outbox[0]
+            outcome = self.publisher.publish(row, reply_to=reply_to)
+            self.outbox.popleft()
+            self.requests_done += 1
+            if outcome.published:
+                self.metrics.row_published(row)
+            if outcome.finalizing and row.job_id:
+                self.exports.append(row.job_id)
+            self.acks += self.book.done(row.request_id)
+        if self.acks:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xack(self.stream, WORKERS_GROUP, *self.acks)
+            pipe.xdel(self.stream, *self.acks)  # acked batches are history: keep Redis memory flat
+            pipe.execute()
+            self.keeper.release(self.acks)
+            self.acks = []
+        while self.exports:
+            from batchinfer.jobs.export import enqueue_export
+
+            enqueue_export(self.redis, self.settings, self.exports[0])
+            self.exports.pop(0)
+
+    def _forget_lost(self) -> None:
+        lost = self.keeper.take_lost()
+        if lost:
+            dropped = self.book.drop_batches(lost)
+            log.warning("worker %s: dropped %d waiting request(s) of re-dispatched batches",
+                        self.name, len(dropped))
+
+    def _poll_cancelled(self) -> None:
+        now = time.monotonic()
+        recent = now - self._last_poll < self.cancel_poll_seconds
+        if recent and self.steps - self._polled_at_step < self.cancel_poll_steps:
+            return
+        self._last_poll, self._polled_at_step = now, self.steps
+        self.cancelled = {m.decode() for m in self.redis.smembers(self.keys.cancelled)}
+        reasons: dict[str, tuple[str, str, str]] = {}
+        for held in self.book.of_jobs(self.cancelled):
+            job = held.request.job_id
+            if job not in reasons:
+                reasons[job] = self._cancel_reason(job)
+            self._abort(held)
+            self._end(held, *reasons[job])
+
+    def _cancel_reason(self, job_id: str | None) -> tuple[str, str, str]:
+        status = self.redis.hget(self.keys.job(job_id), "status") if job_id else None
+        if status == b"expired":
+            return "expired", "expired", "the job's completion window ended before this request ran"
+        return "cancelled", "cancelled", "the job was cancelled"
+
+    # -- health -----------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """What the heartbeat reports (called from the keeper thread: reads counters only)."""
+        running = len(self.book.running)
+        return {"model": self.model, "device": self.device, "capacity": self.capacity, "pid": os.getpid(),
+                "host": socket.gethostname(), "state": "draining" if self.draining else "serving",
+                "running": running, "waiting": len(self.book.held) - running,
+                "batches": len(self.book.batches),
+                "load": round(min(1.0, self.engine.num_unfinished() / self.max_seqs), 3),
+                "requests_done": self.requests_done, "steps": self.steps,
+                **self.metrics.heartbeat_fields()}  # tokens_per_s (prompt + generated), engine state
+
+
+def read_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
+    """The tokenizer files of a model folder that the scheduler needs (tokenizer.json required)."""
+    path = Path(model_dir)
+    files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
+    if "tokenizer.json" not in files:
+        raise FileNotFoundError(f"{path / 'tokenizer.json'}: not found (only fast tokenizers are supported)")
+    return files
+
+
+def main(settings: Settings, model_dir: str | None, name: str | None = None, device: str = "cpu",
+         echo: bool = False, *, model_name: str | None = None,
+         engine_options: dict[str, Any] | None = None) -> int:
+    """``batchinfer worker``: build the engine (or the echo engine), then serve until SIGTERM."""
+    from batchinfer.redis_conn import connect
+
+    options = dict(engine_options or {})
+    if echo:
+        from batchinfer.workers.echo_engine import EchoEngine
+
+        engine = EchoEngine.from_model_dir(model_dir, **options) if model_dir else EchoEngine(**options)
+    else:
+        if not model_dir:
+            raise ValueError("--model: a model folder is required (or --echo)")
+        from batchinfer.workers.config import EngineConfig
+        from batchinfer.workers.engine import Engine
+
+        engine = Engine(EngineConfig(model=str(model_dir), device=device, **options))
+    files = read_tokenizer_files(model_dir) if model_dir else engine.tokenizer_files
+    model = model_name or engine.model_name
+    name = name or f"{socket.gethostname()}-{model}-{device.replace(':', '')}"
+    stop, hard = threading.Event(), threading.Event()
+
+    def on_signal(signum, frame):
+        if stop.is_set():
+            hard.set()
+        stop.set()
+        log.info("worker %s: %s received; %s", name, signal.Signals(signum).name,
+                 "stopping now" if hard.is_set() else "draining (again to stop at once)")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    r = connect(settings.redis_url, settings.redis_ca_file)
+    metrics = WorkerMetrics(model, worker=name, device=device)
+    readiness = Readiness(stall_after=10 * settings.lease_seconds)
+    readiness.mark("serving", False, "registering")
+    readiness.add_probe("redis", r.ping)
+    daemon = WorkerDaemon(r, settings, engine, name, model, device=device, tokenizer_files=files,
+                          hard_stop=hard, metrics=metrics, readiness=readiness)
+    server = serve(settings.metrics_port, metrics.registry, readiness)
+    try:
+        return daemon.run(stop)
+    finally:
+        if server is not None:
+            server.stop()

@@ -1,0 +1,207 @@
+"""``EchoEngine``: an ``Engine`` look-alike that answers without a model.
+
+It has the real engine's API (``add_request`` / ``abort`` / ``step`` / ``has_unfinished`` /
+``num_unfinished`` / ``capacity`` / ``tokenizer`` / ``model_name``), so the worker daemon, the
+queue benchmarks and the reliability tests run the whole queue at Redis speed on any machine.
+
+"Generation" echoes the prompt: the completion is the prompt's tokens (repeated when
+``min_tokens`` asks for more) cut at ``max_tokens``; ``finish_reason`` is ``"length"`` when
+``max_tokens`` cut it, else ``"stop"``. Each ``step()`` finishes at most ``requests_per_step``
+waiting requests in arrival order, after an optional ``step_delay``. ``abort`` hands out an
+``"abort"`` output with the next step, as the real engine does.
+
+Two hooks inject faults for the reliability tests: ``fault_hook(request_id)`` raising makes that
+request finish with ``finish_reason="abort"`` and an ``error`` (as the real engine does when one
+request's postprocessing fails); ``step_fault_hook(request_ids)`` raising makes ``step()`` raise
+with nothing changed (as a failed forward pass would).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchinfer.workers.outputs import CompletionOutput, RequestOutput
+from batchinfer.workers.sampling_params import SamplingParams
+
+from batchinfer.registry import TOKENIZER_FILES
+
+FaultHook = Callable[[str], None]  # raises to make that request fail (finished with an error)
+StepFaultHook = Callable[[list[str]], None]  # raises to make the whole step fail
+
+BOS, EOS = "<s>", "</s>"
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def byte_tokenizer_files() -> dict[str, bytes]:
+    """A byte-level tokenizer's files (token id = byte value; ``<s>`` 256, ``</s>`` 257; a chat template).
+
+    What ``batchinfer worker --echo`` registers when no model folder is given, so the scheduler
+    tokenises and renders chats with the tokenizer the echo engine decodes with. Built here rather
+    than taken from ``workers.testing`` because that module imports torch, which an echo worker
+    (benchmarks measure its memory) does not otherwise load.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(_byte_alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BOS, EOS])
+    config = {"bos_token": BOS, "eos_token": EOS, "chat_template": CHAT_TEMPLATE}
+    return {
+        "tokenizer.json": tok.to_str().encode(),
+        "tokenizer_config.json": json.dumps(config).encode(),
+        "generation_config.json": json.dumps({"bos_token_id": 256, "eos_token_id": 257}).encode(),
+    }
+
+
+def _byte_alphabet() -> list[str]:
+    """ByteLevel's printable stand-in of each byte 0..255, in byte order (GPT-2's table)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class EchoEngine:
+    """An engine that echoes prompts; see the module docstring for its exact behaviour."""
+
+    def __init__(
+        self,
+        model_name: str = "echo",
+        *,
+        tokenizer_files: Mapping[str, bytes] | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int = 4096,
+        max_num_batched_tokens: int = 8192,
+        kv_tokens: int | None = None,
+        requests_per_step: int = 8,
+        step_delay: float = 0.0,
+        fault_hook: FaultHook | None = None,
+        step_fault_hook: StepFaultHook | None = None,
+    ):
+        if requests_per_step < 1 or max_num_seqs < 1 or max_model_len < 2:
+            raise ValueError("requests_per_step and max_num_seqs must be >= 1, max_model_len >= 2")
+        from batchinfer.workers.tokenizer import Tokenizer
+
+        self.model_name = model_name
+        self.tokenizer_files = dict(tokenizer_files or byte_tokenizer_files())
+        files = self.tokenizer_files
+        self.tokenizer = Tokenizer.from_files(files["tokenizer.json"], files.get("tokenizer_config.json"),
+                                              files.get("generation_config.json"))
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_tokens = kv_tokens if kv_tokens is not None else max_num_seqs * max_model_len
+        self.requests_per_step = requests_per_step
+        self.step_delay = step_delay
+        self.fault_hook = fault_hook
+        self.step_fault_hook = step_fault_hook
+        self.num_generated_tokens = 0
+        self._waiting: OrderedDict[str, _Request] = OrderedDict()
+        self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, **kwargs: Any) -> EchoEngine:
+        """An echo engine named after, and tokenising like, the model folder ``path``."""
+        path = Path(path)
+        files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
+        if "tokenizer.json" not in files:
+            raise FileNotFoundError(f"{path / 'tokenizer.json'}: tokenizer.json not found")
+        kwargs.setdefault("model_name", path.name)
+        return cls(tokenizer_files=files, **kwargs)
+
+    # -- the Engine API ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+    ) -> None:
+        """Queue a request; ``ValueError`` naming what is wrong (duplicate id, bad prompt, too long)."""
+        if request_id in self._waiting:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("prompt: give exactly one of prompt and prompt_token_ids")
+        ids = list(prompt_token_ids) if prompt is None else self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if isinstance(sampling_params, Mapping):
+            sampling_params = SamplingParams.from_dict(sampling_params)
+        params = sampling_params or SamplingParams()
+        max_tokens = params.max_tokens or 1
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {max_tokens} "
+                             f"exceed max_model_len {self.max_model_len}")
+        self._waiting[request_id] = _Request(request_id, ids, params)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its output (finish_reason "abort") comes with the next ``step()``."""
+        req = self._waiting.pop(request_id, None)
+        if req is not None:
+            outs = [CompletionOutput(index=i, finish_reason="abort") for i in range(req.params.n)]
+            self._pending.append(RequestOutput(request_id, req.prompt_token_ids, outs, finished=True))
+
+    def step(self) -> list[RequestOutput]:
+        """Finish up to ``requests_per_step`` requests (see the module docstring for the hooks)."""
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        chosen = list(itertools.islice(self._waiting.values(), self.requests_per_step))
+        if self.step_fault_hook is not None:
+            self.step_fault_hook([req.request_id for req in chosen])  # may raise: nothing changed
+        outputs, self._pending = self._pending, []
+        for req in chosen:
+            del self._waiting[req.request_id]
+            outputs.append(self._answer(req))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._pending)
+
+    def num_unfinished(self) -> int:
+        return len(self._waiting)
+
+    def capacity(self) -> dict[str, int]:
+        return {"max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+                "max_num_batched_tokens": self.max_num_batched_tokens, "kv_tokens": self.kv_tokens}
+
+    # -- echo ---------------------------------------------------------------------------------------
+
+    def _answer(self, req: _Request) -> RequestOutput:
+        if self.fault_hook is not None:
+            try:
+                self.fault_hook(req.request_id)
+            except Exception as e:  # as the engine's postprocessing: this request ends, with its error
+                outs = [CompletionOutput(index=i, finish_reason="abort") for i in range(req.params.n)]
+                out = RequestOutput(req.request_id, req.prompt_token_ids, outs, finished=True)
+                out.error = f"{type(e).__name__}: {e}"
+                return out
+        p = req.params
+        prompt = req.prompt_token_ids
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len - len(prompt)
+        want = min(max_tokens, max(len(prompt), p.min_tokens))
+        tokens = list(itertools.islice(itertools.cycle(prompt), want))
+        reason = "length" if want == max_tokens else "stop"
+        text = self.tokenizer.decode(tokens, skip_special_tokens=p.skip_special_tokens)
+        outputs = [CompletionOutput(index=i, text=text, token_ids=list(tokens), finish_reason=reason)
+                   for i in range(p.n)]
+        self.num_generated_tokens += want * p.n
+        return RequestOutput(req.request_id, prompt, outputs, num_cached_tokens=0, finished=True)

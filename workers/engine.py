@@ -1,0 +1,263 @@
+"""``Engine``: continuous batching over a paged KV cache; what a worker daemon drives.
+
+``add_request`` validates and queues; each ``step()`` is schedule -> run -> sample ->
+postprocess and returns the outputs of the requests that moved. A request whose postprocessing
+raises is finished as aborted with its error; the other requests and the loop carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import torch
+from batchinfer.workers.block_manager import BlockManager
+from batchinfer.workers.config import EngineConfig
+from batchinfer.workers.detokenizer import IncrementalDetokenizer
+from batchinfer.workers.model_runner import ModelRunner
+from batchinfer.workers.models import Decoder, load_model
+from batchinfer.workers.outputs import CompletionOutput, RequestOutput
+from batchinfer.workers.sampler import Sampler, SamplingRow, make_generator
+from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.scheduler import Scheduler
+from batchinfer.workers.sequence import Request, Sequence
+from batchinfer.workers.stopping import check_stop
+from batchinfer.workers.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """One model, its KV cache, and the requests sharing them."""
+
+    def __init__(self, config: EngineConfig, model: Decoder | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        """Load ``config.model`` (or use ``model`` / ``tokenizer`` already loaded) and size the KV cache."""
+        self.config = config
+        self.model = model if model is not None else load_model(config.model, config.dtype, config.device)
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
+        self.model_name = Path(config.model).name
+        mc = self.model.config
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings}")
+        wanted_len = config.max_model_len or mc.max_position_embeddings
+        self.runner = ModelRunner(self.model, config, wanted_len)
+        self.kv_tokens = self.runner.num_blocks * config.block_size
+        if config.max_model_len is not None and config.max_model_len > self.kv_tokens:
+            raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV cache of "
+                             f"{self.kv_tokens} tokens: raise num_kv_blocks / kv_cache_memory or lower it")
+        # A sequence never outgrows the pool, so the oldest one can always run alone.
+        self.max_model_len = min(wanted_len, self.kv_tokens)
+        self.runner.max_model_len = self.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.eos_token_ids = sorted({*mc.eos_token_ids, *self.tokenizer.eos_token_ids})
+        self.sampler = Sampler(mc.vocab_size, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
+        self._next_seq_id = 0
+        torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
+        # Statistics for metrics.
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_computed_tokens = 0
+
+    @classmethod
+    def from_model(cls, model: str | Path, **config: Any) -> Engine:
+        """``Engine.from_model(DIR, dtype=..., num_kv_blocks=...)``: the config's fields as keywords."""
+        return cls(EngineConfig(model=str(model), **config))
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt: str | None = None,
+                     prompt_token_ids: Seq[int] | None = None,
+                     sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """Validate a request without queueing it: ``ValueError`` naming the bad field."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("prompt: give exactly one of prompt and prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = _token_ids(prompt_token_ids, self.model.config.vocab_size)
+        if sampling_params is None:
+            params = SamplingParams()
+        elif isinstance(sampling_params, SamplingParams):
+            params = sampling_params
+        elif isinstance(sampling_params, Mapping):
+            params = SamplingParams.from_dict(sampling_params)
+        else:
+            raise ValueError("sampling_params must be SamplingParams or a dict, "
+                             f"got {type(sampling_params).__name__}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt_token_ids: the prompt has {len(ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}, which leaves no room to generate")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
+                             f"max_model_len {self.max_model_len}")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        req = Request(request_id, prompt, ids, params, arrival, self._next_seq_id)
+        self._next_seq_id += params.n
+        for seq in req.seqs:
+            if params.seed is not None:
+                seq.generator = make_generator(params.seed, seq.index, self.runner.device)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        return req
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a request built by ``make_request``."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in the engine")
+        self.requests[req.request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: str | None = None,
+                    prompt_token_ids: Seq[int] | None = None,
+                    sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue one request (``ValueError`` naming the field when it is bad)."""
+        self.enqueue(self.make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its final output (finish_reason "abort") comes with the next ``step()``.
+
+        Unknown or finished ids are ignored.
+        """
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish_request(req, "abort")
+            self._pending.append(self._output(req))
+
+    # -- the step loop --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of requests that got a token or finished."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.has_unfinished():  # cannot happen: a lone sequence always fits the pool
+                raise RuntimeError(f"scheduler made no progress with {self.num_waiting} waiting sequences")
+            return outputs
+        logits = self.runner.execute(plan.scheduled)  # [N, V] for the sequences that sample
+        self.scheduler.commit(plan)
+        seqs = [s.seq for s in plan.scheduled if s.samples]
+        sampled = self.sampler(logits, [self._sampling_row(seq) for seq in seqs])
+        outputs += self._postprocess(seqs, sampled.token_ids, sampled.logprobs)
+        self.num_steps += 1
+        self.num_computed_tokens += plan.num_batched_tokens
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        req = seq.request
+        return SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator)
+
+    def _postprocess(self, seqs: list[Sequence], token_ids: list[int],
+                     logprobs: list[dict[int, float] | None]) -> list[RequestOutput]:
+        moved: dict[str, Request] = {}
+        for seq, token, lp in zip(seqs, token_ids, logprobs, strict=True):
+            req = seq.request
+            if seq.is_finished:  # a sibling's failure aborted the whole request
+                continue
+            moved[req.request_id] = req
+            try:
+                self._append_token(seq, token, lp)
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
+                log.exception("request %s failed in postprocessing; aborting it", req.request_id)
+                req.error = f"{type(e).__name__}: {e}"
+                self._finish_request(req, "abort")
+        return [self._output(req) for req in moved.values()]
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        """Add a sampled token, grow the text, and finish the sequence if it stops here."""
+        seq.append_token(token)
+        self.num_generated_tokens += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs)
+        params = seq.request.params
+        stop = check_stop(seq.output_token_ids, token, params, self.eos_token_ids, seq.detokenizer,
+                          max_len_reached=seq.num_tokens >= self.max_model_len)
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = stop.finish_reason, stop.stop_reason
+            self.scheduler.finish(seq)
+
+    def _finish_request(self, req: Request, reason: str) -> None:
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+        self.requests.pop(req.request_id, None)
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.is_finished
+        if finished:
+            self.requests.pop(req.request_id, None)
+        outputs = [
+            CompletionOutput(index=s.index, text=s.detokenizer.text, token_ids=list(s.output_token_ids),
+                             finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                             logprobs=list(s.logprobs) if s.logprobs is not None else None)
+            for s in req.seqs
+        ]
+        out = RequestOutput(req.request_id, req.prompt_token_ids, outputs, req.num_cached_tokens,
+                            req.prompt, finished)
+        out.error = req.error
+        return out
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self._pending)
+
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def capacity(self) -> dict[str, int]:
+        """What this engine accepts: the scheduler daemon packs batches to it."""
+        return {"max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
+                "max_num_batched_tokens": self.config.max_num_batched_tokens, "kv_tokens": self.kv_tokens}
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks held by live sequences."""
+        return self.block_manager.usage
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens looked up."""
+        return self.block_manager.prefix_hit_rate
+
+
+def _token_ids(ids: Any, vocab_size: int) -> list[int]:
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    if not ids:
+        raise ValueError("prompt_token_ids must not be empty")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(f"prompt_token_ids[{i}] must be a token id in [0, {vocab_size}), got {t!r}")
+    return list(ids)

@@ -1,0 +1,154 @@
+"""The worker's background thread: batch leases and heartbeats, independent of the engine loop.
+
+A batch stays this worker's while it re-claims its pending entry (``XCLAIM <stream> workers
+<name> 0 <id> JUSTID`` resets the entry's idle time; a Lua script does it only for entries this
+worker still owns) every ``lease_seconds / 3``; the scheduler re-dispatches entries idle for
+longer than ``lease_seconds``. Refreshing from a thread keeps a
+batch through a long engine step (a big prefill, a first-step compile).
+
+A wedged main loop must not hold batches forever, though: the loop calls :meth:`tick` every
+iteration, and when no tick came for ``stall_seconds`` (default ten leases) the keeper stops
+refreshing leases *and* heartbeats, so the scheduler takes the batches back and stops counting
+this worker as live. Both resume on the next tick; batches lost meanwhile (claimed by the
+scheduler, or already re-dispatched) are reported by :meth:`take_lost`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from batchinfer.keys import WORKERS_GROUP, Keys
+from batchinfer.registry import Registry
+
+log = logging.getLogger(__name__)
+
+# KEYS[1] batches stream. ARGV: group, consumer, entry ids. Re-claims (resetting the idle time) only
+# the entries this consumer still owns, atomically, so a lease the scheduler just took over by
+# XAUTOCLAIM is never taken back. Returns the ids kept.
+_REFRESH = """
+local kept = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    kept[#kept + 1] = ARGV[i]
+  end
+end
+return kept
+"""
+
+
+class Keeper:
+    """Refreshes the leases of the batch entries it is told about, and heartbeats the worker."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, *, worker: str, model: str, lease_seconds: float,
+                 heartbeat_seconds: float, status: Callable[[], dict[str, Any]],
+                 register: Callable[[], None] | None = None, stall_seconds: float | None = None):
+        self.redis = r
+        self.stream = keys.batches(model)
+        self.registry = Registry(r, keys)
+        self.worker = worker
+        self.lease_interval = max(0.05, lease_seconds / 3)
+        self.heartbeat_seconds = heartbeat_seconds
+        self.stall_seconds = stall_seconds if stall_seconds is not None else 10 * lease_seconds
+        self.status = status
+        self.register = register
+        self.model_key = keys.model(model)
+        self._lock = threading.Lock()
+        self._entries: set[str] = set()
+        self._lost: set[str] = set()
+        self._last_tick = time.monotonic()
+        self._stalled = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"keeper-{worker}", daemon=True)
+        self._refresh = r.register_script(_REFRESH)
+
+    # -- called by the main loop ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.heartbeat()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def tick(self) -> None:
+        """The main loop is alive."""
+        self._last_tick = time.monotonic()
+
+    def hold(self, entry_id: str) -> None:
+        with self._lock:
+            self._entries.add(entry_id)
+
+    def release(self, entry_ids: list[str]) -> None:
+        with self._lock:
+            self._entries.difference_update(entry_ids)
+
+    def take_lost(self) -> list[str]:
+        """Entries whose lease was taken over since the last call."""
+        with self._lock:
+            lost, self._lost = sorted(self._lost), set()
+            return lost
+
+    @property
+    def stalled(self) -> bool:
+        return time.monotonic() - self._last_tick > self.stall_seconds
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_lease = next_beat = time.monotonic()
+        while not self._stop.wait(max(0.0, min(next_lease, next_beat) - time.monotonic())):
+            now = time.monotonic()
+            if self.stalled:
+                if not self._stalled:
+                    log.error("worker %s: main loop silent for %.0fs; letting its leases lapse",
+                              self.worker, now - self._last_tick)
+                self._stalled = True
+                next_lease = next_beat = now + self.lease_interval
+                continue
+            if self._stalled:
+                log.warning("worker %s: main loop is back; refreshing leases again", self.worker)
+                self._stalled = False
+            try:
+                if now >= next_lease:
+                    self.refresh()
+                    next_lease = now + self.lease_interval
+                if now >= next_beat:
+                    self.heartbeat()
+                    next_beat = now + self.heartbeat_seconds
+            except redis.RedisError as e:  # Redis away: try again soon, never die
+                log.warning("worker %s: lease/heartbeat failed (%s); retrying", self.worker, e)
+                next_lease = next_beat = now + min(self.lease_interval, 1.0)
+
+    def refresh(self) -> None:
+        """Re-claim every held entry this worker still owns; the others are lost."""
+        with self._lock:
+            entries = sorted(self._entries)
+        if not entries:
+            return
+        claimed = self._refresh(keys=[self.stream], args=[WORKERS_GROUP, self.worker, *entries])
+        kept = {c.decode() if isinstance(c, bytes) else c for c in claimed}
+        with self._lock:
+            # Entries released while XCLAIM ran were acked by us, not lost.
+            lost = {e for e in entries if e not in kept and e in self._entries}
+            self._entries -= lost
+            self._lost |= lost
+        if lost:
+            log.warning("worker %s: lost the lease of %d batch(es): %s", self.worker, len(lost), sorted(lost))
+
+    def heartbeat(self) -> None:
+        """Refresh the worker's registration; re-register the model if Redis lost it (a restart)."""
+        self.registry.heartbeat_worker(self.worker, self.status(), ttl=3 * self.heartbeat_seconds)
+        if self.register is not None and not self.redis.exists(self.model_key):
+            log.warning("worker %s: model registration missing (Redis restarted?); registering again",
+                        self.worker)
+            self.register()

@@ -1,0 +1,177 @@
+"""The model runner: owns the KV cache tensors, turns a scheduled step into tensors, runs the model.
+
+A step is flat: the scheduled sequences' new tokens are concatenated (prefill chunks and decode
+tokens alike) and described to the attention kernels by ``AttentionMetadata``. Index arrays are
+built with numpy over whole steps, not per token in Python. Only the hidden states of sequences
+that sample this step (their last token) go through the vocabulary projection.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from batchinfer.workers.attention import AttentionMetadata
+from batchinfer.workers.config import EngineConfig
+from batchinfer.workers.models import Decoder
+from batchinfer.workers.scheduler import ScheduledSequence
+
+log = logging.getLogger(__name__)
+
+# Without a byte budget on CPU: KV for every sequence at full length, but at most this much.
+CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+@dataclass
+class StepInputs:
+    """The tensors of one forward pass."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    sample_indices: torch.Tensor  # [N] int64: rows of the hidden states that sample
+
+
+class ModelRunner:
+    """Runs ``model`` over a paged KV cache of ``num_blocks`` blocks it allocates itself."""
+
+    def __init__(self, model: Decoder, config: EngineConfig, max_model_len: int) -> None:
+        self.model = model
+        self.config = config
+        self.device = model.device
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.num_blocks = self._num_kv_blocks()
+        shape = (self.num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
+        # [num_blocks, block_size, KVH, D] per layer, K and V apart (the flash-attn paged layout).
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=model.dtype, device=self.device),
+             torch.zeros(shape, dtype=model.dtype, device=self.device))
+            for _ in range(model.num_layers)
+        ]
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from batchinfer.workers.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs.capture(self, max_batch_size=config.max_num_seqs)
+
+    # -- KV cache sizing ------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.model.kv_cache_bytes_per_token() * self.block_size
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory is not None:
+            blocks = c.kv_cache_memory // self.bytes_per_block
+            if blocks < 1:
+                raise ValueError(f"kv_cache_memory {c.kv_cache_memory} bytes is less than one KV block "
+                                 f"({self.bytes_per_block} bytes of {self.block_size} tokens)")
+            return blocks
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks()
+        wanted = c.max_num_seqs * self.max_model_len // self.block_size + 1
+        return max(1, min(wanted, CPU_DEFAULT_KV_BYTES // self.bytes_per_block))
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self) -> int:
+        """Blocks that fit in ``gpu_memory_utilization`` of the device after a worst-case step.
+
+        The profiling step is ``max_num_batched_tokens`` prefill tokens plus the logits of
+        ``max_num_seqs`` rows, over a throw-away cache just big enough for it.
+        """
+        c = self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free_before, total = torch.cuda.mem_get_info(self.device)
+        tokens = min(c.max_num_batched_tokens, self.max_model_len * c.max_num_seqs)
+        seq_len = min(tokens, self.max_model_len)
+        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+        blocks_per_seq = -(-seq_len // self.block_size)
+        shape = (blocks_per_seq * len(lens), self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        caches = [(torch.empty(shape, dtype=self.model.dtype, device=self.device),
+                   torch.empty(shape, dtype=self.model.dtype, device=self.device))
+                  for _ in range(self.model.num_layers)]
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(lens))]
+        rows = [(t, 0, n, True) for t, n in zip(tables, lens, strict=True)]
+        inputs = self._build(rows, [[0] * n for n in lens])
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
+        self.model.compute_logits(hidden[:1].expand(c.max_num_seqs, -1))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, hidden
+        torch.cuda.empty_cache()
+        # Memory held outside this process's allocator (other processes, the CUDA context) counts too.
+        used_elsewhere = total - free_before - torch.cuda.memory_reserved(self.device)
+        budget = int(total * c.gpu_memory_utilization) - used_elsewhere - peak
+        blocks = budget // self.bytes_per_block
+        if blocks < 1:
+            raise ValueError(f"gpu_memory_utilization {c.gpu_memory_utilization} leaves no room for the KV "
+                             f"cache (peak step memory {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB)")
+        log.info("KV cache: %d blocks (%.2f GiB) after a profiling step peaking at %.2f GiB",
+                 blocks, blocks * self.bytes_per_block / 2**30, peak / 2**30)
+        return blocks
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
+        """The step's flat tensors: token ids, positions, slots, block tables, sampling rows."""
+        rows = [(s.seq.block_table, s.start, s.num_new_tokens, s.samples) for s in scheduled]
+        tokens = [s.seq.token_ids[s.start:s.start + s.num_new_tokens] for s in scheduled]
+        return self._build(rows, tokens)
+
+    def _build(self, rows: list[tuple[list[int], int, int, bool]], tokens: list[list[int]]) -> StepInputs:
+        S, bs = len(rows), self.block_size
+        starts = np.fromiter((r[1] for r in rows), np.int64, S)
+        nums = np.fromiter((r[2] for r in rows), np.int64, S)
+        seq_lens = starts + nums
+        cu = np.zeros(S + 1, np.int64)
+        np.cumsum(nums, out=cu[1:])
+        T = int(cu[-1])
+        # Position of every token: its index in the step minus where its sequence's chunk
+        # begins in the step, plus where the chunk begins in the sequence.
+        positions = np.arange(T, dtype=np.int64) - np.repeat(cu[:-1] - starts, nums)
+        max_blocks = int(-(-seq_lens.max() // bs))
+        tables = np.zeros((S, max_blocks), np.int32)
+        for i, r in enumerate(rows):
+            table = r[0]
+            tables[i, :len(table)] = table[:max_blocks]
+        seq_of_token = np.repeat(np.arange(S), nums)
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        samples = np.fromiter((r[3] for r in rows), np.bool_, S)
+        sample_indices = (cu[1:] - 1)[samples]
+        ids = np.fromiter((t for chunk in tokens for t in chunk), np.int64, T)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=_to(slots, dev),
+            block_tables=_to(tables, dev),
+            cu_seqlens_q=_to(cu.astype(np.int32), dev),
+            seq_lens=_to(seq_lens.astype(np.int32), dev),
+            max_seqlen_q=int(nums.max()),
+            max_seqlen_k=int(seq_lens.max()),
+            backend=self.config.attention_backend,
+        )
+        return StepInputs(_to(ids, dev), _to(positions, dev), meta, _to(sample_indices, dev))
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
+        """Run one step; returns the float32 logits ``[N, V]`` of the sequences that sample, in order."""
+        if self.graphs is not None and self.graphs.can_run(scheduled):
+            hidden = self.graphs.run(scheduled)
+            return self.model.compute_logits(hidden)
+        inputs = self.prepare(scheduled)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        return self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V]
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(array)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,184 @@
+"""The one decoder for Llama, Mistral, Qwen2 and Qwen3 checkpoints, over a paged KV cache.
+
+A step is a flat batch of tokens from many sequences (prefill chunks and decode tokens mixed):
+no padding, no batch dimension. Attention goes only through the kernels contract
+(``write_kv`` then ``paged_attention``); per-step indexing lives in ``AttentionMetadata``.
+
+Parameter layout differs from the checkpoint in two places (the loader fuses them):
+``qkv_proj`` = rows of q_proj, k_proj, v_proj stacked; ``gate_up_proj`` = gate_proj then up_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+from batchinfer.kernels import paged_attention, write_kv
+from batchinfer.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
+from batchinfer.workers.attention import AttentionMetadata
+from batchinfer.workers.models.config import ModelConfig
+from batchinfer.workers.models.rope import cos_sin_cache
+from torch import nn
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class RMSNorm(nn.Module):
+    """Holds the weight; the op is ``kernels.fused.rms_norm`` (optionally fused with a residual add)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention of one layer."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = config.layer_sliding_window(layer)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, C]
+        positions: torch.Tensor,  # [T]
+        cos_sin: torch.Tensor,  # [max_positions, D]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, C]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
+        q, k = rotary_embedding(positions, q, k, cos_sin)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+        o = paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+            scale=self.scale, sliding_window=self.sliding_window, backend=meta.backend,
+        )  # [T, H, D]
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C] -> [T, C]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is carried separately so norms can fuse the add."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Decoder(nn.Module):
+    """Token ids of one step -> final hidden states; ``compute_logits`` maps them to the vocabulary.
+
+    Build it with ``load_model``; a bare ``Decoder(config)`` has uninitialised weights.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        super().__init__()
+        self.config = config
+        # Built on the meta device then allocated uninitialised: no time spent on random init.
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = None
+            if not config.tie_word_embeddings:
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.to(dtype).to_empty(device=device)
+        # Kept float32 (transformers computes angles in float32, then casts cos/sin to the input dtype).
+        table = cos_sin_cache(config.max_position_embeddings, config.head_dim, config.rope_theta,
+                              config.rope_scaling, device=device)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of K and V cache one token takes across all layers (``dtype`` default: the model's)."""
+        itemsize = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64, position of each token in its sequence
+        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, C], final norm applied
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries for {self.num_layers} layers")
+        x = self.embed_tokens(input_ids)  # [T, C]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, self.cos_sin_cache, kv_cache, attn_metadata)
+        if residual is None:  # no layers
+            return self.norm(x)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, C] -> [N, V] float32
+        """Vocabulary logits of the selected hidden states (usually each sequence's last token)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

@@ -1,0 +1,162 @@
+"""Hugging Face model directory -> ``Decoder`` with its weights (safetensors, single or sharded).
+
+Checkpoint tensors are copied one at a time into the decoder's parameters, fusing q/k/v into
+``qkv_proj`` and gate/up into ``gate_up_proj`` on the way, so peak host memory stays near one
+tensor. Only safetensors are read (never pickled ``.bin`` files), and no code from the model
+directory is ever imported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from batchinfer.workers.models.config import ModelConfig
+from batchinfer.workers.models.decoder import Decoder
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+# Checkpoint projection -> (our fused parameter, which part of it).
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+_SKIPPED = re.compile(r"rotary_emb\.inv_freq$")  # buffers some old checkpoints saved
+
+
+def resolve_dtype(dtype: torch.dtype | str, config: ModelConfig) -> torch.dtype:
+    """A torch dtype from a dtype or a name; ``"auto"`` = the checkpoint's ``torch_dtype`` (else float32)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name == "auto":
+        name = str(config.torch_dtype or "float32").removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16")
+    return _DTYPES[name]
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model directory, checking that every shard the index lists exists."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: shard listed in {INDEX_FILE} is missing")
+        return files
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(
+        f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)"
+    )
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> Decoder:
+    """Build the decoder of a Hugging Face directory and load its weights.
+
+    ``progress`` shows a bytes progress bar on stderr when stderr is a terminal. Raises
+    ``FileNotFoundError`` for a missing config / weights file / shard and ``ValueError`` for an
+    unsupported architecture, a missing or unexpected tensor, or a shape mismatch.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir}: model directory not found")
+    config = ModelConfig.from_dir(model_dir)
+    files = weight_files(model_dir)
+    model = Decoder(config, dtype=resolve_dtype(dtype, config), device=device)
+    params = dict(model.named_parameters())
+    sizes = _fused_sizes(config)
+    pending = {(name, part) for name in params for part in sizes.get(name.split(".", 2)[-1], [None])}
+
+    show = progress and sys.stderr.isatty()
+    total = sum(f.stat().st_size for f in files)
+    with torch.no_grad(), tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
+                               disable=not show, file=sys.stderr) as bar:
+        for path, name, tensor in _tensors(files):
+            bar.update(tensor.numel() * tensor.element_size())
+            target = _target(name, config)
+            if target is None:
+                continue
+            pname, part = target
+            if pname not in params:
+                raise ValueError(f"{path.name}: unexpected tensor {name!r} for {config.architecture} "
+                                 f"(no parameter {pname!r}; does config.json match the weights?)")
+            dest = _slice(params[pname], pname, part, sizes)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)} from config.json")
+            dest.copy_(tensor)
+            pending.discard((pname, part))
+    if pending:
+        missing = sorted(f"{p}" + (f" ({part} part)" if part else "") for p, part in pending)
+        raise ValueError(f"{model_dir}: checkpoint lacks tensors for {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    return model.eval().requires_grad_(False)
+
+
+def _tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield path, name, f.get_tensor(name)
+
+
+def _target(name: str, config: ModelConfig) -> tuple[str, str | None] | None:
+    """Our (parameter name, fused part) for a checkpoint tensor name; None = ignore it."""
+    if _SKIPPED.search(name):
+        return None
+    if name == "lm_head.weight":
+        return None if config.tie_word_embeddings else (name, None)  # tied: the embedding serves
+    name = name.removeprefix("model.")
+    match = re.fullmatch(r"(layers\.\d+\.)(\w+\.\w+)\.(weight|bias)", name)
+    if match and match.group(2) in _FUSED:
+        fused, part = _FUSED[match.group(2)]
+        return f"{match.group(1)}{fused}.{match.group(3)}", part
+    return name, None
+
+
+def _fused_sizes(config: ModelConfig) -> dict[str, dict[str, tuple[int, int]]]:
+    """Row ranges of each part inside a fused parameter, keyed by the name after ``layers.N.``."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    inter = config.intermediate_size
+    qkv = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+    gate_up = {"gate": (0, inter), "up": (inter, 2 * inter)}
+    return {
+        "self_attn.qkv_proj.weight": qkv, "self_attn.qkv_proj.bias": qkv,
+        "mlp.gate_up_proj.weight": gate_up, "mlp.gate_up_proj.bias": gate_up,
+    }
+
+
+def _slice(param: torch.Tensor, pname: str, part: str | None, sizes) -> torch.Tensor:
+    if part is None:
+        return param.data
+    start, end = sizes[pname.split(".", 2)[-1]][part]
+    return param.data[start:end]

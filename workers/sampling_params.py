@@ -1,0 +1,153 @@
+"""``SamplingParams``: how one request's completions are sampled and when they stop.
+
+Names and meanings follow vLLM / the OpenAI API so users' habits carry over. Every field is
+validated in ``__post_init__`` (types included: ``True`` is not an int), and every error is a
+``ValueError`` whose message starts with the field's name, so the queue can quote it back in an
+error row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+# Temperatures below this are treated as greedy (as vLLM does): dividing by them would only
+# turn sampling into a numerically fragile argmax.
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+# Seeds are fed to torch.Generator.manual_seed through a 64-bit mix; any 64-bit value is allowed.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request (all of its ``n`` completions)."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: until max_model_len
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0  # [0, 1]
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None  # normalised to list[str]
+    stop_token_ids: list[int] | None = None  # normalised to list[int]
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per sampled token, 0..20
+    skip_special_tokens: bool = True
+
+    FIELDS: ClassVar[tuple[str, ...]]  # the allowed field names, set below the class
+
+    def __post_init__(self) -> None:
+        self._check_int("n", minimum=1)
+        if self.max_tokens is not None:
+            self._check_int("max_tokens", minimum=1)
+        self._check_int("min_tokens", minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        self._check_float("temperature", 0.0, math.inf, "must be >= 0")
+        self._check_float("top_p", 0.0, 1.0, "must be in (0, 1]", open_low=True)
+        self._check_int("top_k", minimum=-1)
+        if self.top_k == -1:
+            self.top_k = 0  # one spelling of "off"
+        self._check_float("min_p", 0.0, 1.0, "must be in [0, 1]")
+        self._check_float("presence_penalty", -2.0, 2.0, "must be in [-2, 2]")
+        self._check_float("frequency_penalty", -2.0, 2.0, "must be in [-2, 2]")
+        self._check_float("repetition_penalty", 0.0, math.inf, "must be > 0", open_low=True)
+        if self.seed is not None:
+            self._check_int("seed", minimum=_SEED_MIN, maximum=_SEED_MAX)
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_token_ids(self.stop_token_ids)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.logprobs is not None:
+            self._check_int("logprobs", minimum=0, maximum=MAX_LOGPROBS)
+
+    # -- validation helpers ---------------------------------------------------------------------
+
+    def _check_int(self, name: str, minimum: int, maximum: int | None = None) -> None:
+        value = getattr(self, name)
+        if not _is_int(value):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+            raise ValueError(f"{name} must be {bound}, got {value}")
+
+    def _check_float(self, name: str, low: float, high: float, rule: str, open_low: bool = False) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        value = float(value)  # JSON gives 1 for 1.0
+        if math.isnan(value) or value < low or value > high or (open_low and value == low):
+            raise ValueError(f"{name} {rule}, got {value}")
+        setattr(self, name, value)
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        for i, s in enumerate(stop):
+            if not isinstance(s, str):
+                raise ValueError(f"stop[{i}] must be a string, got {s!r}")
+            if not s:
+                raise ValueError(f"stop[{i}] must not be empty")
+        return list(stop)
+
+    @staticmethod
+    def _normalise_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+        for i, t in enumerate(ids):
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids[{i}] must be a non-negative integer, got {t!r}")
+        return list(ids)
+
+    # -- (de)serialisation ----------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """Build from a JSON-like mapping; an unknown key is a ``ValueError`` naming it.
+
+        ``null`` for a field that cannot be ``None`` means "the default", as in the OpenAI API.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"sampling parameters must be an object, got {type(d).__name__}")
+        unknown = sorted(k for k in d if k not in cls.FIELDS)
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]} is not a sampling parameter (unknown: {', '.join(map(str, unknown))}; "
+                f"allowed: {', '.join(cls.FIELDS)})")
+        kwargs = {k: v for k, v in d.items() if v is not None or k in _NULLABLE}
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field; ``from_dict(p.to_dict()) == p``."""
+        return asdict(self)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax: temperature 0 (below ``GREEDY_EPS``)."""
+        return self.temperature < GREEDY_EPS
+
+
+SamplingParams.FIELDS = tuple(f.name for f in fields(SamplingParams))
+_NULLABLE = frozenset({"max_tokens", "seed", "stop", "stop_token_ids", "logprobs"})

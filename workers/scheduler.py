@@ -1,0 +1,133 @@
+"""The step scheduler: which sequences run how many tokens in the next forward pass.
+
+Policy (vLLM v1's "tokens owed"): each step hands out at most ``max_num_batched_tokens`` tokens
+over at most ``max_num_seqs`` running sequences. Running sequences go first, oldest first, each
+getting what it owes (one token when decoding, a chunk when still prefilling). Then waiting
+sequences are admitted in arrival order, their prompts chunked to the budget left, so prefill
+chunks and decodes share one forward. When a running sequence needs a block and none is free,
+the newest running sequence is preempted: its blocks are freed and it goes back to the front of
+the queue owing all of its tokens (recompute). Nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchinfer.workers.block_manager import BlockManager
+from batchinfer.workers.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    """``seq`` runs its tokens ``[start, start + num_new_tokens)`` this step.
+
+    ``samples``: the step reaches the sequence's last token, so a new one is sampled from it.
+    """
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    samples: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Keeps the waiting queue and the running set; ``schedule()`` plans one step."""
+
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by sort_key: oldest first
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step. Blocks are allocated here; ``commit`` records the step as done."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm, running = self.block_manager, self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(seq.num_tokens_owed, budget)
+            while not bm.allocate(seq, n):
+                victim = running.pop()  # the newest; never one already scheduled (they are < i)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                start = seq.num_computed_tokens
+                out.scheduled.append(ScheduledSequence(seq, start, n, start + n == seq.num_tokens))
+                budget -= n
+                i += 1
+        # Admitting new work while preempting would only thrash.
+        while self.waiting and not out.preempted and budget > 0 and len(running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            hit = len(cached) * bm.block_size
+            n = min(seq.num_tokens - hit, budget)
+            if not bm.allocate(seq, n, cached):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = hit
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = hit
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(running, seq, key=lambda s: s.sort_key)
+            out.scheduled.append(ScheduledSequence(seq, hit, n, hit + n == seq.num_tokens))
+            budget -= n
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """The step ran: its tokens are now in the KV cache."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks (idempotent)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            with contextlib.suppress(ValueError):  # created but never added
+                self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

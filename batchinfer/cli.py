@@ -159,7 +159,8 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, model_name: str | 
     if not model_dir and not echo:
         raise click.UsageError("--model DIR is required (or --echo)")
     _override(ctx.settings, metrics_port=metrics_port)
-    device = device or default_device()
+    # The echo engine needs no device: skip importing torch (about 200 MB per echo worker).
+    device = device or ("cpu" if echo else default_device())
     sys.exit(main(ctx.settings, model_dir, name, device, echo, model_name=model_name) or 0)
 
 
@@ -336,17 +337,23 @@ def workers(ctx: Ctx, model: str | None, json_flag: bool) -> None:
 
 @cli.command()
 @click.option("--refresh", type=float, default=1.0, show_default=True, help="Seconds between frames.")
+@click.option("--once", is_flag=True, help="Print one frame and exit (with --json: the snapshot as JSON).")
+@json_option
 @pass_ctx
 @handle_errors
-def top(ctx: Ctx, refresh: float) -> None:
+def top(ctx: Ctx, refresh: float, once: bool, json_flag: bool) -> None:
     """Live view of workers, jobs and queues (Ctrl-C to leave)."""
     from batchinfer.keys import Keys
     from batchinfer.redis_conn import connect, describe
-    from batchinfer.top import run_top
+    from batchinfer.top import render_to_text, run_top, snapshot_from_redis, snapshot_to_dict
 
     r = connect(ctx.settings.redis_url, ctx.settings.redis_ca_file)
-    sys.exit(run_top(r, Keys(ctx.settings.prefix), refresh, where=describe(ctx.settings.redis_url),
-                     heartbeat_seconds=ctx.settings.heartbeat_seconds))
+    keys, where = Keys(ctx.settings.prefix), describe(ctx.settings.redis_url)
+    if once or json_flag or ctx.json:
+        snap = snapshot_from_redis(r, keys, where=where, heartbeat_seconds=ctx.settings.heartbeat_seconds)
+        click.echo(json.dumps(snapshot_to_dict(snap)) if (json_flag or ctx.json) else render_to_text(snap))
+        return
+    sys.exit(run_top(r, keys, refresh, where=where, heartbeat_seconds=ctx.settings.heartbeat_seconds))
 
 
 @cli.command()

@@ -131,7 +131,9 @@ def main(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     r = connect(settings.redis_url, settings.redis_ca_file)
-    metrics = SchedulerMetrics(redis_client=r, keys=Keys(settings.prefix))
+    # The scrape-time collector gets its own connection with a timeout: a hung Redis must not hang /metrics.
+    scrape = connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5)
+    metrics = SchedulerMetrics(redis_client=scrape, keys=Keys(settings.prefix))
     readiness = Readiness(stall_after=STALL_AFTER_S)
     readiness.add_probe("redis", r.ping)
     server = serve(settings.metrics_port, metrics.registry, readiness)

@@ -32,9 +32,9 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import torch  # noqa: E402
-from batchinfer.workers.testing import make_tiny_model  # noqa: E402
 
 from batchinfer import LLM, SamplingParams  # noqa: E402
+from batchinfer.workers.testing import make_tiny_model  # noqa: E402
 
 MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 8,
          "num_key_value_heads": 4, "max_position_embeddings": 1024}

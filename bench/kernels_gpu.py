@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import torch  # noqa: E402
-from batchinfer.kernels import fused  # noqa: E402
-from batchinfer.kernels.testing import make_paged_batch  # noqa: E402
 
 from batchinfer import kernels  # noqa: E402
+from batchinfer.kernels import fused  # noqa: E402
+from batchinfer.kernels.testing import make_paged_batch  # noqa: E402
 
 DECODE_GOAL = 0.70  # of the copy bandwidth
 PREFILL_GOAL = 1.30  # time / torch flash SDPA time

@@ -129,9 +129,8 @@ def bench_intake(url: str, workdir: Path, n: int, repeats: int) -> dict:
 
 
 def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: int) -> dict:
-    from batchinfer.workers.testing import make_tiny_model
-
     from batchinfer import LLM, SamplingParams
+    from batchinfer.workers.testing import make_tiny_model
 
     model_dir = make_tiny_model(workdir / "tiny-llama")
     rnd = random.Random(0)

@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import redis
-from batchinfer.jobs.formats import EXTENSIONS, RESULT_SCHEMA, check_format
-from batchinfer.jobs.output import resolve, write_rows
 
 from batchinfer.config import Settings
+from batchinfer.jobs.formats import EXTENSIONS, RESULT_SCHEMA, check_format
+from batchinfer.jobs.output import resolve, write_rows
 from batchinfer.keys import RQ_QUEUE, Keys
 
 __all__ = ["RESULT_SCHEMA", "IdxSorter", "enqueue_export", "export_job", "iter_stream", "rq_job_id",

@@ -23,10 +23,10 @@ import re
 
 import pyarrow.fs as pafs
 import redis
-from batchinfer.jobs.export import RETRY_INTERVALS, _connection, iter_stream, rq_job_id
-from batchinfer.jobs.output import Destination, resolve, write_rows
 
 from batchinfer.config import Settings
+from batchinfer.jobs.export import RETRY_INTERVALS, _connection, iter_stream, rq_job_id
+from batchinfer.jobs.output import Destination, resolve, write_rows
 from batchinfer.keys import DIRECT, RQ_QUEUE, Keys
 
 log = logging.getLogger(__name__)

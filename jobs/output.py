@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
 from batchinfer.jobs.formats import (
     RESULT_SCHEMA,
     arrow_table,

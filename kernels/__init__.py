@@ -10,6 +10,7 @@ The decoder's elementwise ops live in ``batchinfer.kernels.fused``. docs/kernels
 from __future__ import annotations
 
 import torch
+
 from batchinfer.kernels import dispatch, ops
 from batchinfer.kernels.backends import BACKENDS, available_backends
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import torch
+
 from batchinfer.kernels import backends, reference
 
 

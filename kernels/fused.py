@@ -8,6 +8,7 @@ is traced instead, and Inductor generates its own fused kernels from it.
 from __future__ import annotations
 
 import torch
+
 from batchinfer.kernels import backends
 
 

@@ -10,6 +10,7 @@ graphs need nothing extra: the Triton and flash paths never read tensor values o
 """
 
 import torch
+
 from batchinfer.kernels import dispatch
 
 

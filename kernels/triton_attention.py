@@ -24,6 +24,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from batchinfer.kernels.attention_config import AttentionConfig, choose_config
 
 LOG2E = 1.4426950408889634

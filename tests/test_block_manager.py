@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from batchinfer.workers.block_manager import BlockManager
 from batchinfer.workers.scheduler import Scheduler
 from batchinfer.workers.sequence import Sequence, SequenceStatus
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 BS = 4
 

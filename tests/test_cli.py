@@ -201,3 +201,13 @@ def test_demo_model_needs_no_transformers(tmp_path):
     path = Path(out.stdout.strip())
     assert path.name == "demo" and (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
     assert list(path.glob("*.safetensors"))
+
+
+def test_top_once_prints_one_frame_and_json(env, tmp_path):
+    args, client = env
+    job = invoke(args, "submit", str(prompts(tmp_path, 4)), "--model", "tiny").output.strip()
+    snapshot = json.loads(invoke(args, "top", "--once", "--json").output)
+    (view,) = [j for j in snapshot["jobs"] if j["id"] == job]
+    assert (view["total"], view["done"]) == (4, 0)
+    text = invoke(args, "top", "--once").output
+    assert job in text

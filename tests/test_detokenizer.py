@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from batchinfer.workers.detokenizer import IncrementalDetokenizer, find_stop_string
-from batchinfer.workers.testing import EOT, build_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from batchinfer.workers.detokenizer import IncrementalDetokenizer, find_stop_string
+from batchinfer.workers.testing import EOT, build_tokenizer
 
 TEXT = "héllo 世界 🙂"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine import Engine
 from batchinfer.workers.sampling_params import SamplingParams
@@ -235,3 +236,25 @@ def test_cuda_engine_with_graphs_matches_eager(tiny_llama):
         seen = run(engine)
         results.append([seen[str(i)][-1].outputs[0].token_ids for i in range(len(prompts))])
     assert results[0] == results[1]
+
+
+def test_from_model_and_the_lazy_public_api(tiny_llama):
+    import batchinfer
+    from batchinfer.client import Client
+    from batchinfer.workers.llm import LLM
+
+    engine = Engine.from_model(tiny_llama, num_kv_blocks=8, max_num_seqs=2)
+    assert engine.model_name == tiny_llama.name and engine.capacity()["kv_tokens"] == 128
+    assert batchinfer.LLM is LLM and batchinfer.Client is Client
+    assert batchinfer.SamplingParams is SamplingParams
+    with pytest.raises(AttributeError, match="nothing"):
+        batchinfer.nothing  # noqa: B018
+
+
+def test_cuda_graph_batch_sizes():
+    from batchinfer.workers.cuda_graph import batch_sizes
+
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(8) == [1, 2, 4, 8]
+    assert batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_sizes(256)[-3:] == [224, 240, 256]

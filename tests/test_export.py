@@ -12,13 +12,13 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
-from batchinfer.jobs import nightly
-from batchinfer.jobs.export import RESULT_SCHEMA, IdxSorter, enqueue_export, export_job
-from batchinfer.jobs.output import resolve, write_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchinfer.config import Settings
+from batchinfer.jobs import nightly
+from batchinfer.jobs.export import RESULT_SCHEMA, IdxSorter, enqueue_export, export_job
+from batchinfer.jobs.output import resolve, write_rows
 from batchinfer.jobstore import JobStore
 from batchinfer.keys import DIRECT, Keys
 from batchinfer.publish import Publisher

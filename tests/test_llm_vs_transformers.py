@@ -11,9 +11,9 @@ import re
 
 import pytest
 import torch
-from batchinfer.workers.testing import make_tiny_model
 
 from batchinfer import LLM, SamplingParams
+from batchinfer.workers.testing import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

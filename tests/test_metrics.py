@@ -14,9 +14,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from batchinfer.workers.echo_engine import EchoEngine
-from batchinfer.workers.outputs import CompletionOutput, RequestOutput
-from batchinfer.workers.sampling_params import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchinfer.httpserver import HealthServer
@@ -28,6 +25,9 @@ from batchinfer.publish import Publisher
 from batchinfer.queue_state import JobStatusCounter, stream_state
 from batchinfer.registry import Registry
 from batchinfer.rows import BatchRequest, ResultRow
+from batchinfer.workers.echo_engine import EchoEngine
+from batchinfer.workers.outputs import CompletionOutput, RequestOutput
+from batchinfer.workers.sampling_params import SamplingParams
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from batchinfer.workers.attention import AttentionMetadata
 from batchinfer.workers.models import Decoder, ModelConfig, load_model
 from batchinfer.workers.testing import make_tiny_model
@@ -131,8 +132,9 @@ LINEAR_SCALING = {"rope_type": "linear", "factor": 4.0}
 @pytest.mark.parametrize("scaling", [None, LINEAR_SCALING, LLAMA3_SCALING],
                          ids=["default", "linear", "llama3"])
 def test_rope_table_matches_transformers(scaling):
-    from batchinfer.workers.models.rope import cos_sin_cache
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from batchinfer.workers.models.rope import cos_sin_cache
 
     config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, rope_theta=5000.0,
                                       max_position_embeddings=256,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +22,8 @@ def test_every_package_folder_is_listed():
             name = folders[base] + rel[len(base):].replace("/", ".")
             found.add(name)
     assert found, "no package folders found"
-    assert found == listed, f"unlisted: {sorted(found - listed)}, listed but missing: {sorted(listed - found)}"
+    unlisted, missing = sorted(found - listed), sorted(listed - found)
+    assert found == listed, f"unlisted: {unlisted}, listed but missing: {missing}"
 
 
 def test_import_names_resolve():

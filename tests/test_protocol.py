@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from batchinfer.workers.outputs import CompletionOutput, RequestOutput
-from batchinfer.workers.sampling_params import SamplingParams
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +19,8 @@ from batchinfer.protocol import (
     parse_body,
     valid_job_id,
 )
+from batchinfer.workers.outputs import CompletionOutput, RequestOutput
+from batchinfer.workers.sampling_params import SamplingParams
 
 
 def chat_line(**body) -> dict:

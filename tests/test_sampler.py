@@ -6,6 +6,9 @@ import math
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
 from batchinfer.workers.sampler import (
     Sampler,
     SamplingRow,
@@ -14,8 +17,6 @@ from batchinfer.workers.sampler import (
     make_generator,
 )
 from batchinfer.workers.sampling_params import SamplingParams
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
 
 V = 12
 EOS = 11

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from batchinfer.workers.sampling_params import SamplingParams
 from hypothesis import given
 from hypothesis import strategies as st
+
+from batchinfer.workers.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm():

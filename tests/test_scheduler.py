@@ -7,9 +7,6 @@ import threading
 import time
 
 import pytest
-from batchinfer.workers.daemon import read_tokenizer_files
-from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.tokenizer import Tokenizer
 
 from batchinfer.config import Settings
 from batchinfer.jobstore import JobStore
@@ -20,6 +17,9 @@ from batchinfer.registry import Registry
 from batchinfer.rows import BatchRequest
 from batchinfer.scheduler import Scheduler
 from batchinfer.staging import held_key
+from batchinfer.workers.daemon import read_tokenizer_files
+from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.tokenizer import Tokenizer
 
 KEYS = Keys("{t}")
 CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_tokens": 4096}
@@ -240,8 +240,9 @@ def test_accounting_expires_jobs_and_requeues_lost_exports(env):
     assert store.get("gone").total == 0 and r.hexists(KEYS.job("gone"), "export_requested_at")
     old = store.get("old")
     assert old.status == "expired" and old.total == 2 and r.sismember(KEYS.cancelled, "old")
-    from batchinfer.jobs.export import rq_job_id
     from rq.job import Job
+
+    from batchinfer.jobs.export import rq_job_id
 
     assert Job.exists(rq_job_id("export", "{t}", "done"), connection=r)
     assert sched.accounting.step() == 0  # nothing more to do: the export is queued now

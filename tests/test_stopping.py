@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from batchinfer.workers.detokenizer import IncrementalDetokenizer
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.stopping import StopResult, check_stop

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from batchinfer.workers.attention import AttentionMetadata
 from batchinfer.workers.models import load_model
 from batchinfer.workers.testing import make_demo_model, make_tiny_model, tokenizer_files

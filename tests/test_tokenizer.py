@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from batchinfer.workers.testing import BOS, EOS, EOT, PAD, make_tiny_model
-from batchinfer.workers.tokenizer import ChatTemplateError, Tokenizer, validate_messages
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from batchinfer.workers.testing import BOS, EOS, EOT, PAD, make_tiny_model
+from batchinfer.workers.tokenizer import ChatTemplateError, Tokenizer, validate_messages
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

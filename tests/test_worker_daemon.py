@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from batchinfer.workers.daemon import WorkerDaemon
-from batchinfer.workers.echo_engine import EchoEngine
 
 from batchinfer.config import Settings
 from batchinfer.jobstore import JobStore
@@ -21,6 +19,8 @@ from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.publish import Publisher
 from batchinfer.registry import Registry
 from batchinfer.rows import BatchRequest, ResultRow
+from batchinfer.workers.daemon import WorkerDaemon
+from batchinfer.workers.echo_engine import EchoEngine
 
 PREFIX = "{w}"
 KEYS = Keys(PREFIX)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 
-from batchinfer.workers.inflight import Book, Quarantine
 from hypothesis import given
 from hypothesis import strategies as st
 
 from batchinfer.rows import BatchRequest
+from batchinfer.workers.inflight import Book, Quarantine
 
 
 def _req(i: int) -> BatchRequest:
@@ -101,6 +101,7 @@ def test_parse_batch_separates_malformed_requests():
     import json
 
     import pytest
+
     from batchinfer.workers.inflight import parse_batch
 
     good = _req(0).to_dict()

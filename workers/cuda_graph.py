@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+
 from batchinfer.workers.attention import AttentionMetadata
 from batchinfer.workers.scheduler import ScheduledSequence
 

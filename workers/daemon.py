@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from batchinfer.workers.inflight import Book, Held, Quarantine, parse_batch
-from batchinfer.workers.keeper import Keeper
 
 from batchinfer.config import Settings
 from batchinfer.httpserver import Readiness, serve
@@ -39,6 +37,8 @@ from batchinfer.metrics import WorkerMetrics
 from batchinfer.publish import Publisher
 from batchinfer.registry import TOKENIZER_FILES, Registry
 from batchinfer.rows import BatchRequest, ResultRow, now_ms
+from batchinfer.workers.inflight import Book, Held, Quarantine, parse_batch
+from batchinfer.workers.keeper import Keeper
 
 log = logging.getLogger(__name__)
 
@@ -256,16 +256,20 @@ class WorkerDaemon:
         return True
 
     def _step(self) -> None:
+        engine = self.engine
+        computed_before = getattr(engine, "num_computed_tokens", None)
         began = time.monotonic()
         try:
-            outputs = self.engine.step()
+            outputs = engine.step()
         except Exception as e:  # noqa: BLE001 - bisect instead of dying
             self._step_failed(e)
             return
-        self.metrics.step_done(outputs, time.monotonic() - began)
-        engine = self.engine
-        self.metrics.set_engine_state(getattr(engine, "num_running", len(self.book.running)),
-                                      getattr(engine, "num_waiting", 0), getattr(engine, "kv_usage", None))
+        batched = None if computed_before is None else engine.num_computed_tokens - computed_before
+        self.metrics.step_done(outputs, time.monotonic() - began, num_batched_tokens=batched)
+        # Engines without a running/waiting split (the echo engine) report all unfinished as running.
+        self.metrics.set_engine_state(getattr(engine, "num_running", None) or engine.num_unfinished(),
+                                      getattr(engine, "num_waiting", 0), getattr(engine, "kv_usage", None),
+                                      getattr(engine, "num_preemptions", None))
         self.failed_steps = 0
         self.steps += 1
         finished_at = now_ms()
@@ -273,7 +277,7 @@ class WorkerDaemon:
             held = self.book.resolve(out.request_id) if out.finished else None
             if held is None:
                 continue  # still running, or aborted by us
-            error = getattr(out, "error", None)
+            error = out.error
             if error:
                 self._end(held, "failed", "engine_error", str(error))
                 continue

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchinfer.registry import TOKENIZER_FILES
 from batchinfer.workers.outputs import CompletionOutput, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
-
-from batchinfer.registry import TOKENIZER_FILES
 
 FaultHook = Callable[[str], None]  # raises to make that request fail (finished with an error)
 StepFaultHook = Callable[[list[str]], None]  # raises to make the whole step fail

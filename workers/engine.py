@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from batchinfer.workers.block_manager import BlockManager
 from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.detokenizer import IncrementalDetokenizer

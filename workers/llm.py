@@ -13,13 +13,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine import Engine
 from batchinfer.workers.outputs import RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.sequence import Request
 from batchinfer.workers.tokenizer import Tokenizer
-from tqdm import tqdm
 
 Prompt = str | Mapping[str, Any]
 

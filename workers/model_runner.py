@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from batchinfer.workers.attention import AttentionMetadata
 from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.models import Decoder

@@ -33,3 +33,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt: str | None = None
     finished: bool = False
+    # Set when the engine finished this request as aborted because it failed (e.g. an exception
+    # while processing it); the worker daemon publishes it as an ``engine_error`` row.
+    error: str | None = None

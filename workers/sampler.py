@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from batchinfer.workers.sampling_params import SamplingParams
 
 _MASK64 = 2**64 - 1

@@ -11,12 +11,13 @@ Parameter layout differs from the checkpoint in two places (the loader fuses the
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from batchinfer.kernels import paged_attention, write_kv
 from batchinfer.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
 from batchinfer.workers.attention import AttentionMetadata
 from batchinfer.workers.models.config import ModelConfig
 from batchinfer.workers.models.rope import cos_sin_cache
-from torch import nn
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
+from batchinfer.progress import bytes_progress
 from batchinfer.workers.models.config import ModelConfig
 from batchinfer.workers.models.decoder import Decoder
-from safetensors import safe_open
-from tqdm.auto import tqdm
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -95,12 +95,10 @@ def load_model(
     sizes = _fused_sizes(config)
     pending = {(name, part) for name in params for part in sizes.get(name.split(".", 2)[-1], [None])}
 
-    show = progress and sys.stderr.isatty()
     total = sum(f.stat().st_size for f in files)
-    with torch.no_grad(), tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
-                               disable=not show, file=sys.stderr) as bar:
+    with torch.no_grad(), bytes_progress("loading weights", total, quiet=not progress) as bar:
         for path, name, tensor in _tensors(files):
-            bar.update(tensor.numel() * tensor.element_size())
+            bar.advance(tensor.numel() * tensor.element_size())
             target = _target(name, config)
             if target is None:
                 continue

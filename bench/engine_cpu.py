@@ -20,21 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-# bench/ is sys.path[0] when this runs as a script, and bench/queue.py would shadow the standard
-# library's queue module (which torch imports): drop bench/ from the path first.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import torch
 
-import torch  # noqa: E402
-
-from batchinfer import LLM, SamplingParams  # noqa: E402
-from batchinfer.workers.testing import make_tiny_model  # noqa: E402
+from batchinfer import LLM, SamplingParams
+from batchinfer.workers.testing import make_tiny_model
 
 MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 8,
          "num_key_value_heads": 4, "max_position_embeddings": 1024}

@@ -18,21 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-# bench/ holds scripts, not modules: keep them from shadowing the standard library (bench/queue.py).
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import torch
 
-import torch  # noqa: E402
-
-from batchinfer import kernels  # noqa: E402
-from batchinfer.kernels import fused  # noqa: E402
-from batchinfer.kernels.testing import make_paged_batch  # noqa: E402
+from batchinfer import kernels
+from batchinfer.kernels import fused
+from batchinfer.kernels.testing import make_paged_batch
 
 DECODE_GOAL = 0.70  # of the copy bandwidth
 PREFILL_GOAL = 1.30  # time / torch flash SDPA time

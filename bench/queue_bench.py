@@ -13,35 +13,29 @@
   resident memory (VmHWM) of the scheduler and the worker.
 
 Everything runs against a private redis-server (``batchinfer.embedded``) in a temporary folder.
-``python bench/queue.py [--scale-requests 1000000] [--skip-overhead]``.
+``python bench/queue_bench.py [--scale-requests 1000000] [--skip-overhead]``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import random
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path, and its name hides the standard
-# library's ``queue`` module (which redis-py imports).
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
+import redis
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import redis  # noqa: E402
-
-from batchinfer.client import SUBMIT_CHUNK, Client  # noqa: E402
-from batchinfer.config import Settings  # noqa: E402
-from batchinfer.embedded import EmbeddedRedis  # noqa: E402
-from batchinfer.keys import Keys  # noqa: E402
-from batchinfer.protocol import PROTOCOL_VERSION  # noqa: E402
+from batchinfer.client import SUBMIT_CHUNK, Client
+from batchinfer.config import Settings
+from batchinfer.embedded import EmbeddedRedis
+from batchinfer.keys import Keys
+from batchinfer.protocol import PROTOCOL_VERSION
 
 PREFIX = "{bench}"
 

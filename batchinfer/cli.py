@@ -101,21 +101,24 @@ def emit(ctx: Ctx, json_flag: bool, payload: Any, human: Callable[[], None]) -> 
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--redis-url", envvar=None, help="redis://, rediss:// or unix:// URL [BATCHINFER_REDIS_URL].")
+@click.option("--redis-url", envvar=None, help="redis://, rediss:// or unix:// URL [BATCHINFER_REDIS_URL]; "
+              "prefer the variable for URLs with a password (argv shows in `ps`).")
+@click.option("--redis-ca-file", type=click.Path(exists=True, dir_okay=False),
+              help="CA bundle that signed the server's certificate (rediss://) [BATCHINFER_REDIS_CA_FILE].")
 @click.option("--prefix", help="Key prefix with its hash tag [BATCHINFER_PREFIX, default {bi}].")
 @click.option("--json", "json_output", is_flag=True, help="Machine-readable output on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or chatter.")
 @click.option("--log-format", type=click.Choice(["human", "json"]), help="Log lines on stderr.")
 @click.option("--log-level", help="DEBUG, INFO, WARNING, ERROR [default INFO].")
 @click.pass_context
-def cli(click_ctx: click.Context, redis_url: str | None, prefix: str | None, json_output: bool, quiet: bool,
-        log_format: str | None, log_level: str | None) -> None:
+def cli(click_ctx: click.Context, redis_url: str | None, redis_ca_file: str | None, prefix: str | None,
+        json_output: bool, quiet: bool, log_format: str | None, log_level: str | None) -> None:
     """batchinfer: batch LLM inference on a Redis job queue."""
     from batchinfer.logs import setup_logging
 
     try:
-        settings = Settings.from_env(redis_url=redis_url, prefix=prefix, log_format=log_format,
-                                     log_level=log_level)
+        settings = Settings.from_env(redis_url=redis_url, redis_ca_file=redis_ca_file, prefix=prefix,
+                                     log_format=log_format, log_level=log_level)
         setup_logging(settings.log_format, "WARNING" if quiet and not log_level else settings.log_level)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -128,17 +131,29 @@ pass_ctx = click.make_pass_decorator(Ctx)
 # -- daemons ---------------------------------------------------------------------------------------
 
 
+POSITIVE = click.IntRange(min=1)
+
+
 @cli.command()
 @click.option("--lease-seconds", type=float, help="Re-dispatch a batch not refreshed for this long [60].")
 @click.option("--max-attempts", type=int, help="Worker crashes a request survives [3].")
 @click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
+@click.option("--max-line-bytes", type=POSITIVE,
+              help="Refuse request bodies longer than this [10 MiB, BATCHINFER_MAX_LINE_BYTES].")
+@click.option("--max-tokens-limit", type=POSITIVE,
+              help="Refuse requests asking for more max_tokens [1000000, BATCHINFER_MAX_TOKENS_LIMIT].")
+@click.option("--max-prompt-tokens", type=POSITIVE,
+              help="Refuse prompts longer than this [1000000, BATCHINFER_MAX_PROMPT_TOKENS].")
 @pass_ctx
-def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None,
-              metrics_port: int | None) -> None:
+def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, metrics_port: int | None,
+              max_line_bytes: int | None, max_tokens_limit: int | None,
+              max_prompt_tokens: int | None) -> None:
     """Run the scheduler daemon: intake -> validate -> tokenize -> pack -> dispatch."""
     from batchinfer.scheduler import main
 
-    _override(ctx.settings, lease_seconds=lease_seconds, max_attempts=max_attempts, metrics_port=metrics_port)
+    _override(ctx.settings, lease_seconds=lease_seconds, max_attempts=max_attempts, metrics_port=metrics_port,
+              max_line_bytes=max_line_bytes, max_tokens_limit=max_tokens_limit,
+              max_prompt_tokens=max_prompt_tokens)
     sys.exit(main(ctx.settings) or 0)
 
 
@@ -150,18 +165,26 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None,
 @click.option("--device", default=None, help="cpu or cuda:N [cuda:0 when CUDA is available, else cpu].")
 @click.option("--echo", is_flag=True, help="Echo engine: answers without a model (tests, benchmarks).")
 @click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
+@click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
+              help="Engine (or echo engine) setting, repeatable; VALUE is JSON or a string, e.g. "
+                   "max_num_seqs=8, or step_delay=0.05 / poison=MARKER with --echo.")
 @pass_ctx
 def worker(ctx: Ctx, model_dir: str | None, name: str | None, model_name: str | None, device: str | None,
-           echo: bool, metrics_port: int | None) -> None:
+           echo: bool, metrics_port: int | None, engine_option: tuple[str, ...]) -> None:
     """Run a worker daemon: pull batches, run the engine, publish results."""
-    from batchinfer.workers.daemon import main
+    from batchinfer.workers.daemon import main, parse_engine_options
 
     if not model_dir and not echo:
         raise click.UsageError("--model DIR is required (or --echo)")
     _override(ctx.settings, metrics_port=metrics_port)
     # The echo engine needs no device: skip importing torch (about 200 MB per echo worker).
     device = device or ("cpu" if echo else default_device())
-    sys.exit(main(ctx.settings, model_dir, name, device, echo, model_name=model_name) or 0)
+    try:
+        options = parse_engine_options(engine_option)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--engine-option") from None
+    sys.exit(main(ctx.settings, model_dir, name, device, echo, model_name=model_name,
+                  engine_options=options) or 0)
 
 
 @cli.command()
@@ -204,7 +227,7 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
 
 
 @cli.command()
-@click.argument("file", type=click.Path(allow_dash=True))
+@click.argument("file", type=click.Path(allow_dash=True, readable=False))  # unreadable: exit 7 (InputError)
 @click.option("--model", help="Model for lines without a 'model' field.")
 @click.option("--wait", "wait_", is_flag=True, help="Wait for the job to end (exit code says how).")
 @click.option("--output", help="Result file: path or pyarrow URI [<results_root>/<job>.parquet].")
@@ -216,23 +239,32 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--metadata", multiple=True, help="KEY=VALUE, repeatable.")
 @click.option("--job-id", help="Use this job id (must be new).")
 @click.option("--input-format", type=click.Choice(["jsonl", "parquet"]), help="[from the file name]")
+@click.option("--max-line-bytes", type=POSITIVE,
+              help="Lines longer than this get a line_too_long row [10 MiB, BATCHINFER_MAX_LINE_BYTES].")
+@click.option("--max-requests", type=POSITIVE,
+              help="Refuse a file with more requests [50000000, BATCHINFER_MAX_REQUESTS_PER_JOB].")
 @json_option
 @pass_ctx
 @handle_errors
 def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | None, fmt: str, priority: int,
            completion_window: str, metadata: tuple[str, ...], job_id: str | None, input_format: str | None,
-           json_flag: bool) -> None:
+           max_line_bytes: int | None, max_requests: int | None, json_flag: bool) -> None:
     """Submit FILE (JSONL: plain or OpenAI Batch lines; or Parquet) as a job; prints its id."""
     from batchinfer.progress import lines_progress
 
+    _override(ctx.settings, max_line_bytes=max_line_bytes, max_requests_per_job=max_requests)
     client = ctx.client()
     quiet_bar = ctx.quiet or ctx.json or json_flag
     with lines_progress("submitting", quiet=quiet_bar) as bar:
         job = client.submit(file, model=model, priority=priority, completion_window=completion_window,
                             metadata=_metadata(metadata), output=output, output_format=fmt, job_id=job_id,
                             input_format=input_format, on_progress=bar.set)
+    warnings = [e for e in client.status(job).errors if e.startswith("warning:")]
+    if not ctx.quiet:
+        for warning in warnings:
+            click.echo(warning, err=True)
     if not wait_:
-        emit(ctx, json_flag, {"job_id": job}, lambda: click.echo(job))
+        emit(ctx, json_flag, {"job_id": job, "warnings": warnings}, lambda: click.echo(job))
         return
     if not (ctx.json or json_flag):
         click.echo(job)
@@ -392,8 +424,13 @@ def run(ctx: Ctx, file: str, output: str, model: str, fmt: str, device: str | No
         echo: bool, timeout: float | None, log_dir: str | None, json_flag: bool) -> None:
     """All in one: Redis (embedded unless --redis-url), scheduler, worker(s), exporter; submit FILE,
     wait with a progress bar, write OUTPUT, stop everything."""
+    from pathlib import Path
+
     from batchinfer.runner import RunOptions, run_all
 
+    # The exporter `run` starts is the caller's own: a local path is the explicit file:// URI, which
+    # the results-root confinement of shared exporters lets through.
+    output = output if "://" in output else Path(output).resolve().as_uri()
     options = RunOptions(file=file, output=output, model=model, fmt=fmt, device=device or default_device(),
                          num_workers=num_workers, echo=echo, timeout=timeout, log_dir=log_dir)
     sys.exit(run_all(ctx, options, lambda client, job, check: _wait_and_report(

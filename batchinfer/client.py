@@ -9,6 +9,7 @@ not UTF-8) are answered here, through the same exactly-once publisher.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from batchinfer.config import Settings
-from batchinfer.inputs import InputLine, input_name, open_input
+from batchinfer.inputs import DuplicateIds, InputError, InputLine, input_name, open_input
 from batchinfer.jobstore import JobRecord, JobStatus, JobStore
 from batchinfer.keys import Keys
 from batchinfer.protocol import PROTOCOL_VERSION, IntakeEntry, ResultRow
@@ -88,17 +89,27 @@ class Client:
         ``source``: a JSONL or Parquet path (``"-"`` = stdin), a binary file, a pandas DataFrame,
         or an iterable of records (dicts or JSON strings). ``model`` applies to lines without a
         ``model`` field. ``output`` is where the exporter writes the results (default
-        ``<results_root>/<job>.parquet``). ``on_progress(n)`` is called with the number of
-        requests sent so far after each chunk. If submission is interrupted, the job is
+        ``<results_root>/<job>.parquet``): a URI, or a path that stays inside ``results_root``.
+        ``on_progress(n)`` is called with the number of requests sent so far after each chunk.
+        An empty or unreadable input raises :class:`~batchinfer.inputs.InputError` before any job
+        exists. Lines that repeat a ``custom_id`` are sent, and one warning naming their line
+        numbers goes to the job record's ``errors``. If submission is interrupted, the job is
         cancelled (what was sent is answered ``cancelled``) and the exception propagates.
         """
         window = parse_duration(completion_window)
+        if output is not None:
+            from batchinfer.jobs.export import confined_output
+
+            confined_output(output, self.settings.results_root)  # refused now rather than at export
         lines = open_input(source, max_line_bytes=self.settings.max_line_bytes, fmt=input_format)
+        first = next(lines, None)  # an empty or unreadable input fails here, before a job exists
+        if first is None:
+            raise InputError(f"{input_name(source)}: no requests (the input is empty)")
         record = self.store.create(job_id, model=model, input_name=input_name(source), output=output,
                                    output_format=output_format, priority=priority,
                                    completion_window=window, metadata=metadata)
         try:
-            total = self._send(record.id, lines, on_progress)
+            total = self._send(record.id, itertools.chain([first], lines), on_progress)
         except BaseException as e:
             with contextlib.suppress(Exception):  # the original error matters more
                 self.store.update(record.id, errors=[f"submission interrupted: {type(e).__name__}: {e}"])
@@ -114,6 +125,7 @@ class Client:
         stream, job_key = self.keys.requests, self.keys.job(job_id)
         limit = self.settings.max_requests_per_job
         pipe = self.redis.pipeline(transaction=False)
+        duplicates = DuplicateIds()
         idx = pending = 0
         for item in lines:
             if idx >= limit:
@@ -123,6 +135,7 @@ class Client:
             else:
                 pipe.xadd(stream, {"v": PROTOCOL_VERSION, "body": item.body, "job": job_id, "idx": idx,
                                    "line": item.line})
+                duplicates.add(item.line, item.body)
                 pending += 1
             idx += 1
             if pending >= SUBMIT_CHUNK:
@@ -136,6 +149,9 @@ class Client:
             pipe.execute()
         if on_progress:
             on_progress(idx)
+        warning = duplicates.warning()
+        if warning:  # before the submission ends, so no export can race with it
+            self.store.update(job_id, errors=[warning])
         return idx
 
     def _reject(self, job_id: str, idx: int, item: InputLine) -> None:

@@ -36,9 +36,10 @@ class Settings:
     heartbeat_seconds: float = 5.0
     results_root: str = "results"  # local outputs are confined below this folder
     results_ttl_seconds: int = 7 * 24 * 3600  # results stream kept this long after export
-    max_line_bytes: int = 10 * 1024 * 1024
+    max_line_bytes: int = 10 * 1024 * 1024  # an input line / intake body longer than this is refused
     max_requests_per_job: int = 50_000_000
     max_tokens_limit: int = 1_000_000  # upper bound on any request's max_tokens
+    max_prompt_tokens: int = 1_000_000  # upper bound on any request's prompt tokens (and the model's context)
     log_format: str = "human"  # human | json
     log_level: str = "INFO"
     metrics_port: int | None = None
@@ -58,6 +59,13 @@ class Settings:
             values[f.name] = _env(f.name.upper(), default, cast, environ)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+    def __repr__(self) -> str:
+        """As the dataclass's, but with the Redis password redacted (settings may end up in logs)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["redis_url"] = self.redacted_url()
+        shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
+        return f"Settings({shown})"
 
     def redacted_url(self) -> str | None:
         """The Redis URL with any password replaced, for logs and status output."""

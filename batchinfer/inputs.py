@@ -12,7 +12,10 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import re
+import stat
 import sys
+from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,15 +97,26 @@ def read_jsonl(source: str | Path | IO[bytes], *,
     if str(source) == "-":
         return _jsonl_lines(sys.stdin.buffer, max_line_bytes)
     path = Path(source)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
-    return _jsonl_file(path, max_line_bytes)
+    try:  # checked and opened now, so that an unreadable file fails before a job exists
+        if stat.S_ISDIR(path.stat().st_mode):
+            raise InputError(f"{path}: is a folder, not a file")
+        f = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # noqa: SIM115
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot be read: {e.strerror or e}") from None
+    return _jsonl_file(f, path, max_line_bytes)
 
 
-def _jsonl_file(path: Path, max_line_bytes: int) -> Iterator[InputLine]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        yield from _jsonl_lines(f, max_line_bytes)
+def _jsonl_file(f: IO[bytes], path: Path, max_line_bytes: int) -> Iterator[InputLine]:
+    last = 0
+    with f:
+        try:
+            for item in _jsonl_lines(f, max_line_bytes):
+                last = item.line
+                yield item
+        except (OSError, EOFError) as e:  # a truncated or corrupt .gz, a failing disk
+            raise InputError(f"{path}: read failed after line {last}: {e}") from None
 
 
 def _jsonl_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[InputLine]:
@@ -140,6 +154,80 @@ def _skip_to_newline(f: IO[bytes]) -> int:
             return skipped
 
 
+# -- duplicate custom_ids ----------------------------------------------------------------------------
+
+_CUSTOM_ID_FIRST = re.compile(r'\s*\{\s*"custom_id"\s*:\s*')
+_DECODER = json.JSONDecoder()
+
+
+def custom_id_of(body: str) -> str | None:
+    """The top-level ``custom_id`` string of a JSON body, or None (no id, or not JSON).
+
+    Fast path for the usual line that starts with it (decodes that one string); else a full parse.
+    """
+    try:
+        first = _CUSTOM_ID_FIRST.match(body)
+        if first:
+            value = _DECODER.raw_decode(body, first.end())[0]
+        elif '"custom_id"' in body:
+            parsed = json.loads(body)
+            value = parsed.get("custom_id") if isinstance(parsed, dict) else None
+        else:
+            return None
+    except (ValueError, RecursionError):
+        return None  # the scheduler reports the line itself
+    return value if isinstance(value, str) else None
+
+
+class DuplicateIds:
+    """Finds the lines of one job that repeat a ``custom_id``, in bounded memory.
+
+    Duplicates are accepted (each line still gets its own row, told apart by ``line`` and ``idx``)
+    but reported, since ``custom_id`` is how callers match results. Each line costs 16 bytes (a
+    64-bit hash of its id and its line number); the groups are found by one sort at the end. Two
+    different ids with equal hashes (odds about n^2 / 2^65) would be reported as one.
+    """
+
+    def __init__(self) -> None:
+        self._hashes = array("q")
+        self._lines = array("q")
+
+    def add(self, line: int, body: str) -> None:
+        custom_id = custom_id_of(body)
+        if custom_id is not None:
+            self._hashes.append(hash(custom_id))
+            self._lines.append(line)
+
+    def groups(self) -> list[list[int]]:
+        """Line numbers sharing one id, each group ascending, groups by their first line."""
+        import numpy as np
+
+        if len(self._hashes) < 2:
+            return []
+        hashes = np.frombuffer(self._hashes, dtype=np.int64)
+        order = np.argsort(hashes, kind="stable")
+        ordered = hashes[order]
+        starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+        sizes = np.diff(np.r_[starts, len(ordered)])
+        lines = np.frombuffer(self._lines, dtype=np.int64)[order]
+        found = [sorted(lines[a:a + n].tolist()) for a, n in zip(starts, sizes, strict=True) if n > 1]
+        return sorted(found)
+
+    def warning(self, max_groups: int = 10, max_lines: int = 5) -> str | None:
+        """One job-level warning naming the lines, or None when every custom_id is unique."""
+        groups = self.groups()
+        if not groups:
+            return None
+        shown = []
+        for g in groups[:max_groups]:
+            text = ", ".join(str(x) for x in g[:max_lines])
+            shown.append(text + (f", ... ({len(g)} lines)" if len(g) > max_lines else ""))
+        more = f"; and {len(groups) - max_groups} more group(s)" if len(groups) > max_groups else ""
+        n = sum(len(g) for g in groups)
+        return (f"warning: duplicate custom_id on {n} lines (accepted; each line has its own row, told "
+                f"apart by line and idx): lines {'; lines '.join(shown)}{more}")
+
+
 # -- records ---------------------------------------------------------------------------------------
 
 
@@ -162,6 +250,13 @@ def read_records(records: Iterable[Mapping[str, Any] | str | bytes], *,
             except (TypeError, ValueError) as e:
                 yield InputLine(number, error=RequestError(
                     "invalid_request", f"record cannot be written as JSON: {e}", line=number))
+                continue
+        if not body.isascii():
+            try:
+                body.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate: Redis could not even carry it
+                yield InputLine(number, error=RequestError("invalid_json", f"record is not Unicode: {e}",
+                                                           line=number))
                 continue
         if len(body) > max_line_bytes and len(body.encode("utf-8")) > max_line_bytes:
             yield InputLine(number, error=RequestError(
@@ -253,5 +348,5 @@ def _arrow_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[InputLine]:
             yield InputLine(number, body=body)
 
 
-__all__ = ["InputError", "InputLine", "check_columns", "input_name", "open_input", "read_dataframe",
-           "read_jsonl", "read_parquet", "read_records"]
+__all__ = ["DuplicateIds", "InputError", "InputLine", "check_columns", "custom_id_of", "input_name",
+           "open_input", "read_dataframe", "read_jsonl", "read_parquet", "read_records"]

@@ -92,9 +92,10 @@ class Admission:
             return Reject(ResultRow.error(ended, f"the job was {ended} before this request ran", status=ended,
                                           **base), entry.reply_to)
         try:
+            self._check_size(entry.body)
             spec = parse_body(entry.body, line=entry.line, max_tokens_limit=self.settings.max_tokens_limit)
         except RequestError as e:
-            return Reject(self._error(e, base), entry.reply_to)
+            return Reject(self._error(e.at_line(entry.line), base), entry.reply_to)
         base.update(custom_id=spec.custom_id, metadata=spec.metadata, url=spec.url)
         model = spec.model or (view.model if view else None)
         if not model:
@@ -108,7 +109,8 @@ class Admission:
             return Hold(deadline, row, entry.reply_to) if now < deadline else Reject(row, entry.reply_to)
         try:
             token_ids = self._tokens(spec, served.tokenizer)
-            self._check_length(len(token_ids), spec, served.info.max_model_len)
+            self._check_length(len(token_ids), spec, served.info.max_model_len,
+                               self.settings.max_prompt_tokens)
         except RequestError as e:
             return Reject(self._error(e.at_line(entry.line), base), entry.reply_to)
         priority = spec.priority or (view.priority if view else 0)
@@ -134,6 +136,14 @@ class Admission:
         custom_id = base.get("custom_id") or e.context.get("custom_id")
         return ResultRow.error(e.code, message,
                                **{**base, "line": e.line or base.get("line"), "custom_id": custom_id})
+
+    def _check_size(self, body: str) -> None:
+        """Producers other than the submitter may XADD any size: the line limit holds for them too."""
+        limit = self.settings.max_line_bytes
+        # len() counts characters; only text that might be over the limit is encoded to count bytes
+        if len(body) > limit or (4 * len(body) > limit and len(body.encode("utf-8", "replace")) > limit):
+            raise RequestError("line_too_long", f"body is {len(body.encode('utf-8', 'replace'))} bytes, more "
+                               f"than the limit of {limit} bytes (BATCHINFER_MAX_LINE_BYTES)", field="body")
 
     def _duplicate(self, client_request_id: str, request_id: str) -> bool:
         """SET NX the idempotency key; a re-read of our own entry (after a crash) is no duplicate."""
@@ -165,21 +175,31 @@ class Admission:
         if spec.messages is not None:
             try:
                 ids = tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True, tokenize=True)
-            except (ValueError, TypeError) as e:
-                raise RequestError("invalid_request", f"cannot render the chat template: {e}",
+            except Exception as e:  # noqa: BLE001 - the template is the model's code: its failure is ours
+                why = e if isinstance(e, ValueError) else repr(e)  # e.g. OverflowError of a too-big range()
+                raise RequestError("invalid_request", f"cannot render the chat template: {why}",
                                    field="messages") from None
         else:
-            ids = tokenizer.encode(spec.prompt)
+            try:
+                ids = tokenizer.encode(spec.prompt)
+            except (TypeError, ValueError) as e:  # the tokenizers library refuses some strings
+                raise RequestError("invalid_request", f"the prompt cannot be tokenised: {e}",
+                                   field="prompt") from None
         if not ids:
             raise RequestError("invalid_request", "the prompt encodes to no tokens", field="prompt")
         return list(ids)
 
     @staticmethod
-    def _check_length(n: int, spec: RequestSpec, max_model_len: int) -> None:
+    def _check_length(n: int, spec: RequestSpec, max_model_len: int, max_prompt_tokens: int | None) -> None:
+        given = ("messages" if spec.messages is not None
+                 else "prompt_token_ids" if spec.prompt_token_ids is not None else "prompt")
+        if max_prompt_tokens is not None and n > max_prompt_tokens:
+            raise RequestError("prompt_too_long", f"the prompt has {n} tokens, more than the limit of "
+                               f"{max_prompt_tokens} (BATCHINFER_MAX_PROMPT_TOKENS)", field=given)
         max_tokens = spec.sampling_params.max_tokens
-        if max_tokens is None and n >= max_model_len:
+        if n >= max_model_len:
             raise RequestError("prompt_too_long", f"the prompt has {n} tokens; the model's context is "
-                               f"{max_model_len} tokens, which leaves no room to generate", field="prompt")
+                               f"{max_model_len} tokens, which leaves no room to generate", field=given)
         if max_tokens is not None and n + max_tokens > max_model_len:
             raise RequestError("prompt_too_long", f"the prompt has {n} tokens and max_tokens is "
                                f"{max_tokens}: {n + max_tokens} > the model's context of {max_model_len} "
@@ -265,6 +285,21 @@ class Intake:
                                   created_at=entry_ms(entry_id))
             return Reject(row, reply_to)
 
+    def _publish(self, entry_id: str, outcome: Reject) -> None:
+        """Publish a rejection; a row that cannot be written (e.g. text that is not Unicode) is replaced
+        by a bare ``internal_error`` row, so that one entry never wedges the intake."""
+        try:
+            self.sink.publish(outcome.row, outcome.reply_to)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.exception("intake entry %s: its error row could not be published", entry_id)
+            row = outcome.row
+            bare = ResultRow.error("internal_error", f"the error row of this request could not be written "
+                                   f"({e!r}); it was: {row.error_code}", job_id=row.job_id, idx=row.idx,
+                                   request_id=row.request_id, line=row.line, created_at=row.created_at)
+            self.sink.publish(bare, outcome.reply_to)
+
     def _settle(self, decided: list[tuple[str, Outcome, dict]], done: list[str], source: str) -> None:
         """Publish rejections, then one MULTI: stage / hold, and XACK + XDEL ``done`` from ``source``."""
         held = held_key(self.keys)
@@ -275,7 +310,7 @@ class Intake:
                 outcome.row.error_message += " (and the holding area for unknown models is full)"
                 outcome = Reject(outcome.row, outcome.reply_to)
             if isinstance(outcome, Reject):
-                self.sink.publish(outcome.row, outcome.reply_to)
+                self._publish(entry_id, outcome)
             elif isinstance(outcome, Stage):
                 self.staging.add(pipe, outcome.model, outcome.priority, outcome.request)
             elif isinstance(outcome, Hold):

@@ -9,6 +9,7 @@ scheduler turns into an error row. Nothing here touches Redis.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,12 +92,17 @@ class IntakeEntry:
     def from_fields(cls, raw: Mapping[bytes | str, bytes | str]) -> IntakeEntry:
         """Parse an XREADGROUP entry; a foreign or malformed entry is a ``protocol_error``."""
         fields_: dict[str, str] = {}
-        try:
-            for k, v in raw.items():
-                fields_[k.decode() if isinstance(k, bytes) else str(k)] = (
-                    v.decode() if isinstance(v, bytes) else str(v))
-        except UnicodeDecodeError as e:
-            raise RequestError("protocol_error", f"intake entry is not UTF-8: {e}") from None
+        not_utf8: list[str] = []  # each field decoded alone, so a bad body still leaves job / idx readable
+        for k, v in raw.items():
+            try:
+                name = k.decode() if isinstance(k, bytes) else str(k)
+            except UnicodeDecodeError:
+                not_utf8.append(repr(k))
+                continue
+            try:
+                fields_[name] = v.decode() if isinstance(v, bytes) else str(v)
+            except UnicodeDecodeError as e:
+                not_utf8.append(f"{name} ({e.reason} at byte {e.start})")
         context = {k: fields_[k] for k in ("job", "idx", "line", "reply_to") if k in fields_}
         for k in ("idx", "line"):  # best effort, for the error row
             if k in context:
@@ -106,6 +112,8 @@ class IntakeEntry:
         def fail(message: str, fld: str | None = None) -> RequestError:
             return RequestError("protocol_error", message, field=fld, line=line, context=context)
 
+        if not_utf8:
+            raise fail(f"intake entry field(s) not UTF-8: {', '.join(not_utf8)}", not_utf8[0].split(" ")[0])
         if "v" not in fields_:
             raise fail("intake entry has no protocol version field 'v' (not a batchinfer entry?)", "v")
         if fields_["v"] != PROTOCOL_VERSION:
@@ -170,6 +178,28 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a valid JSON number")
 
 
+# A \uD800-\uDFFF escape: valid JSON, but alone (not in a pair) it decodes to a string that is not
+# Unicode, which no tokenizer, row or Redis write can encode.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(value: Any, where: str) -> None:
+    """Raise ``invalid_json`` naming the first string (key or value) holding a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("invalid_json", f"{where} holds a lone UTF-16 surrogate escape (\\ud800-"
+                               "\\udfff without its pair), which is not Unicode", field=where) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, f"{where} key")
+            _check_unicode(v, k if where == "body" else f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_unicode(v, f"{where}[{i}]")
+
+
 def parse_body(body: str | bytes | Mapping[str, Any], *, line: int | None = None,
                max_tokens_limit: int | None = None) -> RequestSpec:
     """Validate one request body or OpenAI Batch line; raises only :class:`RequestError`.
@@ -194,10 +224,13 @@ def _parse(body: str | bytes | Mapping[str, Any], max_tokens_limit: int | None) 
         except UnicodeDecodeError as e:
             raise RequestError("invalid_json", f"body is not UTF-8: {e}") from None
     if isinstance(body, str):
+        text = body
         try:
-            body = json.loads(body, parse_constant=_reject_constant)
+            body = json.loads(text, parse_constant=_reject_constant)
         except ValueError as e:  # JSONDecodeError, too-long integers, NaN / Infinity
             raise RequestError("invalid_json", f"invalid JSON: {e}") from None
+        if "\\u" in text and _SURROGATE_ESCAPE.search(text):
+            _check_unicode(body, "body")
     if not isinstance(body, Mapping):
         raise RequestError("invalid_request", f"body must be a JSON object, got {_kind(body)}")
     try:

@@ -16,6 +16,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Protocol
 
 import redis
+from redis.exceptions import NoScriptError
 
 from batchinfer.keys import DIRECT, Keys
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
 DIRECT_GUARD_TTL = 7 * 24 * 3600  # seconds a direct request's guard outlives its publication
+NOSCRIPT_RETRIES = 3  # script reloads publish_many tries (each follows a flush of the script cache)
 
 
 class Row(Protocol):
@@ -72,13 +74,8 @@ class Publisher:
     def _guard(self, job_id: str | None, request_id: str) -> str:
         return self.keys.published(job_id) if job_id else self.keys.published_direct(request_id)
 
-    def publish(self, row: Row, reply_to: str | None = None) -> PublishOutcome:
-        """Publish ``row`` unless the same request already has one (one atomic Lua call).
-
-        ``row.status == "completed"`` bumps the job's ``completed`` counter; any other status
-        (failed, cancelled, expired) bumps ``failed``. ``reply_to``, when given, receives a copy.
-        On Redis Cluster a ``reply_to`` stream must carry the same hash tag as the prefix.
-        """
+    def _call(self, row: Row, reply_to: str | None) -> tuple[list[str], list]:
+        """KEYS and ARGV of ``publish.lua`` for ``row``."""
         job_id = row.job_id or None
         if job_id is not None and (row.idx is None or row.idx < 0):
             raise ValueError(f"row {row.request_id!r} of job {job_id!r} has no valid idx: {row.idx!r}")
@@ -88,9 +85,52 @@ class Publisher:
             keys.append(reply_to)
         counter = "completed" if row.status == "completed" else "failed"
         idx = row.idx if job_id is not None else -1
-        published, finalizing = self._publish(
-            keys=keys, args=[idx, row.to_json(), counter, now_ms(), self.direct_guard_ttl])
+        return keys, [idx, row.to_json(), counter, now_ms(), self.direct_guard_ttl]
+
+    def publish(self, row: Row, reply_to: str | None = None) -> PublishOutcome:
+        """Publish ``row`` unless the same request already has one (one atomic Lua call).
+
+        ``row.status == "completed"`` bumps the job's ``completed`` counter; any other status
+        (failed, cancelled, expired) bumps ``failed``. ``reply_to``, when given, receives a copy.
+        On Redis Cluster a ``reply_to`` stream must carry the same hash tag as the prefix.
+        """
+        keys, args = self._call(row, reply_to)
+        published, finalizing = self._publish(keys=keys, args=args)
         return PublishOutcome(bool(published), bool(finalizing))
+
+    def publish_many(self, items: Iterable[tuple[Row, str | None]]) -> list[PublishOutcome]:
+        """``publish`` for many ``(row, reply_to)`` pairs in one round trip; outcomes in the same order.
+
+        One non-transactional pipeline of EVALSHA calls: each call is still atomic on its own, so a
+        request that appears twice (in this call or an earlier one) is published once. When Redis
+        lost its script cache (a restart, ``SCRIPT FLUSH``), the script is loaded again and only
+        the calls that got NOSCRIPT are sent again: the others ran, and their outcomes (notably
+        ``finalizing``, which exactly one call ever sees) must not be lost to a blind re-run.
+        """
+        calls = [self._call(row, reply_to) for row, reply_to in items]
+        outcomes: list[PublishOutcome | None] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for _ in range(NOSCRIPT_RETRIES + 1):
+            if not todo:
+                break
+            pipe = self.redis.pipeline(transaction=False)
+            for i in todo:
+                keys, args = calls[i]
+                pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
+            missing = []
+            for i, reply in zip(todo, pipe.execute(raise_on_error=False), strict=True):
+                if isinstance(reply, NoScriptError):
+                    missing.append(i)
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    outcomes[i] = PublishOutcome(bool(reply[0]), bool(reply[1]))
+            if missing:
+                self.redis.script_load(self._publish.script)
+            todo = missing
+        if todo:
+            raise NoScriptError(f"publish script still missing after {NOSCRIPT_RETRIES} reloads")
+        return outcomes  # type: ignore[return-value]  # every slot is filled once todo is empty
 
     def finish_submission(self, job_id: str, total: int) -> bool:
         """Record that job ``job_id`` has ``total`` requests; ``validating`` -> ``in_progress``.

@@ -30,8 +30,8 @@ from batchinfer.jobs.formats import EXTENSIONS, RESULT_SCHEMA, check_format
 from batchinfer.jobs.output import resolve, write_rows
 from batchinfer.keys import RQ_QUEUE, Keys
 
-__all__ = ["RESULT_SCHEMA", "IdxSorter", "enqueue_export", "export_job", "iter_stream", "rq_job_id",
-           "write_rows"]
+__all__ = ["RESULT_SCHEMA", "IdxSorter", "confined_output", "enqueue_export", "export_job", "iter_stream",
+           "rq_job_id", "write_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,9 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
     """Export job ``job_id``'s results and settle the job; returns where the file was written.
 
     ``output`` and ``fmt`` default to the job record's ``output`` / ``output_format`` and then to
-    ``<results_root>/<job_id>.parquet``. Arguments are JSON values (this is an rq job function).
+    ``<results_root>/<job_id>.parquet``; the record's output must be a URI or stay inside
+    ``results_root`` (:func:`confined_output`), while an ``output`` given here is the caller's own
+    choice. Arguments are JSON values (this is an rq job function).
     """
     settings = Settings.from_env(prefix=prefix)
     r = _connection(redis_url, settings)
@@ -227,7 +229,10 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
         if status not in EXPORTABLE:
             raise RuntimeError(f"job {job_id} is {status}: not every request has its result yet")
         fmt = check_format(fmt or record.get("output_format") or "parquet")
-        dest = resolve(output or record.get("output") or f"{job_id}{EXTENSIONS[fmt]}", settings.results_root)
+        requested = record.get("output")
+        if output is None and requested:  # the submitter's choice, read from Redis: confine it
+            requested = confined_output(requested, settings.results_root)
+        dest = resolve(output or requested or f"{job_id}{EXTENSIONS[fmt]}", settings.results_root)
         total = int(record["total"]) if record.get("total") else None
         with tempfile.TemporaryDirectory(prefix="batchinfer-export-") as spill:
             location = write_rows(sorted_rows(r, keys.results(job_id), spill, total), dest, fmt)
@@ -244,6 +249,25 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
             r.eval(_MARK_FAILED, 1, keys.job(job_id), message, _now_ms(), "1" if last else "0")
         log.error("job %s: %s%s", job_id, message, "" if last else " (will retry)", extra={"job_id": job_id})
         raise
+
+
+def confined_output(output: str, results_root: str) -> str:
+    """``output`` when it is a URI or a path inside ``results_root`` (relative paths are taken below it).
+
+    A job's output comes from whoever submitted the job, so a plain path may not leave the exporter's
+    results folder (``..``, absolute paths elsewhere, symlinks out); a URI (``file://``, ``s3://``, ...)
+    is the explicit way to write elsewhere. Raises ValueError naming the folder.
+    """
+    if not isinstance(output, str) or not output.strip():
+        raise ValueError(f"output must be a path or URI, got {output!r}")
+    if "://" in output:
+        return output
+    root = os.path.realpath(results_root)
+    path = os.path.realpath(os.path.join(root, output))  # an absolute output replaces root here
+    if os.path.commonpath([root, path]) != root:
+        raise ValueError(f"output {output!r} is outside the results folder {root} (BATCHINFER_RESULTS_ROOT): "
+                         "give a path below it, or a URI (file:///..., s3://...) to write elsewhere")
+    return output
 
 
 def _now_ms() -> int:

@@ -117,3 +117,11 @@ def _interpret_triton_without_cuda() -> None:
 
 
 _interpret_triton_without_cuda()
+
+
+@pytest.fixture(scope="module")
+def redis_module(tmp_path_factory):
+    """A redis-server for one test module whose tests share daemons and a queue (rq's queue key is global)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop(kill=True)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from batchinfer.keys import Keys
 from batchinfer.protocol import ResultRow
@@ -156,3 +159,58 @@ def test_registry_models_and_workers(r):
     assert r.zrange(KEYS.workers, 0, -1) == [b"w1"]  # the expired name was pruned
     reg.unregister_worker("w1")
     assert reg.live_workers() == []
+
+
+def test_publish_many_matches_publish_in_order_with_repeats(r):
+    make_job(r, "m", "in_progress")
+    pub = Publisher(r, KEYS)
+    items = [(row("m", 0), "{t}:reply:m"), (row("m", 1, "failed"), None), (row("m", 0), "{t}:reply:m"),
+             (row("m", 2), None)]
+    outcomes = pub.publish_many(items)
+    assert [o.published for o in outcomes] == [True, True, False, True]  # the repeat within one call
+    assert pub.finish_submission("m", 4) is False  # idx 3 is still owed
+    again = pub.publish_many([(row("m", 2), None), (row("m", 3), None), (row("m", 3), None)])
+    assert [(o.published, o.finalizing) for o in again] == [(False, False), (True, True), (False, False)]
+    rows = [ResultRow.from_json(f[b"row"]) for _, f in r.xrange(KEYS.results("m"))]
+    assert sorted(x.idx for x in rows) == [0, 1, 2, 3]
+    assert r.xlen("{t}:reply:m") == 1
+    fields = job_fields(r, "m")
+    assert (fields["completed"], fields["failed"], fields["status"]) == ("3", "1", "finalizing")
+    assert pub.publish_many([]) == []
+
+
+def test_publish_many_reloads_the_script_and_keeps_outcomes(redis_server):
+    r = redis_server.client()
+    make_job(r, "n", "in_progress")
+    r.hset(KEYS.job("n"), "total", 2)
+    pub = Publisher(r, KEYS)
+    assert pub.publish(row("n", 0)).published
+    r.script_flush()  # as after a Redis restart: every EVALSHA of the pipeline gets NOSCRIPT
+    outcomes = pub.publish_many([(row("n", 1), None), (row("n", 0), None)])
+    assert [(o.published, o.finalizing) for o in outcomes] == [(True, True), (False, False)]
+    assert r.xlen(KEYS.results("n")) == 2
+    with pytest.raises(ValueError, match="idx"):
+        pub.publish_many([(row("n", -1), None)])
+
+
+@given(batches=st.lists(st.lists(st.tuples(st.integers(0, 11), st.booleans()), max_size=12), max_size=6))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_publish_many_is_exactly_once_across_calls(r, batches):
+    """Whatever the repeats within and across calls: one row per idx, counters match, one finalizer."""
+    job = f"h{uuid.uuid4().hex[:8]}"
+    make_job(r, job, "in_progress")
+    pub = Publisher(r, KEYS)
+    pub.finish_submission(job, 12)
+    published, finalizers = set(), 0
+    for batch in batches:
+        outcomes = pub.publish_many([(row(job, idx, "completed" if ok else "failed"), None)
+                                     for idx, ok in batch])
+        for (idx, _), outcome in zip(batch, outcomes, strict=True):
+            assert outcome.published == (idx not in published)
+            published.add(idx)
+            finalizers += outcome.finalizing
+    rows = [ResultRow.from_json(f[b"row"]) for _, f in r.xrange(KEYS.results(job))]
+    assert sorted(x.idx for x in rows) == sorted(published)
+    fields = job_fields(r, job)
+    assert int(fields["completed"]) + int(fields["failed"]) == len(published)
+    assert finalizers == (1 if len(published) == 12 else 0)

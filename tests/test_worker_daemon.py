@@ -352,3 +352,36 @@ def test_worker_survives_a_redis_restart(redis_server):
     _dispatch(r, [_request("jr", 0, [7, 8, 9])])
     _wait(lambda: len(_rows(r, "jr")) == 1, what="a row after the restart")
     assert worker.stop() == 0
+
+
+def test_engine_failure_is_retried_then_dead_lettered_and_its_batch_completes(redis_server):
+    """A poison request counts an attempt per failure (re-dispatched each time) and is dead-lettered
+    with its engine_error row at max_attempts; a request that fails once completes on its retry."""
+    r = redis_server.client()
+    JobStore(r, KEYS).create("jp", model="echo")
+    poison = list(b"xx POISON xx")
+    reqs = [_request("jp", i, poison if i == 3 else [40 + i, 41, 42]) for i in range(8)]
+    flaky = {"jp:5"}  # fails its first try only (a transient fault)
+
+    def once(rid):
+        rid = rid.split("#")[0]  # a re-run after bisection has a fresh engine id
+        if rid in flaky:
+            flaky.discard(rid)
+            raise RuntimeError("transient")
+
+    _dispatch(r, reqs)
+    engine = EchoEngine(requests_per_step=2, max_num_seqs=8, poison="POISON", fault_hook=once)
+    worker = Running(r, engine, settings=_settings(max_attempts=3))
+    _wait(lambda: len(_rows(r, "jp")) == 8, what="8 rows")
+    _wait(lambda: r.xlen(KEYS.batches("echo")) == 0, what="every batch acked")
+    assert worker.stop() == 0
+    rows = {x["idx"]: x for x in _rows(r, "jp")}
+    assert len(_rows(r, "jp")) == 8
+    assert rows[3]["status"] == "failed" and rows[3]["error_code"] == "engine_error"
+    assert "3 time(s)" in rows[3]["error_message"] and "POISON" in rows[3]["error_message"]
+    assert all(rows[i]["status"] == "completed" for i in range(8) if i != 3)
+    assert r.hgetall(KEYS.attempts("jp")) == {b"3": b"3", b"5": b"1"}
+    dead = r.xrange(KEYS.deadletter)
+    assert len(dead) == 1 and json.loads(dead[0][1][b"request"])["request_id"] == "jp:3"
+    assert dead[0][1][b"worker"] == b"w1" and json.loads(dead[0][1][b"request"])["attempts"] == 2
+    assert r.xpending(KEYS.batches("echo"), WORKERS_GROUP)["pending"] == 0

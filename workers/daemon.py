@@ -6,9 +6,11 @@ engine has room (one batch stays prefetched) -> feed waiting requests into the e
 Requests from consecutive batches share the engine (continuous batching across batches).
 
 Faults stay local: a request the engine refuses gets an ``invalid_request`` row; a request the
-engine fails gets an ``engine_error`` row; a step that raises without naming its request is
-bisected (:class:`~batchinfer.workers.inflight.Quarantine`); Redis outages are retried with
-backoff while rows wait in the outbox (publication is idempotent). Only an engine whose every
+engine fails on goes back to the batch stream for another try, and gets its ``engine_error`` row
+(and a dead letter) once it has failed ``max_attempts`` times; a step that raises without naming
+its request is bisected (:class:`~batchinfer.workers.inflight.Quarantine`) so that only the
+culprit counts a failure; Redis outages are retried with backoff while rows wait in the outbox
+(:mod:`batchinfer.workers.outbox`; publication is idempotent). Only an engine whose every
 step fails (``max_failed_steps`` in a row) ends the daemon, with exit code 3: its batches return
 to the queue through their leases. SIGTERM drains: no more pulling, everything held finishes,
 exit 0; a second SIGTERM / SIGINT stops at once (exit 1; leases return the batches).
@@ -24,7 +26,7 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from batchinfer.registry import TOKENIZER_FILES, Registry
 from batchinfer.rows import BatchRequest, ResultRow, now_ms
 from batchinfer.workers.inflight import Book, Held, Quarantine, parse_batch
 from batchinfer.workers.keeper import Keeper
+from batchinfer.workers.outbox import DeadLetter, Outbox
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +73,6 @@ class WorkerDaemon:
         self.cancel_poll_seconds, self.cancel_poll_steps = cancel_poll_seconds, cancel_poll_steps
         self.hard_stop = hard_stop or threading.Event()
         self.book, self.quarantine = Book(), Quarantine()
-        self.outbox: deque[tuple[ResultRow, str | None]] = deque()  # rows to publish, in order
-        self.acks: list[str] = []  # batch entries to XACK + XDEL
-        self.exports: list[str] = []  # jobs this worker made final: export to enqueue
         self.cancelled: set[str] = set()
         self.failed_steps = self.steps = self.requests_done = 0
         self.draining = False
@@ -84,6 +84,8 @@ class WorkerDaemon:
                              register=self._register_model,
                              lease_seconds=settings.lease_seconds, stall_seconds=stall_seconds,
                              heartbeat_seconds=settings.heartbeat_seconds)
+        self.outbox = Outbox(r, self.keys, self.stream, self.publisher, enqueue_export=self._enqueue_export,
+                             on_published=self.metrics.row_published, on_acked=self.keeper.release)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -141,7 +143,7 @@ class WorkerDaemon:
         return self.book.num_unstarted < max(1, self._room())
 
     def _idle(self) -> bool:
-        return self.book.empty() and not self.outbox and not self.acks and not self.exports
+        return self.book.empty() and self.outbox.empty()
 
     def _room(self) -> int:
         return self.max_seqs - self.engine.num_unfinished()
@@ -198,7 +200,7 @@ class WorkerDaemon:
         requests = self._parse_batch(entry, fields)
         published = self.publisher.published_mask([(q.job_id, q.idx, q.request_id) for q in requests])
         if self.book.add_batch(entry, requests, published):
-            self.acks.append(entry)  # nothing left to run (a re-delivery of finished work)
+            self.outbox.ack([entry])  # nothing left to run (a re-delivery of finished work)
         else:
             self.keeper.hold(entry)
 
@@ -213,7 +215,7 @@ class WorkerDaemon:
             if bad.route is not None:
                 job, idx = bad.route
                 row = ResultRow.error("protocol_error", bad.reason, job_id=job, idx=idx, worker=self.name)
-                self.outbox.append((row, None))
+                self.outbox.add(row)
             else:
                 self._dead_letter(entry, bad.reason, {b"request": json.dumps(bad.item).encode()})
         return requests
@@ -251,7 +253,7 @@ class WorkerDaemon:
             return False
         except Exception as e:  # noqa: BLE001 - one request must not stop the worker
             log.exception("worker %s: engine refused %s", self.name, req.request_id)
-            self._end(held, "failed", "engine_error", f"{type(e).__name__}: {e}")
+            self._engine_failed(held, f"{type(e).__name__}: {e}")
             return False
         return True
 
@@ -279,7 +281,7 @@ class WorkerDaemon:
                 continue  # still running, or aborted by us
             error = out.error
             if error:
-                self._end(held, "failed", "engine_error", str(error))
+                self._engine_failed(held, str(error))
                 continue
             row = ResultRow.for_request(held.request, out, worker=self.name, started_at=held.started_at,
                                         finished_at=finished_at)
@@ -295,7 +297,7 @@ class WorkerDaemon:
         culprit = self.quarantine.failed(running)
         if culprit is not None:
             self._abort(self.book.held[culprit])
-            self._end(self.book.held[culprit], "failed", "engine_error", f"{type(error).__name__}: {error}")
+            self._engine_failed(self.book.held[culprit], f"{type(error).__name__}: {error}")
             return
         for rid in running:  # bisect: each half runs alone until the culprit runs alone
             self._abort(self.book.held[rid])
@@ -312,38 +314,45 @@ class WorkerDaemon:
 
     # -- rows out ---------------------------------------------------------------------------------
 
-    def _end(self, held: Held, status: str, code: str, message: str) -> None:
+    def _end(self, held: Held, status: str, code: str, message: str,
+             dead_letter: DeadLetter | None = None) -> None:
         row = ResultRow.error(code, message, status=status, request=held.request, worker=self.name)
-        self._queue(held, row)
+        self._queue(held, row, dead_letter)
 
-    def _queue(self, held: Held, row: ResultRow) -> None:
+    def _queue(self, held: Held, row: ResultRow, dead_letter: DeadLetter | None = None) -> None:
         self.book.close(held.request.request_id)
-        self.outbox.append((row, held.request.reply_to))
+        self.outbox.add(row, held.request.reply_to, dead_letter)
+
+    def _engine_failed(self, held: Held, error: str) -> None:
+        """The engine failed on this request: try it again (anywhere), or give up at ``max_attempts``.
+
+        A failure counts as an attempt, as a worker crash does (``BatchRequest.attempts``): a
+        transient fault (a flaky device, an out-of-memory step) does not fail a request that would
+        run elsewhere, while a poison request ends after ``max_attempts`` tries.
+        """
+        req = held.request
+        failures = req.attempts + 1
+        if failures < self.settings.max_attempts:
+            log.warning("worker %s: engine failed on %s (attempt %d of %d): %s; retrying", self.name,
+                        req.request_id, failures, self.settings.max_attempts, error)
+            self.book.close(req.request_id)
+            self.outbox.retry(req)
+            return
+        message = (f"the engine failed on this request {failures} time(s) (max_attempts "
+                   f"{self.settings.max_attempts}); dead-lettered. Last error: {error}")
+        log.error("worker %s: %s: %s", self.name, req.request_id, message)
+        self._end(held, "failed", "engine_error", message,
+                  dead_letter=DeadLetter(req, message, failures, set(held.entries), self.name))
 
     def _flush(self) -> None:
-        """Publish queued rows (exactly once, in order), ack complete batches, enqueue owed exports."""
-        while self.outbox:
-            row, reply_to = self.outbox[0]
-            outcome = self.publisher.publish(row, reply_to=reply_to)
-            self.outbox.popleft()
-            self.requests_done += 1
-            if outcome.published:
-                self.metrics.row_published(row)
-            if outcome.finalizing and row.job_id:
-                self.exports.append(row.job_id)
-            self.acks += self.book.done(row.request_id)
-        if self.acks:
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.xack(self.stream, WORKERS_GROUP, *self.acks)
-            pipe.xdel(self.stream, *self.acks)  # acked batches are history: keep Redis memory flat
-            pipe.execute()
-            self.keeper.release(self.acks)
-            self.acks = []
-        while self.exports:
-            from batchinfer.jobs.export import enqueue_export
+        """Publish queued rows (exactly once, in order), re-dispatch failed requests, ack complete
+        batches, enqueue owed exports."""
+        self.requests_done += self.outbox.flush(self.book)
 
-            enqueue_export(self.redis, self.settings, self.exports[0])
-            self.exports.pop(0)
+    def _enqueue_export(self, job_id: str) -> None:
+        from batchinfer.jobs.export import enqueue_export
+
+        enqueue_export(self.redis, self.settings, job_id)
 
     def _forget_lost(self) -> None:
         lost = self.keeper.take_lost()
@@ -396,6 +405,24 @@ def read_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
     return files
 
 
+def parse_engine_options(pairs: Iterable[str]) -> dict[str, Any]:
+    """``--engine-option KEY=VALUE`` pairs as keyword arguments: VALUE is JSON when it parses, else text.
+
+    ValueError names a pair without ``=`` or a key that is not an identifier.
+    """
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ValueError(f"{pair!r}: use KEY=VALUE with KEY a setting name, e.g. max_num_seqs=8")
+        try:
+            options[key] = json.loads(raw)
+        except ValueError:
+            options[key] = raw
+    return options
+
+
 def main(settings: Settings, model_dir: str | None, name: str | None = None, device: str = "cpu",
          echo: bool = False, *, model_name: str | None = None,
          engine_options: dict[str, Any] | None = None) -> int:
@@ -403,17 +430,20 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
     from batchinfer.redis_conn import connect
 
     options = dict(engine_options or {})
-    if echo:
-        from batchinfer.workers.echo_engine import EchoEngine
+    if not echo and not model_dir:
+        raise ValueError("--model: a model folder is required (or --echo)")
+    try:
+        if echo:
+            from batchinfer.workers.echo_engine import EchoEngine
 
-        engine = EchoEngine.from_model_dir(model_dir, **options) if model_dir else EchoEngine(**options)
-    else:
-        if not model_dir:
-            raise ValueError("--model: a model folder is required (or --echo)")
-        from batchinfer.workers.config import EngineConfig
-        from batchinfer.workers.engine import Engine
+            engine = EchoEngine.from_model_dir(model_dir, **options) if model_dir else EchoEngine(**options)
+        else:
+            from batchinfer.workers.config import EngineConfig
+            from batchinfer.workers.engine import Engine
 
-        engine = Engine(EngineConfig(model=str(model_dir), device=device, **options))
+            engine = Engine(EngineConfig(model=str(model_dir), device=device, **options))
+    except TypeError as e:  # an engine option the engine does not have
+        raise ValueError(f"engine options {sorted(options)}: {e}") from None
     files = read_tokenizer_files(model_dir) if model_dir else engine.tokenizer_files
     model = model_name or engine.model_name
     name = name or f"{socket.gethostname()}-{model}-{device.replace(':', '')}"

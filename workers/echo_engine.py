@@ -13,7 +13,9 @@ waiting requests in arrival order, after an optional ``step_delay``. ``abort`` h
 Two hooks inject faults for the reliability tests: ``fault_hook(request_id)`` raising makes that
 request finish with ``finish_reason="abort"`` and an ``error`` (as the real engine does when one
 request's postprocessing fails); ``step_fault_hook(request_ids)`` raising makes ``step()`` raise
-with nothing changed (as a failed forward pass would).
+with nothing changed (as a failed forward pass would). ``poison="MARKER"`` (a plain value, so
+``batchinfer worker --echo --engine-option poison=MARKER`` can set it) makes every step that would
+finish a request whose prompt contains MARKER raise, the way a poison input crashes a batch.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class EchoEngine:
         step_delay: float = 0.0,
         fault_hook: FaultHook | None = None,
         step_fault_hook: StepFaultHook | None = None,
+        poison: str | None = None,
     ):
         if requests_per_step < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError("requests_per_step and max_num_seqs must be >= 1, max_model_len >= 2")
@@ -112,6 +115,8 @@ class EchoEngine:
         self.step_delay = step_delay
         self.fault_hook = fault_hook
         self.step_fault_hook = step_fault_hook
+        self.poison = poison or None
+        self._poisoned: set[str] = set()  # ids of waiting requests whose prompt holds the marker
         self.num_generated_tokens = 0
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
         self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
@@ -151,10 +156,13 @@ class EchoEngine:
             raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {max_tokens} "
                              f"exceed max_model_len {self.max_model_len}")
         self._waiting[request_id] = _Request(request_id, ids, params)
+        if self.poison and self.poison in self.tokenizer.decode(ids, skip_special_tokens=False):
+            self._poisoned.add(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its output (finish_reason "abort") comes with the next ``step()``."""
         req = self._waiting.pop(request_id, None)
+        self._poisoned.discard(request_id)
         if req is not None:
             outs = [CompletionOutput(index=i, finish_reason="abort") for i in range(req.params.n)]
             self._pending.append(RequestOutput(request_id, req.prompt_token_ids, outs, finished=True))
@@ -166,9 +174,13 @@ class EchoEngine:
         chosen = list(itertools.islice(self._waiting.values(), self.requests_per_step))
         if self.step_fault_hook is not None:
             self.step_fault_hook([req.request_id for req in chosen])  # may raise: nothing changed
+        poisoned = [req.request_id for req in chosen if req.request_id in self._poisoned]
+        if poisoned:
+            raise RuntimeError(f"poison request in the step: {poisoned[0]} (prompt contains {self.poison!r})")
         outputs, self._pending = self._pending, []
         for req in chosen:
             del self._waiting[req.request_id]
+            self._poisoned.discard(req.request_id)
             outputs.append(self._answer(req))
         return outputs
 

@@ -1,0 +1,305 @@
+"""Daemons as real subprocesses for end-to-end and fault tests, and a TCP proxy that can cut a link.
+
+:class:`Stack` starts ``python -m batchinfer.cli scheduler|worker|exporter`` against one Redis and
+one key prefix, each in its own process group (so a kill reaches everything a daemon started),
+with its log in a file; every wait is bounded and fails with the daemons' log tails. Tests import
+it after their conftest puts ``tests/`` on ``sys.path`` (pytest runs with ``--import-mode=importlib``).
+
+:class:`TcpProxy` sits between one daemon and Redis on 127.0.0.1; :meth:`TcpProxy.cut` makes the
+link a black hole (nothing is forwarded either way, connections stay open, as in a network
+partition) until :meth:`TcpProxy.restore`, when what was sent meanwhile arrives late, as TCP
+retransmission would deliver it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from batchinfer.client import Client
+from batchinfer.config import Settings
+from batchinfer.registry import Registry
+
+CLI = [sys.executable, "-m", "batchinfer.cli"]
+START_TIMEOUT_S = 180
+JOB_TIMEOUT_S = 300
+LOG_TAIL_LINES = 40
+# Fault tests: short leases and fast heartbeats, so a dead worker's batch comes back within seconds.
+FAULT_ENV = {"BATCHINFER_LEASE_SECONDS": "2", "BATCHINFER_HEARTBEAT_SECONDS": "0.5"}
+# Echo workers slow enough that a kill lands while a batch is half done (8 requests: 4 steps).
+SLOW_ECHO = {"step_delay": 0.05, "requests_per_step": 2, "max_num_seqs": 8}
+
+
+class Stack:
+    """Daemons started for a test, their logs, and a Client on the same queue.
+
+    ``env`` entries override the defaults (``BATCHINFER_*`` settings shared by every daemon).
+    """
+
+    def __init__(self, redis_url: str, tmp: Path, env: dict[str, str] | None = None):
+        self.tmp = tmp
+        self.redis_url = redis_url
+        self.prefix = f"{{e{uuid.uuid4().hex[:8]}}}"
+        self.env = {**os.environ, "BATCHINFER_REDIS_URL": redis_url, "BATCHINFER_PREFIX": self.prefix,
+                    "BATCHINFER_RESULTS_ROOT": str(tmp / "results"), "BATCHINFER_HEARTBEAT_SECONDS": "1",
+                    "BATCHINFER_LEASE_SECONDS": "20", "OMP_NUM_THREADS": "1",
+                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.exited: dict[str, int] = {}  # daemons stopped by the test, with their exit codes
+        self.client = Client(settings=Settings(redis_url=redis_url, prefix=self.prefix))
+
+    # -- processes --------------------------------------------------------------------------------
+
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None,
+              preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen:
+        """Start ``batchinfer <args>`` as daemon ``name`` (its own process group; log in ``<name>.log``)."""
+        assert name not in self.procs, f"{name} is already running"
+        with open(self.tmp / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen([*CLI, *args], env={**self.env, **(env or {})}, stdout=log, cwd=self.tmp,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, preexec_fn=preexec_fn)
+        self.procs[name] = proc
+        return proc
+
+    def worker(self, name: str, model_dir: Path | None = None, *, echo: bool = False,
+               options: dict[str, Any] | None = None, redis_url: str | None = None,
+               env: dict[str, str] | None = None) -> subprocess.Popen:
+        """A worker named ``name``: the model in ``model_dir``, or the echo engine (``echo``), with
+        ``--engine-option`` settings; ``redis_url`` reaches Redis another way (e.g. a proxy)."""
+        args = ["worker", "--name", name, "--device", "cpu"]
+        if model_dir is not None:
+            args += ["--model", str(model_dir)]
+        if echo:
+            args.append("--echo")
+        for key, value in (options or {}).items():
+            args += ["--engine-option", f"{key}={value}"]
+        extra = {**(env or {}), **({"BATCHINFER_REDIS_URL": redis_url} if redis_url else {})}
+        return self.start(name, *args, env=extra)
+
+    def send(self, name: str, sig: int) -> None:
+        """Send ``sig`` to daemon ``name`` only (not its group)."""
+        self.procs[name].send_signal(sig)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Signal daemon ``name`` and wait for it; SIGKILL its group if it does not exit in time."""
+        proc = self.procs.pop(name)
+        if proc.poll() is None:
+            if sig == signal.SIGKILL:
+                _killpg(proc)
+            else:
+                proc.send_signal(sig)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _killpg(proc)
+                proc.wait(timeout=10)
+        _killpg(proc)  # whatever it started must not outlive it
+        self.exited[name] = proc.returncode
+        return proc.returncode
+
+    def kill(self, name: str) -> int:
+        """SIGKILL daemon ``name`` (and its process group), as a crash would."""
+        return self.stop(name, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Stop every daemon (SIGTERM, then SIGKILL after a grace period)."""
+        for name in list(self.procs):
+            self.stop(name, timeout=20)
+        self.client.close()
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            assert proc.poll() is None, f"{name} exited with {proc.returncode}\n{self.logs()}"
+
+    # -- waiting ----------------------------------------------------------------------------------
+
+    def until(self, cond: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
+        """Poll ``cond`` until it returns a truthy value (returned); fails with the logs on timeout
+        or when a daemon died meanwhile."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = cond()
+            if value:
+                return value
+            self.check_alive()
+            assert time.monotonic() < deadline, f"waited {timeout} s for {what}\n{self.logs()}"
+            time.sleep(poll)
+
+    def wait_for_workers(self, count: int, timeout: float = START_TIMEOUT_S) -> None:
+        """Until ``count`` workers are live (a daemon that died fails the test at once)."""
+        registry = Registry(self.client.redis, self.client.keys)
+        self.until(lambda: len(registry.live_workers()) >= count, timeout, f"{count} live worker(s)")
+
+    def wait_for_worker(self, name: str, timeout: float = START_TIMEOUT_S) -> None:
+        registry = Registry(self.client.redis, self.client.keys)
+        self.until(lambda: name in {w.name for w in registry.live_workers()}, timeout, f"worker {name}")
+
+    def wait(self, job: str, timeout: float = JOB_TIMEOUT_S):
+        """The job's record once it is terminal."""
+        return self.until(lambda: (rec := self.client.status(job)).terminal and rec, timeout,
+                          f"job {job} to end", poll=0.2)
+
+    def cli(self, *args: str, timeout: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
+        return subprocess.run([*CLI, *args], env=self.env, capture_output=True, text=True, timeout=timeout,
+                              cwd=self.tmp)
+
+    def logs(self) -> str:
+        parts = []
+        for path in sorted(self.tmp.glob("*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            parts.append(f"----- {path.name} -----\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+class TcpProxy:
+    """A threaded TCP proxy on 127.0.0.1 to ``target_port`` whose link the test can cut and restore."""
+
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1"):
+        self.target = (target_host, target_port)
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._open = threading.Event()
+        self._open.set()
+        self._closed = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def cut(self) -> None:
+        """Stop forwarding in both directions; connections stay open (a network partition)."""
+        self._open.clear()
+
+    def restore(self) -> None:
+        """Forward again, including what was sent during the cut."""
+        self._open.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._open.set()
+        with contextlib.suppress(OSError):
+            self._server.close()
+        with self._lock:
+            for s in self._sockets:
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connect, args=(client,), daemon=True).start()
+
+    def _connect(self, client: socket.socket) -> None:
+        self._open.wait()  # during a cut, a new connection hangs as in a partition
+        try:
+            upstream = socket.create_connection(self.target, timeout=5)
+            upstream.settimeout(None)
+        except OSError:
+            client.close()
+            return
+        with self._lock:
+            self._sockets += [client, upstream]
+        for src, dst in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                self._open.wait()  # held while cut: delivered late, never dropped
+                if self._closed:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+# -- checks on what a stack left in Redis ----------------------------------------------------------
+
+
+def stream_rows(stack: Stack, job: str) -> list[dict]:
+    """Every row on the job's results stream, duplicates included (XRANGE, not the client's reader)."""
+    r = stack.client.redis
+    return [json.loads(fields[b"row"]) for _, fields in r.xrange(stack.client.keys.results(job))]
+
+
+def assert_exactly_once(stack: Stack, job: str, n: int, record) -> list[dict]:
+    """One row per request on the results stream and in the exported Parquet file; returns the rows.
+
+    The stream is checked first: the exporter drops duplicate idx values, so the file alone would
+    hide a duplicate publication.
+    """
+    rows = stream_rows(stack, job)
+    counts = Counter(r["idx"] for r in rows)
+    duplicated = {idx: c for idx, c in counts.items() if c > 1}
+    lost = sorted(set(range(n)) - set(counts))
+    assert not duplicated and not lost, f"duplicated {duplicated}, lost {lost}\n{stack.logs()}"
+    assert len(rows) == n
+    assert record.done == n and record.total == n, record
+    table = pq.read_table(record.output).to_pylist()
+    assert [r["idx"] for r in table] == list(range(n))
+    by_idx = {r["idx"]: r for r in rows}
+    assert all(t["status"] == by_idx[t["idx"]]["status"] for t in table)
+    return rows
+
+
+def attempts(stack: Stack, job: str) -> dict[int, int]:
+    """``{p}:attempts:<job>``: idx -> attempts counted for it."""
+    raw = stack.client.redis.hgetall(stack.client.keys.attempts(job))
+    return {int(k): int(v) for k, v in raw.items()}
+
+
+def dead_letters(stack: Stack) -> list[dict]:
+    entries = stack.client.redis.xrange(stack.client.keys.deadletter)
+    return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
+
+
+def pending_of(stack: Stack, model: str, consumer: str) -> list[str]:
+    """Batch entries of ``model`` delivered to ``consumer`` and not acknowledged."""
+    r = stack.client.redis
+    stream = stack.client.keys.batches(model)
+    if not r.exists(stream):
+        return []
+    entries = r.xpending_range(stream, "workers", "-", "+", 1000, consumername=consumer)
+    return [e["message_id"].decode() for e in entries]
+
+
+def requests_in(stack: Stack, model: str, entry_ids: list[str]) -> list[dict]:
+    """The requests of batch entries (those still on the stream)."""
+    r = stack.client.redis
+    stream = stack.client.keys.batches(model)
+    out = []
+    for eid in entry_ids:
+        for _, fields in r.xrange(stream, min=eid, max=eid):
+            out += json.loads(fields[b"requests"])
+    return out

@@ -45,7 +45,7 @@ def connect(
         )
     kwargs: dict = {
         "decode_responses": decode_responses,
-        "retry": Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES),
+        "retry": _TransientRetry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES),
         "retry_on_error": [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
         "health_check_interval": HEALTH_CHECK_INTERVAL_S,
         "socket_timeout": socket_timeout,
@@ -57,6 +57,40 @@ def connect(
     if scheme == "rediss" and ca_file:
         kwargs["ssl_ca_certs"] = ca_file
     return redis.Redis.from_url(url, **kwargs)
+
+
+def is_permanent(error: Exception) -> bool:
+    """Connection errors that no retry can mend: a wrong password or user, an untrusted certificate."""
+    if isinstance(error, redis.exceptions.AuthenticationError):
+        return True
+    return "certificate verify failed" in str(error)
+
+
+class _TransientRetry(Retry):
+    """redis-py's retry with backoff, minus the errors that are not transient (``is_permanent``):
+    those reach the caller at once instead of after every backoff step."""
+
+    def call_with_retry(self, do, fail, *args, **kwargs):
+        def do_or_stop():
+            try:
+                return do()
+            except redis.exceptions.ConnectionError as e:
+                if is_permanent(e):
+                    raise _Permanent(e) from e
+                raise
+
+        try:
+            return super().call_with_retry(do_or_stop, fail, *args, **kwargs)
+        except _Permanent as stop:
+            raise stop.error from None
+
+
+class _Permanent(Exception):
+    """Carries a permanent error past the retry loop (it is not one of the retried types)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 def redact_url(url: str | None) -> str:

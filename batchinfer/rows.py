@@ -107,7 +107,14 @@ class ResultRow:
         return asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
+        text = json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            # A lone surrogate (from a producer that wrote one straight to a batch stream) cannot be
+            # sent as UTF-8: escape it rather than leave a row that can never be published.
+            text = json.dumps(self.to_dict(), ensure_ascii=True, separators=(",", ":"))
+        return text
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ResultRow:

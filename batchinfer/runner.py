@@ -161,6 +161,8 @@ def run_all(ctx: Ctx, opts: RunOptions,
         # The URL travels in the environment, not argv, so no password shows in `ps`.
         env = {**os.environ, "BATCHINFER_REDIS_URL": settings.redis_url, "BATCHINFER_PREFIX": settings.prefix,
                "BATCHINFER_LOG_FORMAT": settings.log_format, "BATCHINFER_LOG_LEVEL": settings.log_level}
+        if settings.redis_ca_file:  # given as a flag: the daemons need it too
+            env["BATCHINFER_REDIS_CA_FILE"] = settings.redis_ca_file
         daemons = Daemons(log_dir, env)
         stack.callback(daemons.stop)
         daemons.start("scheduler", "scheduler")

@@ -45,6 +45,8 @@ class RedisServer:
             try:
                 redis.Redis(port=self.port, socket_connect_timeout=0.2).ping()
                 return self
+            except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError):
+                return self  # up, and asking for a password (a --requirepass or ACL server)
             except redis.exceptions.ConnectionError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     raise RuntimeError(f"redis-server did not start on port {self.port}") from None

@@ -175,13 +175,13 @@ def test_jsonl_plain_and_openai_lines_with_bad_lines(model_stack, llm, tmp_path)
     f = tmp_path / "in.jsonl"
     f.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in JSONL_LINES) + "\n")
     out = tmp_path / "out.parquet"
-    sub = model_stack.cli("submit", str(f), "--model", MODEL, "--output", str(out), "--json")
+    sub = model_stack.cli("submit", str(f), "--model", MODEL, "--output", out.as_uri(), "--json")
     assert sub.returncode == 0, sub.stderr
     job = json.loads(sub.stdout)["job_id"]
     waited = model_stack.cli("wait", job, "--timeout", str(JOB_TIMEOUT_S), "--json")
     assert waited.returncode == 0, f"{waited.stdout}\n{waited.stderr}\n{model_stack.logs()}"
     record = json.loads(waited.stdout)
-    assert record["status"] == "completed" and record["output"] == str(out)
+    assert record["status"] == "completed" and record["output"] == out.as_uri()
     assert record["request_counts"] == {"total": 9, "completed": 6, "failed": 3}
 
     rows = read_rows(out)
@@ -229,7 +229,7 @@ def test_parquet_input(model_stack, llm, tmp_path):
     f = tmp_path / "in.parquet"
     pq.write_table(table, f)
     out = tmp_path / "out.parquet"
-    sub = model_stack.cli("submit", str(f), "--model", MODEL, "--output", str(out), "--wait", "--json")
+    sub = model_stack.cli("submit", str(f), "--model", MODEL, "--output", out.as_uri(), "--wait", "--json")
     assert sub.returncode == 0, f"{sub.stdout}\n{sub.stderr}\n{model_stack.logs()}"
     rows = read_rows(out)
     assert [r["custom_id"] for r in rows] == ["p0", "p1", "p2"] and [r["line"] for r in rows] == [1, 2, 3]

@@ -216,8 +216,8 @@ def test_rq_export_runs_and_retries_through_the_exporter_worker(redis_server, tm
 
     r = redis_server.client()
     s = Settings(prefix=PREFIX)
-    ok = _job(r, 5, output=str(tmp_path / "ok.parquet"), job_id="jok")
-    bad = _job(r, 2, output=str(tmp_path / "file" / "x.parquet"), job_id="jbad")
+    ok = _job(r, 5, output=(tmp_path / "ok.parquet").as_uri(), job_id="jok")
+    bad = _job(r, 2, output=(tmp_path / "file" / "x.parquet").as_uri(), job_id="jbad")
     (tmp_path / "file").write_text("not a folder")
     enqueue_export(r, s, ok)
     enqueue_export(r, s, bad)
@@ -292,7 +292,7 @@ def test_exporter_main_books_the_nightly_run_and_exports_in_burst_mode(redis_ser
 
     r = redis_server.client()
     s = Settings(redis_url=redis_server.url, prefix=PREFIX)
-    job = _job(r, 3, output=str(tmp_path / "burst.parquet"), job_id="jburst")
+    job = _job(r, 3, output=(tmp_path / "burst.parquet").as_uri(), job_id="jburst")
     enqueue_export(r, s, job)
     assert exporter.main(s, name="exporter-test", burst=True) == 0
     assert _record(r, job)["status"] == "completed"

@@ -372,3 +372,11 @@ def test_result_row_error():
         ResultRow.error("x", "y", job_id="j", idx=1, status="done")
     with pytest.raises(ValueError, match="direct request needs"):
         ResultRow.error("x", "y")
+
+
+def test_result_row_with_a_lone_surrogate_is_still_sendable():
+    row = ResultRow.error("invalid_request", "bad", job_id="j", idx=0, custom_id="a\ud800b")
+    text = row.to_json()
+    text.encode("utf-8")  # would raise without the ASCII fallback
+    assert ResultRow.from_json(text).custom_id == "a\ud800b"
+    assert ResultRow.error("x", "é", job_id="j", idx=1).to_json().count("é") == 1  # UTF-8 kept otherwise

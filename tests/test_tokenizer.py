@@ -126,11 +126,19 @@ def test_unknown_role_raises_from_template(tok):
     "{{ ''.__class__.__base__.__subclasses__() }}",
     "{{ raise_exception.__globals__['__builtins__'] }}",
     "{% set x = messages.append({'role': 'evil'}) %}",
+    "{{ 'a' * 10**11 }}",  # memory exhaustion: jinja2 bounds range() but not '*'
+    "{{ [0] * 100000000 }}",
+    "{{ 7 ** 100000 }}",
 ])
 def test_sandbox_escape_is_rejected(template):
     tok = Tokenizer.from_files(_tokenizer_json(), chat_template=template)
     with pytest.raises(ChatTemplateError, match="unsafe"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_modest_repetition_still_renders():
+    tok = Tokenizer.from_files(_tokenizer_json(), chat_template="{{ '=' * 3 }}{{ 2 ** 10 }}")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "===1024"
 
 
 def test_template_syntax_error_names_line():

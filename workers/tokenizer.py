@@ -22,7 +22,7 @@ import jinja2
 import tokenizers
 from jinja2 import nodes
 from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 _Text = bytes | str
 
@@ -259,8 +259,31 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                       sort_keys=sort_keys)
 
 
-_ENV = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                     extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, plus a cap on ``*`` and ``**``: jinja2 bounds ``range`` but not
+    ``'a' * 10**11``, which would exhaust memory from a hostile template."""
+
+    intercepted_binops = frozenset({"*", "**"})
+    MAX_REPEAT = 1_000_000  # items or characters one ``*`` may build
+    MAX_POWER_BITS = 4096  # bits one ``**`` may produce
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                size = len(seq) * n if isinstance(seq, str | list | tuple) and isinstance(n, int) else 0
+                if size > self.MAX_REPEAT:
+                    raise SecurityError(f"chat template: '*' would build {size} items "
+                                        f"(limit {self.MAX_REPEAT})")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+            bits = max(1, abs(left).bit_length()) * right
+            if bits > self.MAX_POWER_BITS:
+                raise SecurityError(f"chat template: '**' would make a {bits}-bit number "
+                                    f"(limit {self.MAX_POWER_BITS})")
+        return super().call_binop(context, operator, left, right)
+
+
+_ENV = _ChatSandbox(trim_blocks=True, lstrip_blocks=True,
+                    extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
 _ENV.filters["tojson"] = _tojson
 _ENV.globals["raise_exception"] = _raise_exception
 _ENV.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -31,8 +31,8 @@ test: setup-dev
 
 demo: setup
 	$(BIN)/batchinfer run examples/prompts.jsonl -o demo-out/results.parquet --model demo
-	$(BIN)/python -c "import pandas as pd; df = pd.read_parquet('demo-out/results.parquet'); \
-	print(df[['custom_id', 'status', 'finish_reason', 'completion_tokens']].to_string(index=False))"
+	$(BIN)/python -c "import pandas as pd; df = pd.read_parquet('demo-out/results.parquet').convert_dtypes(); \
+	print(df[['custom_id', 'status', 'finish_reason', 'completion_tokens', 'error_code']].to_string(index=False))"
 
 bench: setup-dev
 	$(BIN)/python bench/engine_cpu.py

@@ -89,6 +89,6 @@ class Accounting:
     def _export_queued(self, job_id: str) -> bool:
         from rq.job import Job
 
-        from batchinfer.jobs.export import rq_job_id
+        from batchinfer.jobs.queueing import rq_job_id
 
         return Job.exists(rq_job_id("export", self.settings.prefix, job_id), connection=self.redis)

@@ -4,7 +4,8 @@ It runs the jobs of :mod:`batchinfer.jobs` — Parquet / JSONL / OpenAI exports 
 nightly export of direct results — and, with rq's scheduler, moves scheduled and retried jobs onto
 the queue when they are due. On start it books the next nightly export (idempotent). SIGTERM is
 rq's warm shutdown: the running export finishes, then the process exits 0. When Redis goes away
-the worker is rebuilt after a backoff instead of exiting.
+(or rq's loop ends for any reason but a stop request) the worker is rebuilt after a backoff
+instead of exiting.
 """
 
 from __future__ import annotations
@@ -24,15 +25,34 @@ from batchinfer.keys import RQ_QUEUE
 log = logging.getLogger(__name__)
 
 BACKOFF_S = (1, 2, 5, 10, 30)
+# rq's scheduler (a child process that moves retries and the nightly job onto the queue when due)
+# dies when Redis goes away, and the worker restarts it only in its maintenance pass, which by
+# default runs after an idle dequeue of worker_ttl - 15 = 405 s and at most every 10 minutes: an
+# export retry due 10 s after a Redis blip would wait up to 10 minutes. These bound it to ~15 s.
+WORKER_TTL_S = 20  # idle dequeues last worker_ttl - 15 s
+MAINTENANCE_S = 10  # maintenance (restarting a dead scheduler, cleaning registries) at most this often
 
 
 def build_worker(r: redis.Redis, name: str | None = None):
-    """An rq ``Worker`` on :data:`batchinfer.keys.RQ_QUEUE` with the JSON serializer."""
+    """An rq ``Worker`` on :data:`batchinfer.keys.RQ_QUEUE` with the JSON serializer.
+
+    Its ``stop_asked`` tells a stop by signal from rq's loop giving up on its own: rq's
+    ``work()`` returns normally after an unexpected error (e.g. Redis gone during a heartbeat),
+    and a daemon must then start again instead of exiting 0.
+    """
     from rq import Queue, Worker
     from rq.serializers import JSONSerializer
 
+    class ExporterWorker(Worker):
+        stop_asked = False
+
+        def request_stop(self, signum, frame):
+            self.stop_asked = True
+            super().request_stop(signum, frame)
+
     queue = Queue(RQ_QUEUE, connection=r, serializer=JSONSerializer)
-    return Worker([queue], connection=r, serializer=JSONSerializer, name=name)
+    return ExporterWorker([queue], connection=r, serializer=JSONSerializer, name=name,
+                          worker_ttl=WORKER_TTL_S, maintenance_interval=MAINTENANCE_S)
 
 
 def main(settings: Settings, *, name: str | None = None, burst: bool = False) -> int:
@@ -52,14 +72,17 @@ def main(settings: Settings, *, name: str | None = None, burst: bool = False) ->
             log.info("exporter %s on queue %s (%s)", worker.name, RQ_QUEUE,
                      settings.redacted_url() or "default Redis")
             worker.work(burst=burst, with_scheduler=True, logging_level=settings.log_level)
-            return 0
+            if burst or worker.stop_asked:
+                return 0
+            reason = "rq's worker loop gave up (the error is logged above)"
         except (redis.ConnectionError, redis.TimeoutError) as e:
             if stopping.is_set():
                 return 0
-            delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
-            attempt += 1
-            log.warning("exporter lost Redis (%s); retrying in %ss", e, delay)
-            _sleep_unless_stopped(delay, stopping)
+            reason = f"lost Redis ({e})"
+        delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+        attempt += 1
+        log.warning("exporter: %s; starting again in %ss", reason, delay)
+        _sleep_unless_stopped(delay, stopping)
     return 0
 
 

@@ -160,22 +160,33 @@ _CUSTOM_ID_FIRST = re.compile(r'\s*\{\s*"custom_id"\s*:\s*')
 _DECODER = json.JSONDecoder()
 
 
+def leading_custom_id(body: str) -> str | None:
+    """The ``custom_id`` of a JSON object whose first key it is (decodes that one string only, so it
+    is cheap whatever the body's size), else None."""
+    first = _CUSTOM_ID_FIRST.match(body)
+    if not first:
+        return None
+    try:
+        value = _DECODER.raw_decode(body, first.end())[0]
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 def custom_id_of(body: str) -> str | None:
     """The top-level ``custom_id`` string of a JSON body, or None (no id, or not JSON).
 
-    Fast path for the usual line that starts with it (decodes that one string); else a full parse.
+    Fast path for the usual line that starts with it; else a full parse.
     """
+    if _CUSTOM_ID_FIRST.match(body):
+        return leading_custom_id(body)
+    if '"custom_id"' not in body:
+        return None
     try:
-        first = _CUSTOM_ID_FIRST.match(body)
-        if first:
-            value = _DECODER.raw_decode(body, first.end())[0]
-        elif '"custom_id"' in body:
-            parsed = json.loads(body)
-            value = parsed.get("custom_id") if isinstance(parsed, dict) else None
-        else:
-            return None
+        parsed = json.loads(body)
     except (ValueError, RecursionError):
         return None  # the scheduler reports the line itself
+    value = parsed.get("custom_id") if isinstance(parsed, dict) else None
     return value if isinstance(value, str) else None
 
 
@@ -349,4 +360,4 @@ def _arrow_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[InputLine]:
 
 
 __all__ = ["DuplicateIds", "InputError", "InputLine", "check_columns", "custom_id_of", "input_name",
-           "open_input", "read_dataframe", "read_jsonl", "read_parquet", "read_records"]
+           "leading_custom_id", "open_input", "read_dataframe", "read_jsonl", "read_parquet", "read_records"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import redis
 
 from batchinfer.config import Settings
+from batchinfer.inputs import leading_custom_id
 from batchinfer.keys import SCHEDULER_GROUP, Keys
 from batchinfer.lookups import JobCache, ModelCache, RowSink
 from batchinfer.protocol import IntakeEntry, RequestError, RequestSpec, parse_body, valid_job_id
@@ -142,8 +143,10 @@ class Admission:
         limit = self.settings.max_line_bytes
         # len() counts characters; only text that might be over the limit is encoded to count bytes
         if len(body) > limit or (4 * len(body) > limit and len(body.encode("utf-8", "replace")) > limit):
+            custom_id = leading_custom_id(body)  # cheap: the rest of the body is never parsed
             raise RequestError("line_too_long", f"body is {len(body.encode('utf-8', 'replace'))} bytes, more "
-                               f"than the limit of {limit} bytes (BATCHINFER_MAX_LINE_BYTES)", field="body")
+                               f"than the limit of {limit} bytes (BATCHINFER_MAX_LINE_BYTES)", field="body",
+                               context={"custom_id": custom_id} if custom_id else None)
 
     def _duplicate(self, client_request_id: str, request_id: str) -> bool:
         """SET NX the idempotency key; a re-read of our own entry (after a crash) is no duplicate."""

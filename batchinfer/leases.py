@@ -3,7 +3,8 @@
 A worker keeps a batch by re-claiming its pending entry every ``lease_seconds / 3``. An entry idle
 longer than ``lease_seconds`` is XAUTOCLAIMed here. Of its requests, those already published are
 dropped (the exactly-once guard says so), those of cancelled / expired jobs get their row, and
-each other one counts an attempt: at ``max_attempts`` it is dead-lettered (``{p}:deadletter`` +
+each other one counts an attempt (workers count one too for each engine failure, see
+``batchinfer.workers.outbox``): at ``max_attempts`` it is dead-lettered (``{p}:deadletter`` +
 a ``dead_lettered`` row), otherwise it goes into a new batch. The new batch, the attempt counts,
 the dead letters and the XACK + XDEL of the old entry are one MULTI. The attempt count travels
 in the batch entry (``attempts``), so a crash between claim and MULTI never counts twice;
@@ -83,8 +84,8 @@ class Leases:
             if q.attempts < self.max_attempts:
                 again.append(q)
                 continue
-            message = (f"the request was in flight through {q.attempts} worker failures (lease of "
-                       f"{self.lease_ms / 1000:g} s expired each time); giving up")
+            message = (f"the request was tried {q.attempts} times: its worker stopped refreshing the lease "
+                       f"({self.lease_ms / 1000:g} s) or its engine failed on it; giving up")
             self.sink.publish(ResultRow.error("dead_lettered", message, request=q), q.reply_to)
             pipe.xadd(self.keys.deadletter, {"request": json.dumps(q.to_dict()), "error": message,
                                              "batch": entry_id, "model": model})

@@ -155,7 +155,7 @@ class RowSink:
         return outcome.published
 
     def enqueue_export(self, job_id: str) -> None:
-        from batchinfer.jobs.export import enqueue_export
+        from batchinfer.jobs.queueing import enqueue_export
 
         enqueue_export(self.redis, self.settings, job_id)
         log.info("job %s: every request has its row; export enqueued", job_id)

@@ -11,12 +11,10 @@ record get its ``output`` and its final status: ``finalizing`` -> ``completed``,
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
 import os
-import re
 import struct
 import tempfile
 from collections import defaultdict
@@ -28,7 +26,13 @@ import redis
 from batchinfer.config import Settings
 from batchinfer.jobs.formats import EXTENSIONS, RESULT_SCHEMA, check_format
 from batchinfer.jobs.output import resolve, write_rows
-from batchinfer.keys import RQ_QUEUE, Keys
+from batchinfer.jobs.queueing import (  # noqa: F401 - re-exported: the exporter's public API
+    EXPORT_TIMEOUT_S,
+    RETRY_INTERVALS,
+    enqueue_export,
+    rq_job_id,
+)
+from batchinfer.keys import Keys
 
 __all__ = ["RESULT_SCHEMA", "IdxSorter", "confined_output", "enqueue_export", "export_job", "iter_stream",
            "rq_job_id", "write_rows"]
@@ -38,8 +42,6 @@ log = logging.getLogger(__name__)
 STREAM_CHUNK = 1000  # entries per XRANGE
 BUCKET_ROWS = 100_000  # rows sorted in memory at once (more for jobs over MAX_BUCKETS buckets)
 MAX_BUCKETS = 256  # spill files open at once
-RETRY_INTERVALS = (10, 30, 60)  # seconds before each rq retry
-EXPORT_TIMEOUT_S = 6 * 3600
 _RECORD = struct.Struct("<qI")  # spill record header: idx, length of the row's JSON
 
 # KEYS: job hash, cancelled set, results stream, guard bitmap, attempts hash.
@@ -274,30 +276,3 @@ def _now_ms() -> int:
     from batchinfer.rows import now_ms
 
     return now_ms()
-
-
-def rq_job_id(kind: str, prefix: str, name: str) -> str:
-    """A deterministic rq job id for ``name`` under ``prefix`` (rq allows letters, digits, ``_``, ``-``)."""
-    digest = hashlib.sha1(f"{prefix}\0{name}".encode()).hexdigest()[:12]
-    return f"batchinfer-{kind}-{re.sub(r'[^A-Za-z0-9_-]', '_', name)[:80]}-{digest}"
-
-
-def enqueue_export(r: redis.Redis, settings: Settings, job_id: str, *, output: str | None = None,
-                   fmt: str | None = None) -> str:
-    """Enqueue ``export_job`` for ``job_id`` on the rq queue (JSON serializer, retries); returns its rq id.
-
-    The rq job id is derived from the prefix and job id, so a second call replaces the first.
-    """
-    from rq import Queue, Retry
-    from rq.serializers import JSONSerializer
-
-    queue = Queue(RQ_QUEUE, connection=r, serializer=JSONSerializer)
-    job = queue.enqueue_call(
-        "batchinfer.jobs.export.export_job", args=[job_id],
-        kwargs={"prefix": settings.prefix, "output": output, "fmt": fmt},
-        job_id=rq_job_id("export", settings.prefix, job_id), description=f"export {job_id}",
-        retry=Retry(max=len(RETRY_INTERVALS), interval=list(RETRY_INTERVALS)),
-        timeout=EXPORT_TIMEOUT_S, result_ttl=settings.results_ttl_seconds,
-        failure_ttl=settings.results_ttl_seconds,
-    )
-    return job.id

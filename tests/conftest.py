@@ -127,3 +127,9 @@ def redis_module(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop(kill=True)
+
+
+# tests/daemons.py (daemon subprocesses, a cuttable TCP proxy, result checks), shared by test_e2e.py
+# and tests/faults/, is imported as `daemons`: with --import-mode=importlib tests/ is not on sys.path.
+if str(Path(__file__).resolve().parent) not in os.sys.path:
+    os.sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -111,6 +111,21 @@ class Stack:
         self.exited[name] = proc.returncode
         return proc.returncode
 
+    def wait_exit(self, name: str, timeout: float = 60) -> int:
+        """Wait for daemon ``name`` to exit on its own (e.g. draining after a signal): its exit code.
+
+        No second signal is sent: a second SIGTERM means "stop at once" to a worker.
+        """
+        proc = self.procs[name]
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} did not exit within {timeout} s\n{self.logs()}") from None
+        self.procs.pop(name)
+        _killpg(proc)
+        self.exited[name] = code
+        return code
+
     def kill(self, name: str) -> int:
         """SIGKILL daemon ``name`` (and its process group), as a crash would."""
         return self.stop(name, signal.SIGKILL)

@@ -3,7 +3,8 @@
 Scheduler, worker (tiny Llama on CPU, or ``--echo``) and exporter run as ``python -m
 batchinfer.cli ...``; jobs go in through the CLI (JSONL plain and OpenAI lines, Parquet) or a
 raw XADD, and their Parquet output is compared with the in-process ``LLM.generate`` tokens.
-Daemon logs are printed at teardown, so pytest shows them when a test fails.
+Daemon logs are printed at teardown, so pytest shows them when a test fails. The daemons are
+driven by ``tests/daemons.py``'s :class:`Stack`, shared with the fault-injection suite.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -20,91 +20,14 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from daemons import CLI, JOB_TIMEOUT_S, START_TIMEOUT_S, Stack
 
-from batchinfer.client import Client
-from batchinfer.config import Settings
 from batchinfer.jobstore import JobStatus
-from batchinfer.registry import Registry
 
 pytestmark = pytest.mark.slow
 
-CLI = [sys.executable, "-m", "batchinfer.cli"]
 MODEL = "tiny-llama"  # the served name: the tiny_llama folder's name
 REPO = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 180
-JOB_TIMEOUT_S = 300
-
-
-class Stack:
-    """Daemons started for a test, their logs, and a Client on the same queue."""
-
-    def __init__(self, redis_url: str, tmp: Path):
-        self.tmp = tmp
-        self.prefix = f"{{e{uuid.uuid4().hex[:8]}}}"
-        self.env = {**os.environ, "BATCHINFER_REDIS_URL": redis_url, "BATCHINFER_PREFIX": self.prefix,
-                    "BATCHINFER_RESULTS_ROOT": str(tmp / "results"), "BATCHINFER_HEARTBEAT_SECONDS": "1",
-                    "BATCHINFER_LEASE_SECONDS": "20", "OMP_NUM_THREADS": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.client = Client(settings=Settings(redis_url=redis_url, prefix=self.prefix))
-
-    def start(self, name: str, *args: str) -> None:
-        with open(self.tmp / f"{name}.log", "ab") as log:
-            self.procs[name] = subprocess.Popen([*CLI, *args], env=self.env, stdout=log, cwd=self.tmp,
-                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def worker(self, name: str, model_dir: Path, *, echo: bool = False) -> None:
-        self.start(name, "worker", "--model", str(model_dir), "--name", name, "--device", "cpu",
-                   *(["--echo"] if echo else []))
-
-    def wait_for_workers(self, count: int, timeout: float = START_TIMEOUT_S) -> None:
-        """Until ``count`` workers have registered (a daemon that died fails the test at once)."""
-        deadline = time.monotonic() + timeout
-        while len(Registry(self.client.redis, self.client.keys).live_workers()) < count:
-            self.check_alive()
-            assert time.monotonic() < deadline, f"workers did not register in {timeout} s\n{self.logs()}"
-            time.sleep(0.2)
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            assert proc.poll() is None, f"{name} exited with {proc.returncode}\n{self.logs()}"
-
-    def cli(self, *args: str, timeout: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
-        return subprocess.run([*CLI, *args], env=self.env, capture_output=True, text=True, timeout=timeout,
-                              cwd=self.tmp)
-
-    def wait(self, job: str, timeout: float = JOB_TIMEOUT_S):
-        deadline = time.monotonic() + timeout
-        while True:
-            record = self.client.status(job)
-            if record.terminal:
-                return record
-            self.check_alive()
-            assert time.monotonic() < deadline, f"job {job} still {record.status}\n{self.logs()}"
-            time.sleep(0.2)
-
-    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        proc = self.procs.pop(name)
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        return proc.returncode
-
-    def close(self) -> None:
-        for name in list(self.procs):
-            self.stop(name, timeout=30)
-        self.client.close()
-
-    def logs(self) -> str:
-        parts = []
-        for path in sorted(self.tmp.glob("*.log")):
-            lines = path.read_text(errors="replace").splitlines()[-40:]
-            parts.append(f"----- {path.name} -----\n" + "\n".join(lines))
-        return "\n".join(parts)
 
 
 @pytest.fixture(scope="module")

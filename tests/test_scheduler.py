@@ -275,3 +275,30 @@ def test_run_survives_redis_restart(env, redis_server):
         thread.join(timeout=10)
     assert not thread.is_alive()
 
+
+
+def test_daemons_enqueue_exports_without_loading_pyarrow(redis_server):
+    """The scheduler and the workers enqueue exports (and check for them) without importing the
+    exporter's pyarrow: ~40 MB of resident memory per daemon, which the soak saw as the
+    scheduler's peak RSS jumping from 58 to 97 MB once a job's export was overdue."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from batchinfer.config import Settings\n"
+        "from batchinfer.keys import Keys\n"
+        "from batchinfer.lookups import JobCache, RowSink\n"
+        "from batchinfer.accounting import Accounting\n"
+        "from batchinfer.redis_conn import connect\n"
+        "import batchinfer.scheduler, batchinfer.workers.daemon\n"
+        f"s = Settings(redis_url={redis_server.url!r}, prefix='{{t}}')\n"
+        "r, keys = connect(s.redis_url), Keys(s.prefix)\n"
+        "sink = RowSink(r, s, keys)\n"
+        "sink.enqueue_export('j1')\n"
+        "assert Accounting(r, keys, s, JobCache(r, keys), sink)._export_queued('j1')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyarrow', 'pandas')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

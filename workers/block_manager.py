@@ -106,7 +106,13 @@ class BlockManager:
         referenced first; the caller then counts their tokens as computed. Blocks that the step
         fills up completely are registered in the prefix cache.
         """
-        if cached_blocks and seq.block_table:
+        if not cached_blocks:  # the decode fast path: the tokens fit the blocks the sequence holds
+            total = seq.num_computed_tokens + num_new_tokens
+            if total <= len(seq.block_table) * self.block_size:
+                if self.enable_prefix_caching and total // self.block_size > seq.num_hashed_blocks:
+                    self._register_full_blocks(seq, total // self.block_size)
+                return True
+        elif seq.block_table:
             raise ValueError("cached_blocks can only start an empty block table")
         if not self.can_allocate(seq, num_new_tokens, cached_blocks):
             return False

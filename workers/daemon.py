@@ -350,7 +350,7 @@ class WorkerDaemon:
         self.requests_done += self.outbox.flush(self.book)
 
     def _enqueue_export(self, job_id: str) -> None:
-        from batchinfer.jobs.export import enqueue_export
+        from batchinfer.jobs.queueing import enqueue_export
 
         enqueue_export(self.redis, self.settings, job_id)
 

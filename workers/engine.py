@@ -212,10 +212,8 @@ class Engine:
                              logprobs=list(s.logprobs) if s.logprobs is not None else None)
             for s in req.seqs
         ]
-        out = RequestOutput(req.request_id, req.prompt_token_ids, outputs, req.num_cached_tokens,
-                            req.prompt, finished)
-        out.error = req.error
-        return out
+        return RequestOutput(req.request_id, req.prompt_token_ids, outputs, req.num_cached_tokens,
+                             req.prompt, finished, error=req.error)
 
     # -- state ----------------------------------------------------------------------------------
 

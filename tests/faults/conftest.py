@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared daemons helpers
+TESTS = str(Path(__file__).resolve().parents[1])
+if TESTS not in sys.path:  # tests/conftest.py does it too; this folder's tests need it either way
+    sys.path.insert(0, TESTS)
 
 from daemons import FAULT_ENV, Stack, TcpProxy  # noqa: E402
 

@@ -312,7 +312,10 @@ def _wait_and_report(ctx: Ctx, client, job: str, timeout: float | None, json_fla
 
     with JobProgress(job, quiet=ctx.quiet or ctx.json or json_flag) as bar:
         def progress(record) -> None:
-            bar.update(record.completed, record.failed, record.total)
+            # tokens/s of the workers serving the job's model (they may serve other jobs too)
+            rate = sum(float(w.info.get("tokens_per_s") or 0) for w in client.workers(record.model)) \
+                if bar.enabled and record.model else None
+            bar.update(record.completed, record.failed, record.total, tokens_per_s=rate)
             if check:
                 check()
 
@@ -343,9 +346,12 @@ def cancel(ctx: Ctx, job: str, json_flag: bool) -> None:
 @handle_errors
 def results(ctx: Ctx, job: str, output: str, fmt: str, json_flag: bool) -> None:
     """Write a job's results (in input order) to a file."""
+    from batchinfer.progress import rows_progress
+
     client = ctx.client()
     record = client.status(job)
-    location = client.write_results(job, output, fmt)
+    with rows_progress("writing", record.total, quiet=ctx.quiet or ctx.json or json_flag) as bar:
+        location = client.write_results(job, output, fmt, on_row=bar.advance)
     if not record.terminal and record.status.value != "finalizing" and not ctx.quiet:
         click.echo(f"warning: job {job} is {record.status.value}: the file holds the results so far",
                    err=True)

@@ -238,10 +238,12 @@ class Client:
         """The job's results as a pandas DataFrame (one row per request, input order)."""
         return self.results_table(job_id).to_pandas()
 
-    def write_results(self, job_id: str, path_or_uri: str, fmt: str = "parquet") -> str:
+    def write_results(self, job_id: str, path_or_uri: str, fmt: str = "parquet",
+                      on_row: Callable[[], None] | None = None) -> str:
         """Write the job's results, in input order, to a path or pyarrow filesystem URI.
 
         Returns the location written. Memory stays bounded: rows are sorted through spill files.
+        ``on_row()`` is called for each row written (progress).
         """
         import tempfile
 
@@ -253,9 +255,10 @@ class Client:
             path_or_uri = os.path.abspath(path_or_uri)  # the caller's cwd, not a results root
         key = self.keys.results(job_id)
         if not self.redis.exists(key) and record.output and record.status == JobStatus.COMPLETED:
-            return write_rows(_rows_from_parquet(record.output), path_or_uri, fmt)
+            return write_rows(_counted(_rows_from_parquet(record.output), on_row), path_or_uri, fmt)
         with tempfile.TemporaryDirectory(prefix="batchinfer-results-") as spill:
-            return write_rows(sorted_rows(self.redis, key, spill, record.total), path_or_uri, fmt)
+            rows = sorted_rows(self.redis, key, spill, record.total)
+            return write_rows(_counted(rows, on_row), path_or_uri, fmt)
 
     # -- direct requests -------------------------------------------------------------------------
 
@@ -360,3 +363,9 @@ def _open_uri(uri: str):
 
     fs, path = pafs.FileSystem.from_uri(uri)
     return pq.ParquetFile(fs.open_input_file(path))
+
+
+def _counted(rows: Iterable[Any], on_row: Callable[[], None] | None) -> Iterable[Any]:
+    if on_row is None:
+        return rows
+    return (on_row() or row for row in rows)

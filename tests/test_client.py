@@ -176,9 +176,12 @@ def test_results_in_input_order(client, tmp_path):
     df = client.results(job_id)
     assert list(df["output_text"]) == [f"out{i}" for i in range(5)]
     assert client.status(job_id).status == JobStatus.FINALIZING
-    path = client.write_results(job_id, str(tmp_path / "r.jsonl"), fmt="jsonl")
+    written = []
+    path = client.write_results(job_id, str(tmp_path / "r.jsonl"), fmt="jsonl",
+                                on_row=lambda: written.append(1))
     lines = [json.loads(x) for x in Path(path).read_text().splitlines()]
     assert [x["idx"] for x in lines] == [0, 1, 2, 3, 4]
+    assert len(written) == 5  # the progress callback saw every row
 
 
 def test_results_fall_back_to_the_exported_file(client, tmp_path):

@@ -1,9 +1,10 @@
 """Attention and fused ops over a paged KV cache (the contract in docs/architecture.md).
 
 ``write_kv`` and ``paged_attention`` dispatch to a backend: ``reference`` (pure torch, any
-device), ``triton`` (our fused kernels, default on CUDA) or ``flash`` (vllm-flash-attn /
-flash-attn when importable). ``backend=None`` picks the best one available for the tensors
-(``available_backends`` lists them); naming an unavailable one raises ``RuntimeError``.
+device: the specification), ``cpu`` (batched torch SDPA, default on CPU), ``triton`` (our fused
+kernels, default on CUDA) or ``flash`` (vllm-flash-attn / flash-attn when importable).
+``backend=None`` picks the best one available for the tensors (``available_backends`` lists
+them); naming an unavailable one raises ``RuntimeError``.
 The decoder's elementwise ops live in ``batchinfer.kernels.fused``. docs/kernels.md has more.
 """
 

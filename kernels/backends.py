@@ -3,7 +3,8 @@
 Selection never reads tensor values (no host sync), so it is safe inside CUDA-graph capture:
 
 - ``backend=None``: the best backend available for the tensors' device and shapes —
-  ``flash > triton > reference`` on CUDA, ``reference`` on CPU.
+  ``flash > triton > reference`` on CUDA, ``cpu`` on CPU (``reference`` stays available by name:
+  it is the specification).
 - an explicit name: that backend, or a ``ValueError`` (unknown name) / ``RuntimeError``
   (known but unavailable here) that names it and says why.
 
@@ -19,7 +20,11 @@ import os
 
 import torch
 
-BACKENDS = ("flash", "triton", "reference")  # order of preference on CUDA
+BACKENDS = ("flash", "triton", "reference", "cpu")  # every backend name
+PREFERENCE = {  # per device type, best first; other devices get "reference" only
+    "cuda": ("flash", "triton", "reference"),
+    "cpu": ("cpu", "triton", "reference"),  # triton only under the interpreter
+}
 
 
 def triton_interpreting() -> bool:
@@ -53,6 +58,12 @@ def unavailable_reason(
     device = torch.device(device)
     if backend == "reference":
         return None
+    if backend == "cpu":
+        if device.type != "cpu":
+            return f"needs CPU tensors (got {device.type})"
+        if dtype is not None and not dtype.is_floating_point:
+            return f"needs a floating-point cache, not {dtype}"
+        return None
     if device.type == "cuda" and not torch.cuda.is_available():
         return "CUDA is not available in this process"
     if backend == "triton":
@@ -75,7 +86,7 @@ def available_backends(
 ) -> list[str]:
     """The backends that can run on ``device``, best first (e.g. ``['triton', 'reference']``)."""
     device = torch.device(device)
-    names = BACKENDS if device.type == "cuda" else ("triton", "reference")
+    names = PREFERENCE.get(device.type, ("reference",))
     return [b for b in names if unavailable_reason(b, device, dtype, block_size, head_dim) is None]
 
 
@@ -88,8 +99,11 @@ def select_backend(
 ) -> str:
     """Resolve ``backend`` (None = automatic) to the name of a backend that can run."""
     if backend is None:
+        if device.type == "cpu":
+            # The Triton interpreter is for tests, never an automatic choice.
+            return "cpu" if unavailable_reason("cpu", device, dtype) is None else "reference"
         if device.type != "cuda":
-            return "reference"  # the interpreter is for tests, never an automatic choice
+            return "reference"
         return available_backends(device, dtype, block_size, head_dim)[0]
     reason = unavailable_reason(backend, device, dtype, block_size, head_dim)
     if reason is not None:

@@ -1,7 +1,7 @@
 """Eager entry points: check the inputs' shapes, pick the backend, run it.
 
 Checks read shapes, dtypes and devices only — never tensor values — so they cost no host
-sync and are safe during CUDA-graph capture. (The reference backend does read values.)
+sync and are safe during CUDA-graph capture. (The reference and cpu backends do read values.)
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from batchinfer.kernels import backends, reference
+from batchinfer.kernels import backends, cpu_attention, reference
 
 
 def check_attention_inputs(
@@ -88,6 +88,8 @@ def paged_attention(
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"paged_attention[{name}]: q, k_cache and v_cache must share a dtype, "
                          f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if name == "cpu":
+        return cpu_attention.paged_attention(*args)
     if name == "triton":
         from batchinfer.kernels import triton_attention
 
@@ -104,7 +106,8 @@ def write_kv(
     """Check, select, run (see ``batchinfer.kernels.write_kv``).
 
     flash-attn has no cache-write op, so ``flash`` writes with the Triton kernel when Triton is
-    available (it is wherever flash is, in practice) and with the reference otherwise.
+    available (it is wherever flash is, in practice) and with the reference otherwise; ``cpu``
+    writes with the reference (one indexed copy, already fast on CPU).
     """
     check_write_kv_inputs(k, v, k_cache, v_cache, slot_mapping)
     name = _select(backend, k.device, k_cache.dtype, k_cache.shape[1], k.shape[2])

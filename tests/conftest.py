@@ -49,6 +49,7 @@ class RedisServer:
                 return self  # up, and asking for a password (a --requirepass or ACL server)
             except redis.exceptions.ConnectionError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop(kill=True)  # never leave a half-started server behind
                     raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.05)
 
@@ -129,7 +130,3 @@ def redis_module(tmp_path_factory):
     server.stop(kill=True)
 
 
-# tests/daemons.py (daemon subprocesses, a cuttable TCP proxy, result checks), shared by test_e2e.py
-# and tests/faults/, is imported as `daemons`: with --import-mode=importlib tests/ is not on sys.path.
-if str(Path(__file__).resolve().parent) not in os.sys.path:
-    os.sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import redis
+from conftest import RedisServer, free_port
 
 from batchinfer.config import Settings
 from batchinfer.doctor import (
@@ -20,8 +21,6 @@ from batchinfer.doctor import (
     render_text,
     run_doctor,
 )
-
-from .conftest import RedisServer, free_port
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import redis
+from conftest import RedisServer
 
 from batchinfer.redis_conn import connect, redact_url
-from tests.conftest import RedisServer
 
 
 @pytest.fixture

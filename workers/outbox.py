@@ -85,6 +85,7 @@ class Outbox:
         self.retries: deque[BatchRequest] = deque()  # already carrying their new attempt count
         self.acks: list[str] = []  # batch entries to XACK + XDEL
         self.exports: list[str] = []  # jobs made final by this worker: export to enqueue
+        self.dead_letters: list[DeadLetter] = []  # of rows this worker published: to record
 
     def add(self, row: ResultRow, reply_to: str | None = None, dead_letter: DeadLetter | None = None) -> None:
         self.rows.append(Outgoing(row, reply_to, dead_letter))
@@ -97,7 +98,7 @@ class Outbox:
         self.acks += entries
 
     def empty(self) -> bool:
-        return not (self.rows or self.retries or self.acks or self.exports)
+        return not (self.rows or self.retries or self.acks or self.exports or self.dead_letters)
 
     def flush(self, book: Book) -> int:
         """Send everything owed; returns the number of rows sent (published or found already there).
@@ -110,23 +111,24 @@ class Outbox:
         while self.rows:
             chunk = list(itertools.islice(self.rows, self.chunk))
             outcomes = self.publisher.publish_many([(o.row, o.reply_to) for o in chunk])
-            dead = [o for o, outcome in zip(chunk, outcomes, strict=True)
-                    if outcome.published and o.dead_letter is not None]
-            if dead:  # only the publication that won records the dead letter
-                pipe = self.redis.pipeline(transaction=False)
-                for o in dead:
-                    pipe.xadd(self.keys.deadletter, o.dead_letter.fields())
-                    job, field = attempts_field(o.dead_letter.request)
-                    pipe.hset(self.keys.attempts(job), field, o.dead_letter.attempts)
-                pipe.execute()
             for o, outcome in zip(chunk, outcomes, strict=True):
                 self.rows.popleft()
                 if outcome.published:
                     self.on_published(o.row)
+                    if o.dead_letter is not None:  # only the publication that won records it
+                        self.dead_letters.append(o.dead_letter)
                 if outcome.finalizing and o.row.job_id:
                     self.exports.append(o.row.job_id)
                 self.acks += book.done(o.row.request_id)
             sent += len(chunk)
+        if self.dead_letters:
+            pipe = self.redis.pipeline(transaction=True)
+            for dead in self.dead_letters:
+                pipe.xadd(self.keys.deadletter, dead.fields())
+                job, field = attempts_field(dead.request)
+                pipe.hset(self.keys.attempts(job), field, dead.attempts)
+            pipe.execute()
+            self.dead_letters = []
         if self.acks:
             pipe = self.redis.pipeline(transaction=True)
             pipe.xack(self.stream, WORKERS_GROUP, *self.acks)

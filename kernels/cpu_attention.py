@@ -1,0 +1,187 @@
+"""CPU backend for ``paged_attention``: batched decode, one SDPA per prefill chunk.
+
+Same contract and results as kernels/reference.py (the specification), but built for CPU speed:
+
+- Decode rows (one query) are sorted by context length and grouped into buckets whose padding
+  stays under ``PAD_WASTE``; each bucket costs one block gather and one SDPA call instead of a
+  Python iteration per sequence. A KV head's ``G`` query heads act as ``G`` query rows over the
+  same keys, so grouped-query attention needs no ``repeat_interleave`` copy.
+- Prefill chunks (several queries, possibly over a cached prefix) run one SDPA each with the
+  causal mask aligned to the end (``enable_gqa``).
+- Gathered K/V land in reused per-thread workspaces: glibc serves allocations above 32 MiB
+  with fresh ``mmap``s, so a new gather tensor per layer page-faults on every step and made
+  the gather ~5x slower than the copy itself.
+
+Compute is float32 for float16/bfloat16/float8 caches (as in the reference) and float64 for
+float64; the output has ``q``'s dtype. Lengths are read with ``.tolist()`` once per call: on
+CPU tensors that is a ~2 us copy, not a device sync.
+
+Thread safety: workspaces live in ``threading.local``, so concurrent calls from different
+threads never share a buffer; one thread holds at most a few buffers, each sized to the largest
+gather it has done (twice that, to absorb growth).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+import torch.nn.functional as F
+
+PAD_WASTE = 1.25  # a decode bucket may attend over at most 25% padded (masked) key slots
+MAX_BUCKET_ROWS = 64  # bounds one bucket's workspace (rows x longest context)
+
+_local = threading.local()
+
+
+def _workspace(numel: int, dtype: torch.dtype, device: torch.device, slot: str) -> torch.Tensor:
+    """A flat buffer of at least ``numel`` elements, reused across calls on this thread."""
+    spaces: dict[tuple[str, torch.dtype, torch.device], torch.Tensor]
+    spaces = _local.__dict__.setdefault("spaces", {})
+    key = (slot, dtype, device)
+    buf = spaces.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = spaces[key] = torch.empty(2 * max(numel, 1), dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def _gather(
+    cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    blocks: torch.Tensor,  # [B, nb] int64 block ids
+    compute_dtype: torch.dtype,
+    slot: str,
+) -> torch.Tensor:  # [B, nb * block_size, KVH, D] in compute_dtype, a view of a workspace
+    """``cache[blocks]`` flattened per row into reused buffers, converted to ``compute_dtype``."""
+    B, nb = blocks.shape
+    shape = (B * nb, *cache.shape[1:])
+    numel = math.prod(shape)
+    raw = _workspace(numel, cache.dtype, cache.device, slot).view(shape)
+    torch.index_select(cache, 0, blocks.reshape(-1), out=raw)
+    if cache.dtype != compute_dtype:
+        converted = _workspace(numel, compute_dtype, cache.device, slot + "/compute").view(shape)
+        raw = converted.copy_(raw)
+    return raw.view(B, nb * cache.shape[1], *cache.shape[2:])
+
+
+def _check(cu: list[int], lens: list[int], num_tokens: int, block_size: int, max_blocks: int) -> None:
+    """The value checks of the reference backend (same messages), on the host lists."""
+    if cu[0] != 0 or cu[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens_q must run from 0 to num_q_tokens={num_tokens}, got {cu[0]}..{cu[-1]}")
+    for i, length in enumerate(lens):
+        num_q = cu[i + 1] - cu[i]
+        if not 0 <= num_q <= length:
+            raise ValueError(f"sequence {i}: {num_q} queries (cu_seqlens_q[{i}:{i + 2}] = {cu[i:i + 2]}) "
+                             f"but seq_lens[{i}] = {length}; need 0 <= queries <= seq_len")
+        needed = -(-length // block_size)
+        if needed > max_blocks:
+            raise ValueError(f"sequence {i}: seq_lens[{i}] = {length} needs {needed} blocks "
+                             f"but block_tables has {max_blocks} columns")
+
+
+def decode_buckets(
+    rows: list[tuple[int, int]], waste: float = PAD_WASTE, max_rows: int = MAX_BUCKET_ROWS,
+) -> list[list[tuple[int, int]]]:
+    """Split ``(sequence, context length)`` pairs into buckets for batched decode.
+
+    Pairs are sorted by length; a bucket is padded to its longest member, and a new bucket
+    starts when that padding would exceed ``waste`` times the bucket's real key count or the
+    bucket would exceed ``max_rows``. Every pair lands in exactly one bucket.
+    """
+    buckets: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    real = 0  # sum of the current bucket's lengths
+    for seq, length in sorted(rows, key=lambda r: r[1]):
+        # Sorted ascending, so ``length`` is the padded length if this row joins.
+        if current and (len(current) >= max_rows or (len(current) + 1) * length > waste * (real + length)):
+            buckets.append(current)
+            current, real = [], 0
+        current.append((seq, length))
+        real += length
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _decode(
+    q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, cu: list[int], bucket: list[tuple[int, int]], scale: float,
+    sliding_window: int | None, compute_dtype: torch.dtype,
+) -> None:
+    """Attend one bucket of decode rows (one query each) in a single SDPA call."""
+    _, H, D = q.shape
+    bs, KVH = k_cache.shape[1], k_cache.shape[2]
+    B, nb = len(bucket), -(-bucket[-1][1] // bs)
+    seqs = torch.tensor([s for s, _ in bucket])
+    lengths = torch.tensor([n for _, n in bucket])[:, None]  # [B, 1]
+    # Columns past a row's own blocks may hold anything (even invalid ids): point them at block 0,
+    # whose keys the mask hides anyway.
+    tables = block_tables[seqs, :nb].long()  # [B, nb]
+    tables = tables.masked_fill(torch.arange(nb)[None, :] >= (lengths + bs - 1) // bs, 0)
+    k = _gather(k_cache, tables, compute_dtype, "k")  # [B, L, KVH, D], L = nb * bs
+    v = _gather(v_cache, tables, compute_dtype, "v")
+    pos = torch.arange(nb * bs)[None, :]  # [1, L]
+    visible = pos < lengths  # [B, L]; the query sits at position length - 1
+    if sliding_window is not None:
+        visible &= pos > lengths - 1 - sliding_window
+    rows = torch.tensor([cu[s] for s, _ in bucket])
+    qg = q[rows].to(compute_dtype).view(B, KVH, H // KVH, D)  # a KV head's query heads as query rows
+    o = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None, None, :], scale=scale,
+    )  # [B, KVH, G, D]
+    out[rows] = o.reshape(B, H, D).to(out.dtype)
+
+
+def _prefill(
+    q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_table: torch.Tensor, start: int, end: int, length: int, scale: float,
+    sliding_window: int | None, compute_dtype: torch.dtype,
+) -> None:
+    """Attend one sequence's query chunk ``q[start:end]`` (its last tokens) over its context."""
+    bs = k_cache.shape[1]
+    num_q, nb = end - start, -(-length // bs)
+    blocks = block_table[None, :nb].long()  # [1, nb]
+    k = _gather(k_cache, blocks, compute_dtype, "k")[0, :length]  # [L, KVH, D]
+    v = _gather(v_cache, blocks, compute_dtype, "v")[0, :length]
+    mask = None
+    causal = num_q == length and sliding_window is None  # whole prompt: SDPA's own (top-left) mask fits
+    if not causal:
+        q_pos = torch.arange(length - num_q, length)[:, None]  # [Lq, 1]
+        k_pos = torch.arange(length)[None, :]  # [1, L]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+    o = F.scaled_dot_product_attention(
+        q[start:end].to(compute_dtype).transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+    )  # [H, Lq, D]
+    out[start:end] = o.transpose(0, 1).to(out.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [Tq, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int32
+    seq_lens: torch.Tensor,  # [S] int32, context length including this step's queries
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [Tq, H, D]
+    """Causal attention of each sequence's queries (its last tokens) over its paged context.
+
+    CPU tensors only (``dispatch`` checks shapes, devices and that q/k/v share a dtype).
+    """
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    compute_dtype = torch.float64 if k_cache.dtype == torch.float64 else torch.float32
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    _check(cu, lens, q.shape[0], k_cache.shape[1], block_tables.shape[1])
+    out = torch.empty_like(q)
+    decodes = [(i, n) for i, n in enumerate(lens) if cu[i + 1] - cu[i] == 1]
+    for bucket in decode_buckets(decodes):
+        _decode(q, out, k_cache, v_cache, block_tables, cu, bucket, scale, sliding_window, compute_dtype)
+    for i, length in enumerate(lens):
+        if cu[i + 1] - cu[i] > 1:  # zero-query sequences need nothing; decodes are done
+            _prefill(q, out, k_cache, v_cache, block_tables[i], cu[i], cu[i + 1], length, scale,
+                     sliding_window, compute_dtype)
+    return out

@@ -140,10 +140,10 @@ def test_cuda_backends_need_cuda():
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert "needs CUDA tensors" in backends.unavailable_reason("triton", "cpu")
-    assert backends.available_backends("cpu") == ["reference"]
+    assert backends.available_backends("cpu") == ["cpu", "reference"]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert backends.available_backends("cpu") == ["triton", "reference"]
-    assert backends.select_backend(None, torch.device("cpu")) == "reference"  # never picked automatically
+    assert backends.available_backends("cpu") == ["cpu", "triton", "reference"]
+    assert backends.select_backend(None, torch.device("cpu")) == "cpu"  # the interpreter is never picked
 
 
 def test_decode_config_splits_only_small_batches_with_long_contexts():

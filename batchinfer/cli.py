@@ -190,11 +190,13 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, model_name: str | 
 @cli.command()
 @click.option("--name", help="rq worker name [exporter-host-pid].")
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
+@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
 @pass_ctx
-def exporter(ctx: Ctx, name: str | None, burst: bool) -> None:
+def exporter(ctx: Ctx, name: str | None, burst: bool, metrics_port: int | None) -> None:
     """Run the exporter: an rq worker (JSON serializer) writing result files."""
     from batchinfer.exporter import main
 
+    _override(ctx.settings, metrics_port=metrics_port)
     sys.exit(main(ctx.settings, name=name, burst=burst) or 0)
 
 

@@ -57,10 +57,36 @@ def build_worker(r: redis.Redis, name: str | None = None):
 
 def main(settings: Settings, *, name: str | None = None, burst: bool = False) -> int:
     """Run the exporter until SIGTERM / SIGINT (or, with ``burst``, until the queue is empty)."""
+    name = name or f"exporter-{socket.gethostname()}-{os.getpid()}"
+    server = _serve_health(settings)
+    try:
+        return _run(settings, name, burst)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _serve_health(settings: Settings):
+    """`/metrics` (process metrics), `/healthz`, `/readyz` (Redis reachable) on `--metrics-port`."""
+    if settings.metrics_port is None:
+        return None
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    from batchinfer.httpserver import Readiness, serve
+    from batchinfer.redis_conn import connect
+
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    readiness = Readiness()
+    # its own connection with a timeout: a hung Redis must not hang the probe
+    readiness.add_probe("redis", connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5).ping)
+    return serve(settings.metrics_port, registry, readiness)
+
+
+def _run(settings: Settings, name: str, burst: bool) -> int:
     from batchinfer.jobs.nightly import schedule_nightly
     from batchinfer.redis_conn import connect
 
-    name = name or f"exporter-{socket.gethostname()}-{os.getpid()}"
     stopping = threading.Event()
     attempt = 0
     while not stopping.is_set():

@@ -57,12 +57,12 @@ def stack(redis_server, tmp_path):
     env = {**os.environ, "BATCHINFER_REDIS_URL": redis_server.url, "BATCHINFER_PREFIX": "{ops}",
            "BATCHINFER_RESULTS_ROOT": str(tmp_path / "results"), "BATCHINFER_HEARTBEAT_SECONDS": "1",
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    ports = {"scheduler": free_port(), "worker": free_port()}
+    ports = {"scheduler": free_port(), "worker": free_port(), "exporter": free_port()}
     procs: dict[str, subprocess.Popen] = {}
     commands = {"scheduler": ["scheduler", "--metrics-port", str(ports["scheduler"])],
                 "worker": ["worker", "--echo", "--model-name", "echo", "--name", "w0",
                            "--metrics-port", str(ports["worker"])],
-                "exporter": ["exporter"]}
+                "exporter": ["exporter", "--metrics-port", str(ports["exporter"])]}
     for name, args in commands.items():
         with open(tmp_path / f"{name}.log", "ab") as log:
             procs[name] = subprocess.Popen([*CLI, "--log-format", "json", *args], env=env, cwd=tmp_path,
@@ -89,7 +89,9 @@ def test_metrics_move_by_what_a_job_did(stack):
     sched_port, worker_port = stack["ports"]["scheduler"], stack["ports"]["worker"]
     wait_ready(sched_port)
     wait_ready(worker_port)
+    wait_ready(stack["ports"]["exporter"])  # every daemon answers /readyz, the exporter too
     assert http_get(f"http://127.0.0.1:{worker_port}/healthz") == (200, b"ok\n")
+    assert b"process_resident_memory_bytes" in http_get(f"http://127.0.0.1:{stack['ports']['exporter']}/metrics")[1]
     s0, w0 = scrape(sched_port), scrape(worker_port)
 
     lines = [{"prompt": "hello world", "max_tokens": 4}, {"prompt": "abc", "max_tokens": 2},

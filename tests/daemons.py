@@ -145,14 +145,7 @@ class Stack:
     def until(self, cond: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
         """Poll ``cond`` until it returns a truthy value (returned); fails with the logs on timeout
         or when a daemon died meanwhile."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = cond()
-            if value:
-                return value
-            self.check_alive()
-            assert time.monotonic() < deadline, f"waited {timeout} s for {what}\n{self.logs()}"
-            time.sleep(poll)
+        return wait_for(cond, what, timeout, alive=self.check_alive, poll=poll, details=self.logs)
 
     def wait_for_workers(self, count: int, timeout: float = START_TIMEOUT_S) -> None:
         """Until ``count`` workers are live (a daemon that died fails the test at once)."""
@@ -178,6 +171,23 @@ class Stack:
             lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
             parts.append(f"----- {path.name} -----\n" + "\n".join(lines))
         return "\n".join(parts)
+
+
+def wait_for(cond: Callable[[], Any], what: str, timeout: float = 60.0,
+             alive: Callable[[], Any] | None = None, *, poll: float = 0.05,
+             details: Callable[[], str] | None = None) -> Any:
+    """Poll ``cond`` until it returns a truthy value (returned). ``alive()`` runs between polls (it
+    fails the test when something it watches died); on timeout the assertion carries ``details()``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if alive is not None:
+            alive()
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}" + (
+            f"\n{details()}" if details else "")
+        time.sleep(poll)
 
 
 def _killpg(proc: subprocess.Popen) -> None:

@@ -13,12 +13,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from daemons import wait_for
 
 from batchinfer.cli import EXIT_USAGE, cli
 from batchinfer.client import Client
@@ -35,18 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ("batchinfer", "workers", "jobs", "kernels")
 PREFIX = "{sec}"
 PASSWORD = "Dmn-pw-7f1c9e2a"
-
-
-def _wait(cond, what: str, timeout: float = 60.0, alive=None):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if alive is not None:
-            alive()
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 # -- secrets ----------------------------------------------------------------------------------------------
@@ -247,7 +235,7 @@ def test_worker_serves_a_read_only_model_folder_and_runs_none_of_its_code(redis_
 
     try:
         r, keys = redis_server.client(), Keys("{ro}")
-        _wait(lambda: Registry(r, keys).live_workers("tiny-ro"), "the worker", 300, alive)
+        wait_for(lambda: Registry(r, keys).live_workers("tiny-ro"), "the worker", 300, alive)
         settings = Settings(redis_url=redis_server.url, prefix="{ro}")
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         job = Client(settings=settings).submit([{"prompt": "Hello", "max_tokens": 4, "temperature": 0}, chat],
@@ -266,7 +254,7 @@ def test_worker_serves_a_read_only_model_folder_and_runs_none_of_its_code(redis_
             scheduler.run_once()
             return all(store.get(j).status == JobStatus.FINALIZING for j in (job, "oov"))
 
-        _wait(done, "both jobs", 300, alive)
+        wait_for(done, "both jobs", 300, alive)
         rows, oov = _rows(r, keys, job), _rows(r, keys, "oov")
         assert [rows[i].status for i in (0, 1)] == ["completed", "completed"] and rows[0].output_token_ids
         assert (oov[0].error_code, oov[1].status) == ("invalid_request", "completed")

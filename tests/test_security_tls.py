@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from daemons import wait_for
 
 from batchinfer.cli import EXIT_REDIS
 from batchinfer.client import Client
@@ -32,18 +33,6 @@ CLI = [sys.executable, "-m", "batchinfer.cli"]
 PREFIX = "{sec}"
 DAEMON_PW = "Dmn-pw-7f1c9e2a"  # distinctive, so that a leak anywhere is found by a plain search
 PRODUCER_PW = "Prd-pw-51d0aa3b"
-
-
-def _wait(cond, what: str, timeout: float = 60.0, alive=None):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if alive is not None:
-            alive()
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 # -- a TLS redis-server with ACL users -----------------------------------------------------------------
@@ -264,7 +253,8 @@ def test_tls_acl_end_to_end_with_limits_and_no_secret_in_any_output(tls, tmp_pat
     outputs: list[str] = []
     try:
         r = tls.client("batchinfer", DAEMON_PW)
-        _wait(lambda: Registry(r, Keys(PREFIX)).live_workers("echo"), "the worker", alive=daemons.check_alive)
+        wait_for(lambda: Registry(r, Keys(PREFIX)).live_workers("echo"), "the worker",
+                 alive=daemons.check_alive)
         lines = [{"custom_id": "ok-1", "prompt": "hello", "max_tokens": 4},
                  {"custom_id": "long", "prompt": "p" * 60, "max_tokens": 2},  # 60 > --max-prompt-tokens 40
                  {"custom_id": "many", "prompt": "x", "max_tokens": 9},  # > --max-tokens-limit 8

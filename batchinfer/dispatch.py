@@ -20,8 +20,8 @@ from batchinfer.metrics import SchedulerMetrics
 from batchinfer.packing import Budget, Packer
 from batchinfer.protocol import PROTOCOL_VERSION
 from batchinfer.registry import Registry, WorkerInfo
-from batchinfer.rows import BatchRequest, ResultRow
-from batchinfer.staging import Staging, parse_member, request_dict
+from batchinfer.rows import BatchRequest, ResultRow, fields_dict
+from batchinfer.staging import Staging, parse_member
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ ENDED_ROWS_PER_PASS = 2000  # cancelled / expired rows published per model per p
 
 def batch_fields(requests: list[BatchRequest]) -> dict[str, str]:
     """The XADD fields of a batch entry (docs/protocol.md)."""
-    body = json.dumps([request_dict(q) for q in requests], separators=(",", ":"), ensure_ascii=False)
+    body = json.dumps([fields_dict(q) for q in requests], separators=(",", ":"), ensure_ascii=False)
     return {"v": PROTOCOL_VERSION, "requests": body}
 
 

@@ -33,6 +33,15 @@ def request_id_for(job_id: str | None, idx: int | None, entry_id: str | None = N
     return entry_id
 
 
+def fields_dict(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict *without* ``asdict``'s deep copy: for values encoded right away.
+
+    ``asdict`` recurses into every list element (each token id of a row), which made encoding a
+    row cost more than publishing it.
+    """
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
 def _from_mapping(cls, d: Mapping[str, Any]):
     """Build a dataclass from a mapping, ignoring keys a newer writer may have added."""
     names = {f.name for f in fields(cls)}
@@ -107,13 +116,14 @@ class ResultRow:
         return asdict(self)
 
     def to_json(self) -> str:
-        text = json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
+        values = fields_dict(self)
+        text = json.dumps(values, ensure_ascii=False, separators=(",", ":"))
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
             # A lone surrogate (from a producer that wrote one straight to a batch stream) cannot be
             # sent as UTF-8: escape it rather than leave a row that can never be published.
-            text = json.dumps(self.to_dict(), ensure_ascii=True, separators=(",", ":"))
+            text = json.dumps(values, ensure_ascii=True, separators=(",", ":"))
         return text
 
     @classmethod

@@ -14,7 +14,7 @@
   resident memory (VmHWM) of the scheduler and the worker.
 
 Everything runs against a private redis-server (``batchinfer.embedded``) in a temporary folder.
-``python bench/queue_bench.py [--scale-requests 1000000] [--skip-overhead]``.
+``python bench/queue.py [--scale-requests 1000000] [--skip-overhead]`` (``bench/queue.py`` runs this file).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def bench_intake(url: str, workdir: Path, n: int, repeats: int) -> dict:
 # -- queue overhead -----------------------------------------------------------------------------------
 
 
-def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: int) -> dict:
+def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: int, device: str) -> dict:
     from batchinfer import LLM, SamplingParams
     from batchinfer.workers.testing import make_tiny_model
 
@@ -137,9 +137,9 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
     r = redis.Redis.from_url(url)
     r.flushdb()
     keys = Keys(PREFIX)
-    daemons = (Daemon(url, workdir, "worker", "--model", str(model_dir), "--device", "cpu", "--name", "w0"),
+    daemons = (Daemon(url, workdir, "worker", "--model", str(model_dir), "--device", device, "--name", "w0"),
                Daemon(url, workdir, "scheduler"))
-    llm = LLM(model_dir)  # the same engine settings as the worker's: EngineConfig's defaults
+    llm = LLM(model_dir, device=device)  # the same engine settings as the worker's: EngineConfig's defaults
 
     def in_process() -> tuple[float, list[list[int]]]:
         t0 = time.perf_counter()
@@ -176,7 +176,7 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
     r.flushdb()
     # The ratio is the median of the per-repeat ratios: each pair ran back to back under the same load,
     # and a median is not moved by one lucky (or unlucky) run the way a best-of is.
-    return {"overhead_requests": n, "overhead_max_tokens": max_tokens,
+    return {"overhead_requests": n, "overhead_max_tokens": max_tokens, "overhead_device": device,
             "inprocess_s": round(statistics.median(t for t, _ in pairs), 2),
             "queue_s": round(statistics.median(t for _, t in pairs), 2),
             "overhead_ratio": round(statistics.median(t_in / t_q for t_in, t_q in pairs), 3),
@@ -227,6 +227,7 @@ def main() -> None:
     ap.add_argument("--overhead-requests", type=int, default=1024)
     ap.add_argument("--overhead-max-tokens", type=int, default=64)
     ap.add_argument("--overhead-repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="engine device of the overhead bench (cpu, cuda:0)")
     ap.add_argument("--scale-requests", type=int, default=50_000)
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
@@ -239,7 +240,7 @@ def main() -> None:
               f"-> ratio {figures['intake_ratio']}", flush=True)
         if not args.skip_overhead:
             figures.update(bench_overhead(server.url, workdir, args.overhead_requests,
-                                          args.overhead_max_tokens, args.overhead_repeats))
+                                          args.overhead_max_tokens, args.overhead_repeats, args.device))
             print(f"overhead: in-process {figures['inprocess_s']} s vs queue {figures['queue_s']} s "
                   f"(medians) -> ratio {figures['overhead_ratio']} "
                   f"(best-of ratio {figures['overhead_ratio_best']}), added {figures['overhead_added_s']} s "

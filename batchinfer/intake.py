@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import redis
 
+from batchinfer.bodies import RequestSpec, parse_body
 from batchinfer.config import Settings
 from batchinfer.inputs import leading_custom_id
 from batchinfer.keys import SCHEDULER_GROUP, Keys
 from batchinfer.lookups import JobCache, ModelCache, RowSink
-from batchinfer.protocol import IntakeEntry, RequestError, RequestSpec, parse_body, valid_job_id
+from batchinfer.protocol import IntakeEntry, RequestError, valid_job_id
 from batchinfer.rows import BatchRequest, ResultRow, now_ms, request_id_for
 from batchinfer.staging import Staging, held_key
 from batchinfer.workers.sampling_params import SamplingParams

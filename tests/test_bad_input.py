@@ -29,12 +29,13 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchinfer.bodies import parse_body
 from batchinfer.cli import EXIT_INPUT, cli
 from batchinfer.client import Client
 from batchinfer.config import Settings
 from batchinfer.jobstore import JobStatus, JobStore
 from batchinfer.keys import RQ_QUEUE, WORKERS_GROUP
-from batchinfer.protocol import RequestError, ResultRow, parse_body
+from batchinfer.protocol import RequestError, ResultRow
 from batchinfer.publish import Publisher
 from batchinfer.registry import Registry
 from batchinfer.scheduler import Scheduler

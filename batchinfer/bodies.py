@@ -1,0 +1,333 @@
+"""Validation of request bodies (docs/protocol.md): plain bodies and OpenAI Batch lines become a
+:class:`RequestSpec`, with OpenAI names mapped and unknown fields rejected by name.
+
+Bodies are validated once, in the scheduler's intake, through :func:`parse_body`; every problem is a
+:class:`~batchinfer.protocol.RequestError` naming the field (and the input line when known), which the
+intake turns into an error row. Nothing here touches Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchinfer.protocol import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    IGNORED_OPENAI_FIELDS,
+    MAX_CUSTOM_ID_CHARS,
+    MESSAGE_FIELDS,
+    MESSAGE_ROLES,
+    OPENAI_LINE_FIELDS,
+    REQUEST_FIELDS,
+    RequestError,
+)
+from batchinfer.workers.sampling_params import SamplingParams
+
+__all__ = ["RequestSpec", "parse_body"]
+
+
+@dataclass
+class RequestSpec:
+    """A validated request body: exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``."""
+
+    sampling_params: SamplingParams
+    custom_id: str | None = None
+    model: str | None = None  # None: the job's model
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    priority: int = 0
+    metadata: dict[str, str] = field(default_factory=dict)
+    url: str | None = None  # the OpenAI endpoint of an OpenAI Batch line
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+# A \uD800-\uDFFF escape: valid JSON, but alone (not in a pair) it decodes to a string that is not
+# Unicode, which no tokenizer, row or Redis write can encode.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(value: Any, where: str) -> None:
+    """Raise ``invalid_json`` naming the first string (key or value) holding a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("invalid_json", f"{where} holds a lone UTF-16 surrogate escape (\\ud800-"
+                               "\\udfff without its pair), which is not Unicode", field=where) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, f"{where} key")
+            _check_unicode(v, k if where == "body" else f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_unicode(v, f"{where}[{i}]")
+
+
+def parse_body(body: str | bytes | Mapping[str, Any], *, line: int | None = None,
+               max_tokens_limit: int | None = None) -> RequestSpec:
+    """Validate one request body or OpenAI Batch line; raises only :class:`RequestError`.
+
+    OpenAI Batch lines (``custom_id``, ``method``, ``url``, ``body``) are mapped onto the plain body;
+    OpenAI names are translated (``max_completion_tokens`` -> ``max_tokens``, chat ``logprobs`` +
+    ``top_logprobs`` -> ``logprobs``). Unknown fields are rejected by name. ``max_tokens`` defaults
+    to 16 for prompts (as ``/v1/completions``) and to the rest of the context for chat messages.
+    """
+    try:
+        return _parse(body, max_tokens_limit)
+    except RequestError as e:
+        raise e.at_line(line) from None
+    except RecursionError:
+        raise RequestError("invalid_json", "body is nested too deeply", line=line) from None
+
+
+def _parse(body: str | bytes | Mapping[str, Any], max_tokens_limit: int | None) -> RequestSpec:
+    if isinstance(body, (bytes, bytearray)):
+        try:  # json.loads would guess UTF-16/32 from the first bytes; the protocol says UTF-8
+            body = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError("invalid_json", f"body is not UTF-8: {e}") from None
+    if isinstance(body, str):
+        text = body
+        try:
+            body = json.loads(text, parse_constant=_reject_constant)
+        except ValueError as e:  # JSONDecodeError, too-long integers, NaN / Infinity
+            raise RequestError("invalid_json", f"invalid JSON: {e}") from None
+        if "\\u" in text and _SURROGATE_ESCAPE.search(text):
+            _check_unicode(body, "body")
+    if not isinstance(body, Mapping):
+        raise RequestError("invalid_request", f"body must be a JSON object, got {_kind(body)}")
+    try:
+        if any(k in body for k in ("method", "url", "body")):
+            return _parse_openai_line(body, max_tokens_limit)
+        return _parse_plain(dict(body), url=None, max_tokens_limit=max_tokens_limit)
+    except RequestError as e:
+        # so that the error row still carries the caller's id, as OpenAI's batch errors do
+        if isinstance(body.get("custom_id"), str) and len(body["custom_id"]) <= MAX_CUSTOM_ID_CHARS:
+            e.context.setdefault("custom_id", body["custom_id"])
+        raise
+
+
+def _parse_openai_line(line: Mapping[str, Any], max_tokens_limit: int | None) -> RequestSpec:
+    unknown = sorted(str(k) for k in line if k not in OPENAI_LINE_FIELDS)
+    if unknown:
+        raise RequestError("invalid_request", f"unknown field(s) in OpenAI Batch line: {', '.join(unknown)}",
+                           field=unknown[0])
+    for name in OPENAI_LINE_FIELDS:
+        if name not in line:
+            raise RequestError("invalid_request", f"OpenAI Batch line is missing '{name}'", field=name)
+    method = line["method"]
+    if not isinstance(method, str) or method.upper() != "POST":
+        raise RequestError("invalid_request", f"method must be \"POST\", got {method!r}", field="method")
+    url = line["url"]
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        raise RequestError("unsupported_url", f"url {url!r} is not supported (use {CHAT_URL} or "
+                           f"{COMPLETIONS_URL})", field="url")
+    inner = line["body"]
+    if not isinstance(inner, Mapping):
+        raise RequestError("invalid_request", f"body must be an object, got {_kind(inner)}", field="body")
+    inner = dict(inner)
+    if "custom_id" in inner:
+        raise RequestError("invalid_request", "custom_id belongs to the Batch line, not to its body",
+                           field="body.custom_id")
+    inner["custom_id"] = line["custom_id"]
+    if url == CHAT_URL:
+        if "prompt" in inner or "prompt_token_ids" in inner:
+            raise RequestError("invalid_request", f"{CHAT_URL} takes 'messages', not a prompt",
+                               field="body.prompt")
+        if "messages" not in inner:
+            raise RequestError("invalid_request", f"{CHAT_URL} needs 'messages'", field="body.messages")
+        _map_chat_logprobs(inner)
+    else:
+        if "messages" in inner:
+            raise RequestError("invalid_request", f"{COMPLETIONS_URL} takes 'prompt', not 'messages'",
+                               field="body.messages")
+        # Accepted only with values that change nothing (``True == 1`` in Python: compare by identity).
+        for name, harmless in (("echo", (None, False)), ("suffix", (None,)), ("best_of", (None, 1))):
+            value = inner.pop(name, None)
+            if not any(value is h or (_is_int(value) and value == h) for h in harmless):
+                raise RequestError("invalid_request", f"{name} is not supported", field=f"body.{name}")
+    return _parse_plain(inner, url=url, max_tokens_limit=max_tokens_limit)
+
+
+def _map_chat_logprobs(body: dict[str, Any]) -> None:
+    """Chat: ``logprobs`` is a boolean and ``top_logprobs`` the count; ours is one integer."""
+    want = body.pop("logprobs", None)
+    top = body.pop("top_logprobs", None)
+    if want not in (None, True, False):
+        raise RequestError("invalid_request", f"logprobs must be a boolean for {CHAT_URL}, got {want!r}",
+                           field="logprobs")
+    if top is not None and not want:
+        raise RequestError("invalid_request", "top_logprobs needs logprobs: true", field="top_logprobs")
+    if want:
+        body["logprobs"] = 0 if top is None else top
+
+
+def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | None) -> RequestSpec:
+    body = {str(k): v for k, v in body.items()}
+    stream = body.pop("stream", None)
+    if stream not in (None, False):
+        raise RequestError("invalid_request", "stream: true is not supported in batch requests",
+                           field="stream")
+    for name in IGNORED_OPENAI_FIELDS:
+        body.pop(name, None)
+    if "max_completion_tokens" in body:
+        value = body.pop("max_completion_tokens")
+        if body.get("max_tokens") is not None and value is not None and body["max_tokens"] != value:
+            raise RequestError("invalid_request", "give one of max_tokens and max_completion_tokens",
+                               field="max_completion_tokens")
+        body["max_tokens"] = value if value is not None else body.get("max_tokens")
+    unknown = sorted(k for k in body if k not in REQUEST_FIELDS and k not in SamplingParams.FIELDS)
+    if unknown:
+        raise RequestError("invalid_request", f"unknown field(s): {', '.join(unknown)}", field=unknown[0])
+
+    custom_id = body.pop("custom_id", None)
+    if custom_id is not None and (not isinstance(custom_id, str) or len(custom_id) > MAX_CUSTOM_ID_CHARS):
+        raise RequestError("invalid_request", f"custom_id must be a string of at most "
+                           f"{MAX_CUSTOM_ID_CHARS} characters, got {_short(custom_id)}", field="custom_id")
+    model = body.pop("model", None)
+    if model is not None and (not isinstance(model, str) or not model.strip()):
+        raise RequestError("invalid_request", f"model must be a non-empty string, got {_short(model)}",
+                           field="model")
+    priority = body.pop("priority", None)
+    if priority is None:
+        priority = 0
+    elif not _is_int(priority) or abs(priority) > 2**31:
+        raise RequestError("invalid_request", f"priority must be an integer, got {_short(priority)}",
+                           field="priority")
+    metadata = _metadata(body.pop("metadata", None))
+    prompt, token_ids, messages = _inputs(body)
+    if messages is not None and "max_tokens" not in body:
+        body["max_tokens"] = None  # chat: until the context is full
+    try:
+        params = SamplingParams.from_dict(body)
+    except (ValueError, TypeError, OverflowError) as e:
+        # SamplingParams messages start with the field's name, e.g. "stop[1] must be a string".
+        first = str(e).split(" ", 1)[0]
+        name = first if first.split("[", 1)[0] in body else None
+        raise RequestError("invalid_request", str(e), field=name) from None
+    limit = max_tokens_limit
+    if limit is not None and params.max_tokens is not None and params.max_tokens > limit:
+        raise RequestError("invalid_request", f"max_tokens must be <= {limit}, got "
+                           f"{params.max_tokens}", field="max_tokens")
+    return RequestSpec(sampling_params=params, custom_id=custom_id, model=model, prompt=prompt,
+                       prompt_token_ids=token_ids, messages=messages, priority=priority,
+                       metadata=metadata, url=url)
+
+
+def _inputs(body: dict[str, Any]) -> tuple[str | None, list[int] | None, list[dict] | None]:
+    given = [k for k in ("prompt", "prompt_token_ids", "messages") if body.get(k) is not None]
+    if len(given) != 1:
+        what = "none" if not given else ", ".join(given)
+        raise RequestError("invalid_request", f"give exactly one of prompt, prompt_token_ids, messages "
+                           f"(got {what})", field=given[1] if len(given) > 1 else "prompt")
+    for k in ("prompt", "prompt_token_ids", "messages"):
+        if k not in given:
+            body.pop(k, None)  # an explicit null
+    name = given[0]
+    value = body.pop(name)
+    if name == "prompt":
+        # OpenAI completions also accept a one-element list, or a list of token ids.
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+            value = value[0]
+        elif isinstance(value, list) and value and all(_is_int(t) for t in value):
+            return None, _token_ids(value, "prompt"), None
+        if not isinstance(value, str):
+            raise RequestError("invalid_request", f"prompt must be a string (one prompt per request), got "
+                               f"{_short(value)}", field="prompt")
+        if not value:
+            raise RequestError("invalid_request", "prompt must not be empty", field="prompt")
+        return value, None, None
+    if name == "prompt_token_ids":
+        return None, _token_ids(value, "prompt_token_ids"), None
+    return None, None, _messages(value)
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("invalid_request", f"{name} must be a non-empty list of integers, got "
+                           f"{_short(value)}", field=name)
+    for i, t in enumerate(value):
+        if not _is_int(t) or t < 0 or t >= 2**31:
+            raise RequestError("invalid_request", f"{name}[{i}] must be a token id (integer >= 0), got "
+                               f"{_short(t)}", field=f"{name}[{i}]")
+    return list(value)
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("invalid_request", f"messages must be a non-empty list, got {_short(value)}",
+                           field="messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, Mapping):
+            raise RequestError("invalid_request", f"{where} must be an object, got {_kind(m)}", field=where)
+        unknown = sorted(str(k) for k in m if k not in MESSAGE_FIELDS)
+        if unknown:
+            raise RequestError("invalid_request", f"{where} has unknown field(s): {', '.join(unknown)}",
+                               field=f"{where}.{unknown[0]}")
+        role = m.get("role")
+        if role not in MESSAGE_ROLES:
+            raise RequestError("invalid_request", f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, "
+                               f"got {_short(role)}", field=f"{where}.role")
+        msg = dict(m)
+        _check_content(m.get("content"), f"{where}.content", bool(m.get("tool_calls")))
+        for key in ("name", "tool_call_id"):
+            if key in msg and not isinstance(msg[key], str):
+                raise RequestError("invalid_request", f"{where}.{key} must be a string",
+                                   field=f"{where}.{key}")
+        if "tool_calls" in msg and not isinstance(msg["tool_calls"], list):
+            raise RequestError("invalid_request", f"{where}.tool_calls must be a list",
+                               field=f"{where}.tool_calls")
+        out.append(msg)
+    return out
+
+
+def _check_content(content: Any, where: str, has_tool_calls: bool) -> None:
+    """A string, or a list of text parts (the tokenizer joins them); ``None`` only with tool calls."""
+    if isinstance(content, str) or (content is None and has_tool_calls):
+        return
+    if not isinstance(content, list):
+        raise RequestError("invalid_request", f"{where} must be a string or a list of text parts, got "
+                           f"{_short(content)}", field=where)
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RequestError("invalid_request", f"{where}[{j}] must be a text part {{\"type\": \"text\", "
+                               f"\"text\": ...}} (only text is supported), got {_short(part)}",
+                               field=f"{where}[{j}]")
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise RequestError("invalid_request", f"metadata must be an object of strings, got {_kind(value)}",
+                           field="metadata")
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise RequestError("invalid_request", f"metadata.{k} must be a string, got {_short(v)}",
+                               field=f"metadata.{k}")
+    return {str(k): v for k, v in value.items()}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null", bool: "a boolean",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

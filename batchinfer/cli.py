@@ -1,5 +1,6 @@
-"""``batchinfer``: the command line (click), a thin layer over :class:`batchinfer.client.Client`
-and the daemons' ``main`` functions. Exit codes are documented in docs/cli.md.
+"""``batchinfer``: the command line (click), a thin layer over :class:`batchinfer.client.Client`;
+the daemon launchers (``scheduler``, ``worker``, ``exporter``) are in :mod:`batchinfer.cli_daemons`.
+Exit codes are documented in docs/cli.md.
 
 Read commands print for people by default and one JSON document with ``--json``; progress bars
 go to stderr and only when it is a terminal. Runnable as ``python -m batchinfer.cli``.
@@ -17,6 +18,7 @@ from typing import Any
 import click
 
 from batchinfer import cli_render as render
+from batchinfer.cli_daemons import POSITIVE, default_device, exporter, override_settings, scheduler, worker
 from batchinfer.config import Settings
 
 log = logging.getLogger("batchinfer.cli")
@@ -128,91 +130,10 @@ def cli(click_ctx: click.Context, redis_url: str | None, redis_ca_file: str | No
 pass_ctx = click.make_pass_decorator(Ctx)
 
 
-# -- daemons ---------------------------------------------------------------------------------------
+# -- daemons (cli_daemons.py, which never imports this module) -------------------------------------
 
-
-POSITIVE = click.IntRange(min=1)
-
-
-@cli.command()
-@click.option("--lease-seconds", type=float, help="Re-dispatch a batch not refreshed for this long [60].")
-@click.option("--max-attempts", type=int, help="Worker crashes a request survives [3].")
-@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
-@click.option("--max-line-bytes", type=POSITIVE,
-              help="Refuse request bodies longer than this [10 MiB, BATCHINFER_MAX_LINE_BYTES].")
-@click.option("--max-tokens-limit", type=POSITIVE,
-              help="Refuse requests asking for more max_tokens [1000000, BATCHINFER_MAX_TOKENS_LIMIT].")
-@click.option("--max-prompt-tokens", type=POSITIVE,
-              help="Refuse prompts longer than this [1000000, BATCHINFER_MAX_PROMPT_TOKENS].")
-@pass_ctx
-def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, metrics_port: int | None,
-              max_line_bytes: int | None, max_tokens_limit: int | None,
-              max_prompt_tokens: int | None) -> None:
-    """Run the scheduler daemon: intake -> validate -> tokenize -> pack -> dispatch."""
-    from batchinfer.scheduler import main
-
-    _override(ctx.settings, lease_seconds=lease_seconds, max_attempts=max_attempts, metrics_port=metrics_port,
-              max_line_bytes=max_line_bytes, max_tokens_limit=max_tokens_limit,
-              max_prompt_tokens=max_prompt_tokens)
-    sys.exit(main(ctx.settings) or 0)
-
-
-@cli.command()
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
-              help="Hugging Face model folder (optional with --echo).")
-@click.option("--name", help="Worker name [host-model-device].")
-@click.option("--model-name", help="Served model name [the model folder's name].")
-@click.option("--device", default=None, help="cpu or cuda:N [cuda:0 when CUDA is available, else cpu].")
-@click.option("--echo", is_flag=True, help="Echo engine: answers without a model (tests, benchmarks).")
-@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
-@click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
-              help="Engine (or echo engine) setting, repeatable; VALUE is JSON or a string, e.g. "
-                   "max_num_seqs=8, or step_delay=0.05 / poison=MARKER with --echo.")
-@pass_ctx
-def worker(ctx: Ctx, model_dir: str | None, name: str | None, model_name: str | None, device: str | None,
-           echo: bool, metrics_port: int | None, engine_option: tuple[str, ...]) -> None:
-    """Run a worker daemon: pull batches, run the engine, publish results."""
-    from batchinfer.workers.daemon import main, parse_engine_options
-
-    if not model_dir and not echo:
-        raise click.UsageError("--model DIR is required (or --echo)")
-    _override(ctx.settings, metrics_port=metrics_port)
-    # The echo engine needs no device: skip importing torch (about 200 MB per echo worker).
-    device = device or ("cpu" if echo else default_device())
-    try:
-        options = parse_engine_options(engine_option)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--engine-option") from None
-    sys.exit(main(ctx.settings, model_dir, name, device, echo, model_name=model_name,
-                  engine_options=options) or 0)
-
-
-@cli.command()
-@click.option("--name", help="rq worker name [exporter-host-pid].")
-@click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
-@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
-@pass_ctx
-def exporter(ctx: Ctx, name: str | None, burst: bool, metrics_port: int | None) -> None:
-    """Run the exporter: an rq worker (JSON serializer) writing result files."""
-    from batchinfer.exporter import main
-
-    _override(ctx.settings, metrics_port=metrics_port)
-    sys.exit(main(ctx.settings, name=name, burst=burst) or 0)
-
-
-def default_device() -> str:
-    try:
-        import torch
-
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "cpu"
-
-
-def _override(settings: Settings, **values: Any) -> None:
-    for key, value in values.items():
-        if value is not None:
-            setattr(settings, key, value)
+for _daemon in (scheduler, worker, exporter):
+    cli.add_command(_daemon)
 
 
 # -- jobs ------------------------------------------------------------------------------------------
@@ -254,7 +175,7 @@ def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | No
     """Submit FILE (JSONL: plain or OpenAI Batch lines; or Parquet) as a job; prints its id."""
     from batchinfer.progress import lines_progress
 
-    _override(ctx.settings, max_line_bytes=max_line_bytes, max_requests_per_job=max_requests)
+    override_settings(ctx.settings, max_line_bytes=max_line_bytes, max_requests_per_job=max_requests)
     client = ctx.client()
     quiet_bar = ctx.quiet or ctx.json or json_flag
     with lines_progress("submitting", quiet=quiet_bar) as bar:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -20,6 +21,15 @@ from batchinfer.keys import Keys
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 CAPACITY_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_tokens")
+
+
+def read_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
+    """The :data:`TOKENIZER_FILES` of a model folder, as a worker registers them (tokenizer.json required)."""
+    path = Path(model_dir)
+    files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
+    if "tokenizer.json" not in files:
+        raise FileNotFoundError(f"{path / 'tokenizer.json'}: not found (only fast tokenizers are supported)")
+    return files
 
 
 def _now_ms() -> int:

@@ -13,11 +13,10 @@ from batchinfer.jobstore import JobStore
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
 from batchinfer.protocol import IntakeEntry, ResultRow
 from batchinfer.publish import Publisher
-from batchinfer.registry import Registry
+from batchinfer.registry import Registry, read_tokenizer_files
 from batchinfer.rows import BatchRequest
 from batchinfer.scheduler import Scheduler
 from batchinfer.staging import held_key
-from batchinfer.workers.daemon import read_tokenizer_files
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.tokenizer import Tokenizer
 

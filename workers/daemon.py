@@ -13,7 +13,8 @@ culprit counts a failure; Redis outages are retried with backoff while rows wait
 (:mod:`batchinfer.workers.outbox`; publication is idempotent). Only an engine whose every
 step fails (``max_failed_steps`` in a row) ends the daemon, with exit code 3: its batches return
 to the queue through their leases. SIGTERM drains: no more pulling, everything held finishes,
-exit 0; a second SIGTERM / SIGINT stops at once (exit 1; leases return the batches).
+exit 0; a second SIGTERM / SIGINT stops at once (exit 1; leases return the batches). The process
+around the loop (engine, signals, ``/metrics``) is :mod:`batchinfer.workers.serve`.
 """
 
 from __future__ import annotations
@@ -22,22 +23,19 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import threading
 import time
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import redis
 
 from batchinfer.config import Settings
-from batchinfer.httpserver import Readiness, serve
+from batchinfer.httpserver import Readiness
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.metrics import WorkerMetrics
 from batchinfer.publish import Publisher
-from batchinfer.registry import TOKENIZER_FILES, Registry
+from batchinfer.registry import Registry, read_tokenizer_files
 from batchinfer.rows import BatchRequest, ResultRow, now_ms
 from batchinfer.workers.inflight import Book, Held, Quarantine, parse_batch
 from batchinfer.workers.keeper import Keeper
@@ -395,79 +393,3 @@ class WorkerDaemon:
                 "requests_done": self.requests_done, "steps": self.steps,
                 **self.metrics.heartbeat_fields()}  # tokens_per_s (prompt + generated), engine state
 
-
-def read_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
-    """The tokenizer files of a model folder that the scheduler needs (tokenizer.json required)."""
-    path = Path(model_dir)
-    files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
-    if "tokenizer.json" not in files:
-        raise FileNotFoundError(f"{path / 'tokenizer.json'}: not found (only fast tokenizers are supported)")
-    return files
-
-
-def parse_engine_options(pairs: Iterable[str]) -> dict[str, Any]:
-    """``--engine-option KEY=VALUE`` pairs as keyword arguments: VALUE is JSON when it parses, else text.
-
-    ValueError names a pair without ``=`` or a key that is not an identifier.
-    """
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise ValueError(f"{pair!r}: use KEY=VALUE with KEY a setting name, e.g. max_num_seqs=8")
-        try:
-            options[key] = json.loads(raw)
-        except ValueError:
-            options[key] = raw
-    return options
-
-
-def main(settings: Settings, model_dir: str | None, name: str | None = None, device: str = "cpu",
-         echo: bool = False, *, model_name: str | None = None,
-         engine_options: dict[str, Any] | None = None) -> int:
-    """``batchinfer worker``: build the engine (or the echo engine), then serve until SIGTERM."""
-    from batchinfer.redis_conn import connect
-
-    options = dict(engine_options or {})
-    if not echo and not model_dir:
-        raise ValueError("--model: a model folder is required (or --echo)")
-    try:
-        if echo:
-            from batchinfer.workers.echo_engine import EchoEngine
-
-            engine = EchoEngine.from_model_dir(model_dir, **options) if model_dir else EchoEngine(**options)
-        else:
-            from batchinfer.workers.config import EngineConfig
-            from batchinfer.workers.engine import Engine
-
-            engine = Engine(EngineConfig(model=str(model_dir), device=device, **options))
-    except TypeError as e:  # an engine option the engine does not have
-        raise ValueError(f"engine options {sorted(options)}: {e}") from None
-    files = read_tokenizer_files(model_dir) if model_dir else engine.tokenizer_files
-    model = model_name or engine.model_name
-    name = name or f"{socket.gethostname()}-{model}-{device.replace(':', '')}"
-    stop, hard = threading.Event(), threading.Event()
-
-    def on_signal(signum, frame):
-        if stop.is_set():
-            hard.set()
-        stop.set()
-        log.info("worker %s: %s received; %s", name, signal.Signals(signum).name,
-                 "stopping now" if hard.is_set() else "draining (again to stop at once)")
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    r = connect(settings.redis_url, settings.redis_ca_file)
-    metrics = WorkerMetrics(model, worker=name, device=device)
-    readiness = Readiness(stall_after=10 * settings.lease_seconds)
-    readiness.mark("serving", False, "registering")
-    readiness.add_probe("redis", r.ping)
-    daemon = WorkerDaemon(r, settings, engine, name, model, device=device, tokenizer_files=files,
-                          hard_stop=hard, metrics=metrics, readiness=readiness)
-    server = serve(settings.metrics_port, metrics.registry, readiness)
-    try:
-        return daemon.run(stop)
-    finally:
-        if server is not None:
-            server.stop()

@@ -1,0 +1,106 @@
+"""The daemon commands of ``batchinfer``: ``scheduler``, ``worker``, ``exporter``.
+
+Each is a thin launcher: command-line options onto :class:`~batchinfer.config.Settings`, then the
+daemon's own ``main`` (imported late so that a command loads only its daemon), whose return value
+is the exit code. :mod:`batchinfer.cli` adds these commands to its group; this module never
+imports it back (``python -m batchinfer.cli`` runs that module as ``__main__``, and a second copy
+imported from here would get the commands instead), so the group's ``Ctx`` arrives through
+``click.pass_obj``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from batchinfer.config import Settings
+
+if TYPE_CHECKING:
+    from batchinfer.cli import Ctx
+
+POSITIVE = click.IntRange(min=1)
+
+
+def default_device() -> str:
+    """``cuda:0`` when torch sees CUDA, else ``cpu`` (also without torch)."""
+    try:
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def override_settings(settings: Settings, **values: Any) -> None:
+    """Set the options the command line gave (not None) on ``settings``, over the environment's."""
+    for key, value in values.items():
+        if value is not None:
+            setattr(settings, key, value)
+
+
+@click.command()
+@click.option("--lease-seconds", type=float, help="Re-dispatch a batch not refreshed for this long [60].")
+@click.option("--max-attempts", type=int, help="Worker crashes a request survives [3].")
+@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
+@click.option("--max-line-bytes", type=POSITIVE,
+              help="Refuse request bodies longer than this [10 MiB, BATCHINFER_MAX_LINE_BYTES].")
+@click.option("--max-tokens-limit", type=POSITIVE,
+              help="Refuse requests asking for more max_tokens [1000000, BATCHINFER_MAX_TOKENS_LIMIT].")
+@click.option("--max-prompt-tokens", type=POSITIVE,
+              help="Refuse prompts longer than this [1000000, BATCHINFER_MAX_PROMPT_TOKENS].")
+@click.pass_obj
+def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, metrics_port: int | None,
+              max_line_bytes: int | None, max_tokens_limit: int | None,
+              max_prompt_tokens: int | None) -> None:
+    """Run the scheduler daemon: intake -> validate -> tokenize -> pack -> dispatch."""
+    from batchinfer.scheduler import main
+
+    override_settings(ctx.settings, lease_seconds=lease_seconds, max_attempts=max_attempts,
+                      metrics_port=metrics_port, max_line_bytes=max_line_bytes,
+                      max_tokens_limit=max_tokens_limit, max_prompt_tokens=max_prompt_tokens)
+    sys.exit(main(ctx.settings) or 0)
+
+
+@click.command()
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
+              help="Hugging Face model folder (optional with --echo).")
+@click.option("--name", help="Worker name [host-model-device].")
+@click.option("--model-name", help="Served model name [the model folder's name].")
+@click.option("--device", default=None, help="cpu or cuda:N [cuda:0 when CUDA is available, else cpu].")
+@click.option("--echo", is_flag=True, help="Echo engine: answers without a model (tests, benchmarks).")
+@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
+@click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
+              help="Engine (or echo engine) setting, repeatable; VALUE is JSON or a string, e.g. "
+                   "max_num_seqs=8, or step_delay=0.05 / poison=MARKER with --echo.")
+@click.pass_obj
+def worker(ctx: Ctx, model_dir: str | None, name: str | None, model_name: str | None, device: str | None,
+           echo: bool, metrics_port: int | None, engine_option: tuple[str, ...]) -> None:
+    """Run a worker daemon: pull batches, run the engine, publish results."""
+    from batchinfer.workers.serve import main, parse_engine_options
+
+    if not model_dir and not echo:
+        raise click.UsageError("--model DIR is required (or --echo)")
+    override_settings(ctx.settings, metrics_port=metrics_port)
+    # The echo engine needs no device: skip importing torch (about 200 MB per echo worker).
+    device = device or ("cpu" if echo else default_device())
+    try:
+        options = parse_engine_options(engine_option)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--engine-option") from None
+    sys.exit(main(ctx.settings, model_dir, name, device, echo, model_name=model_name,
+                  engine_options=options) or 0)
+
+
+@click.command()
+@click.option("--name", help="rq worker name [exporter-host-pid].")
+@click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
+@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
+@click.pass_obj
+def exporter(ctx: Ctx, name: str | None, burst: bool, metrics_port: int | None) -> None:
+    """Run the exporter: an rq worker (JSON serializer) writing result files."""
+    from batchinfer.exporter import main
+
+    override_settings(ctx.settings, metrics_port=metrics_port)
+    sys.exit(main(ctx.settings, name=name, burst=burst) or 0)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchinfer.registry import TOKENIZER_FILES
+from batchinfer.registry import read_tokenizer_files
 from batchinfer.workers.outputs import CompletionOutput, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
 
@@ -124,12 +124,8 @@ class EchoEngine:
     @classmethod
     def from_model_dir(cls, path: str | Path, **kwargs: Any) -> EchoEngine:
         """An echo engine named after, and tokenising like, the model folder ``path``."""
-        path = Path(path)
-        files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
-        if "tokenizer.json" not in files:
-            raise FileNotFoundError(f"{path / 'tokenizer.json'}: tokenizer.json not found")
-        kwargs.setdefault("model_name", path.name)
-        return cls(tokenizer_files=files, **kwargs)
+        kwargs.setdefault("model_name", Path(path).name)
+        return cls(tokenizer_files=read_tokenizer_files(path), **kwargs)
 
     # -- the Engine API ---------------------------------------------------------------------------
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from batchinfer.jobstore import JobRecord
 from batchinfer.registry import WorkerInfo
 
+_Item = TypeVar("_Item")
 _STAGES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
            "cancelled_at")
 
@@ -39,24 +41,29 @@ def record_text(record: JobRecord) -> str:
 
 def jobs_text(records: Sequence[JobRecord]) -> str:
     """``batchinfer jobs``: one line per job, newest first."""
-    if not records:
-        return "no jobs"
-    lines = []
-    for r in records:
-        c = r.request_counts
-        lines.append(f"{r.id}  {r.status.value:<11}  {c['completed'] + c['failed']}/{c['total']}  "
-                     f"failed {c['failed']}  {fmt_time(r.created_at)}  {r.input_name or '-'}")
-    return "\n".join(lines)
+    return _listing(records, "no jobs", _job_line)
 
 
 def workers_text(workers: Sequence[WorkerInfo]) -> str:
     """``batchinfer workers``: one line per live worker."""
-    if not workers:
-        return "no live workers"
-    lines = []
-    for w in workers:
-        cap = w.capacity
-        lines.append(f"{w.name}  model={w.model}  device={w.info.get('device', '-')}  "
-                     f"max_seqs={cap.get('max_num_seqs', '-')}  kv_tokens={cap.get('kv_tokens', '-')}  "
-                     f"heartbeat={fmt_time(w.heartbeat_at)}")
-    return "\n".join(lines)
+    return _listing(workers, "no live workers", _worker_line)
+
+
+def _listing(items: Sequence[_Item], empty: str, line: Callable[[_Item], str]) -> str:
+    """One ``line(item)`` per item, or ``empty`` when there is none."""
+    if not items:
+        return empty
+    return "\n".join(line(item) for item in items)
+
+
+def _job_line(r: JobRecord) -> str:
+    c = r.request_counts
+    return (f"{r.id}  {r.status.value:<11}  {c['completed'] + c['failed']}/{c['total']}  "
+            f"failed {c['failed']}  {fmt_time(r.created_at)}  {r.input_name or '-'}")
+
+
+def _worker_line(w: WorkerInfo) -> str:
+    cap = w.capacity
+    return (f"{w.name}  model={w.model}  device={w.info.get('device', '-')}  "
+            f"max_seqs={cap.get('max_num_seqs', '-')}  kv_tokens={cap.get('kv_tokens', '-')}  "
+            f"heartbeat={fmt_time(w.heartbeat_at)}")

@@ -253,15 +253,10 @@ def read_records(records: Iterable[Mapping[str, Any] | str | bytes], *,
                 yield InputLine(number, error=RequestError("invalid_json", f"record is not UTF-8: {e}",
                                                            line=number))
                 continue
-        if isinstance(record, str):
-            body = record
-        else:
-            try:
-                body = json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=_json_default)
-            except (TypeError, ValueError) as e:
-                yield InputLine(number, error=RequestError(
-                    "invalid_request", f"record cannot be written as JSON: {e}", line=number))
-                continue
+        body = record if isinstance(record, str) else _json_body(record, number, "record")
+        if isinstance(body, InputLine):  # not writable as JSON
+            yield body
+            continue
         if not body.isascii():
             try:
                 body.encode("utf-8")
@@ -274,6 +269,16 @@ def read_records(records: Iterable[Mapping[str, Any] | str | bytes], *,
                 "line_too_long", f"record is more than the limit of {max_line_bytes} bytes", line=number))
             continue
         yield InputLine(number, body=body)
+
+
+def _json_body(record: Mapping[str, Any], number: int, what: str) -> str | InputLine:
+    """``record`` as compact JSON text, or the error line to yield instead when ``what`` (a record,
+    a row) holds a value JSON cannot carry."""
+    try:
+        return json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=_json_default)
+    except (TypeError, ValueError) as e:
+        return InputLine(number, error=RequestError(
+            "invalid_request", f"{what} cannot be written as JSON: {e}", line=number))
 
 
 def _json_default(value: Any) -> Any:
@@ -350,13 +355,8 @@ def _arrow_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[InputLine]:
                 # left as text when it is not JSON: the scheduler reports a bad 'messages' field
                 with contextlib.suppress(ValueError):
                     record["messages"] = json.loads(record["messages"])
-            try:
-                body = json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=_json_default)
-            except (TypeError, ValueError) as e:
-                yield InputLine(number, error=RequestError(
-                    "invalid_request", f"row cannot be written as JSON: {e}", line=number))
-                continue
-            yield InputLine(number, body=body)
+            body = _json_body(record, number, "row")
+            yield body if isinstance(body, InputLine) else InputLine(number, body=body)
 
 
 __all__ = ["DuplicateIds", "InputError", "InputLine", "check_columns", "custom_id_of", "input_name",

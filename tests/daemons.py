@@ -190,6 +190,19 @@ def wait_for(cond: Callable[[], Any], what: str, timeout: float = 60.0,
         time.sleep(poll)
 
 
+def start_echo_job(stack: Stack, n: int, scheduler: str = "scheduler") -> str:
+    """The fault tests' job: a scheduler named ``scheduler``, the exporter and two slow echo workers
+    (``a``, ``b``) are started and live, then ``n`` requests ``r0`` .. ``r<n-1>`` are submitted to
+    model ``echo``; returns the job id."""
+    stack.start(scheduler, "scheduler")
+    stack.start("exporter", "exporter")
+    for name in ("a", "b"):
+        stack.worker(name, echo=True, options=SLOW_ECHO)
+    stack.wait_for_workers(2)
+    return stack.client.submit([{"custom_id": f"r{i}", "prompt": f"request {i:03d}", "max_tokens": 3}
+                                for i in range(n)], model="echo")
+
+
 def _killpg(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemons import SLOW_ECHO, assert_exactly_once, dead_letters
+from daemons import assert_exactly_once, dead_letters, start_echo_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -76,14 +76,8 @@ class AofTail:
 
 def test_redis_crash_mid_job_with_aof(aof_redis, stacks):
     stack = stacks(aof_redis.url)
-    stack.start("scheduler", "scheduler")
-    stack.start("exporter", "exporter")
-    for name in ("a", "b"):
-        stack.worker(name, echo=True, options=SLOW_ECHO)
-    stack.wait_for_workers(2)
+    job = start_echo_job(stack, N)
     client = stack.client
-    job = client.submit([{"custom_id": f"r{i}", "prompt": f"request {i:03d}", "max_tokens": 3}
-                         for i in range(N)], model="echo")
     submitted = time.monotonic()
     tail = AofTail(aof_redis.dir)
     stack.until(lambda: client.status(job).done >= N // 4, 60, "a quarter of the rows")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from daemons import SLOW_ECHO, assert_exactly_once, attempts, dead_letters
+from daemons import assert_exactly_once, attempts, dead_letters, start_echo_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -12,14 +12,8 @@ N = 200
 
 def test_scheduler_killed_mid_job_and_restarted(redis_server, stacks):
     stack = stacks(redis_server.url)
-    stack.start("scheduler-0", "scheduler")
-    stack.start("exporter", "exporter")
-    for name in ("a", "b"):
-        stack.worker(name, echo=True, options=SLOW_ECHO)
-    stack.wait_for_workers(2)
+    job = start_echo_job(stack, N, scheduler="scheduler-0")
     client = stack.client
-    job = client.submit([{"custom_id": f"r{i}", "prompt": f"request {i:03d}", "max_tokens": 3}
-                         for i in range(N)], model="echo")
     # Kill 1: right after submission (intake and staging in progress); 2 and 3: while batches are
     # dispatched and running. Most requests wait in staging the whole time (backpressure).
     for k, rows_before in enumerate((0, N // 4, N // 2)):

@@ -8,6 +8,8 @@
   (after one untimed run of the same requests: an engine's first steps pay one-off costs),
   interleaved, ``--overhead-repeats`` pairs; the ratio is the median of the pairs' ratios, and
   ``overhead_added_s`` the median of the seconds the queue added. Tokens are checked to be equal.
+  ``--pin``: both engines get CPU 0 and one thread, the scheduler and Redis the other CPUs (a GPU
+  worker's engine does not share its compute with them; on a small CPU box it otherwise does).
 - scale: echo-engine jobs of 10k and ``--scale-requests`` (default 50k; ``1000000`` for the full
   run): Redis memory per queued request (intake entries before the scheduler runs), steady
   throughput (rows per second between the first and the last result's stream ids), and the peak
@@ -45,12 +47,15 @@ PREFIX = "{bench}"
 class Daemon:
     """A ``python -m batchinfer.cli`` subprocess; its peak RSS is read before it is stopped."""
 
-    def __init__(self, url: str, workdir: Path, *args: str):
+    def __init__(self, url: str, workdir: Path, *args: str, cpus: set[int] | None = None,
+                 env: dict[str, str] | None = None):
         env = {**os.environ, "BATCHINFER_REDIS_URL": url, "BATCHINFER_PREFIX": PREFIX,
-               "BATCHINFER_RESULTS_ROOT": str(workdir), "BATCHINFER_LOG_LEVEL": "WARNING"}
+               "BATCHINFER_RESULTS_ROOT": str(workdir), "BATCHINFER_LOG_LEVEL": "WARNING", **(env or {})}
         self.log = open(workdir / f"{args[0]}-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
+        # Pinned before exec, so every thread the daemon starts inherits the CPU set.
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         self.proc = subprocess.Popen([sys.executable, "-m", "batchinfer.cli", *args], env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=pin)
 
     def peak_rss_mb(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -124,9 +129,30 @@ def bench_intake(url: str, workdir: Path, n: int, repeats: int) -> dict:
 # -- queue overhead -----------------------------------------------------------------------------------
 
 
-def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: int, device: str) -> dict:
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (``sched_setaffinity`` on a pid moves one thread)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
+
+
+def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: int, device: str,
+                   pin_redis_pid: int | None = None) -> dict:
+    """``pin_redis_pid`` set: the engines (worker and in-process, one thread each) run on CPU 0 and
+    everything else (scheduler, Redis, this process between its engine runs) on the other CPUs, as
+    on a GPU worker whose engine does not share its compute with the queue's processes."""
+    import torch
+
     from batchinfer import LLM, SamplingParams
     from batchinfer.workers.testing import make_tiny_model
+
+    pinned = pin_redis_pid is not None
+    engine_cpus, other_cpus = {0}, set(range(1, os.cpu_count() or 1))
+    if pinned:
+        if not other_cpus or not hasattr(os, "sched_setaffinity"):
+            raise SystemExit("--pin needs Linux and at least 2 CPUs")
+        pin_process(pin_redis_pid, other_cpus)
+        os.sched_setaffinity(0, other_cpus)
+        torch.set_num_threads(1)
 
     model_dir = make_tiny_model(workdir / "tiny-llama")
     rnd = random.Random(0)
@@ -137,14 +163,20 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
     r = redis.Redis.from_url(url)
     r.flushdb()
     keys = Keys(PREFIX)
-    daemons = (Daemon(url, workdir, "worker", "--model", str(model_dir), "--device", device, "--name", "w0"),
-               Daemon(url, workdir, "scheduler"))
+    daemons = (Daemon(url, workdir, "worker", "--model", str(model_dir), "--device", device, "--name", "w0",
+                      cpus=engine_cpus if pinned else None, env={"OMP_NUM_THREADS": "1"} if pinned else None),
+               Daemon(url, workdir, "scheduler", cpus=other_cpus if pinned else None))
     llm = LLM(model_dir, device=device)  # the same engine settings as the worker's: EngineConfig's defaults
 
     def in_process() -> tuple[float, list[list[int]]]:
+        if pinned:
+            os.sched_setaffinity(0, engine_cpus)
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
+        elapsed = time.perf_counter() - t0
+        if pinned:
+            os.sched_setaffinity(0, other_cpus)
+        return elapsed, [o.outputs[0].token_ids for o in outs]
 
     def through_queue() -> tuple[float, str]:
         # The end is the job's `finalizing_at` (ms, stamped by the publish of its last row), not the
@@ -177,6 +209,7 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
     # The ratio is the median of the per-repeat ratios: each pair ran back to back under the same load,
     # and a median is not moved by one lucky (or unlucky) run the way a best-of is.
     return {"overhead_requests": n, "overhead_max_tokens": max_tokens, "overhead_device": device,
+            "overhead_pinned": pinned,
             "inprocess_s": round(statistics.median(t for t, _ in pairs), 2),
             "queue_s": round(statistics.median(t for _, t in pairs), 2),
             "overhead_ratio": round(statistics.median(t_in / t_q for t_in, t_q in pairs), 3),
@@ -228,6 +261,8 @@ def main() -> None:
     ap.add_argument("--overhead-max-tokens", type=int, default=64)
     ap.add_argument("--overhead-repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu", help="engine device of the overhead bench (cpu, cuda:0)")
+    ap.add_argument("--pin", action="store_true",
+                    help="overhead bench: engines on CPU 0 (one thread), scheduler and Redis on the others")
     ap.add_argument("--scale-requests", type=int, default=50_000)
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
@@ -240,7 +275,8 @@ def main() -> None:
               f"-> ratio {figures['intake_ratio']}", flush=True)
         if not args.skip_overhead:
             figures.update(bench_overhead(server.url, workdir, args.overhead_requests,
-                                          args.overhead_max_tokens, args.overhead_repeats, args.device))
+                                          args.overhead_max_tokens, args.overhead_repeats, args.device,
+                                          pin_redis_pid=server.proc.pid if args.pin else None))
             print(f"overhead: in-process {figures['inprocess_s']} s vs queue {figures['queue_s']} s "
                   f"(medians) -> ratio {figures['overhead_ratio']} "
                   f"(best-of ratio {figures['overhead_ratio_best']}), added {figures['overhead_added_s']} s "

@@ -36,7 +36,7 @@ demo: setup
 
 bench: setup-dev
 	$(BIN)/python bench/engine_cpu.py
-	$(BIN)/python bench/queue.py
+	$(BIN)/python bench/queue_bench.py
 
 lint: setup-dev
 	$(BIN)/ruff check .

@@ -16,7 +16,8 @@
   resident memory (VmHWM) of the scheduler and the worker.
 
 Everything runs against a private redis-server (``batchinfer.embedded``) in a temporary folder.
-``python bench/queue.py [--scale-requests 1000000] [--skip-overhead]`` (``bench/queue.py`` runs this file).
+``python bench/queue_bench.py [--scale-requests 1000000] [--skip-overhead]``. (Not ``bench/queue.py``:
+a script of that name shadows the standard library's ``queue`` for every script run from ``bench/``.)
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ moved into batches in one MULTI (XADD batch + XDEL staging). The rest stays in R
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import defaultdict
 
@@ -20,8 +19,8 @@ from batchinfer.metrics import SchedulerMetrics
 from batchinfer.packing import Budget, Packer
 from batchinfer.protocol import PROTOCOL_VERSION
 from batchinfer.registry import Registry, WorkerInfo
-from batchinfer.rows import BatchRequest, ResultRow, fields_dict
-from batchinfer.staging import Staging, parse_member
+from batchinfer.rows import BatchRequest, ResultRow
+from batchinfer.staging import Staging, encode_request, parse_member
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +32,12 @@ ENDED_ROWS_PER_PASS = 2000  # cancelled / expired rows published per model per p
 
 def batch_fields(requests: list[BatchRequest]) -> dict[str, str]:
     """The XADD fields of a batch entry (docs/protocol.md)."""
-    body = json.dumps([fields_dict(q) for q in requests], separators=(",", ":"), ensure_ascii=False)
-    return {"v": PROTOCOL_VERSION, "requests": body}
+    return encoded_batch_fields([encode_request(q) for q in requests])
+
+
+def encoded_batch_fields(encoded: list[str]) -> dict[str, str]:
+    """``batch_fields`` of requests already encoded as JSON objects (staging keeps them so)."""
+    return {"v": PROTOCOL_VERSION, "requests": "[" + ",".join(encoded) + "]"}
 
 
 def ensure_group(r: redis.Redis, stream: str) -> None:
@@ -118,7 +121,7 @@ class Dispatcher:
         pipe = self.redis.pipeline(transaction=True)
         for batch in batches:
             chosen_staged = [by_key[c.key] for c in batch]
-            pipe.xadd(stream, batch_fields([s.request for s in chosen_staged]))
+            pipe.xadd(stream, encoded_batch_fields([s.raw for s in chosen_staged]))
             self.staging.remove(pipe, chosen_staged)
         pipe.execute()
         if self.metrics is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import redis
 
@@ -58,26 +59,35 @@ def parse_member(member: str) -> tuple[int, str | None]:
 
 @dataclass(frozen=True)
 class Staged:
-    """One staged request: where it is (stream + entry id) and what it is."""
+    """One staged request: where it is (stream + entry id) and what it is.
+
+    ``raw`` is the request's JSON as staged: a batch takes it as it is, so dispatch never
+    rebuilds or re-encodes a request (``body`` is its decoded form, ``request`` the dataclass,
+    built only when needed).
+    """
 
     model: str
     member: str
     entry_id: str
-    request: BatchRequest
+    raw: str
+    body: dict[str, Any]
     priority: int
     max_model_len: int
 
     @cached_property
+    def request(self) -> BatchRequest:
+        return BatchRequest.from_dict(self.body)
+
+    @cached_property
     def candidate(self) -> Candidate:
         """The packing view: cost = prompt + max_tokens (the rest of the context when unbounded)."""
-        prompt = len(self.request.prompt_token_ids)
-        max_tokens = self.request.sampling_params.get("max_tokens")
+        tokens = self.body["prompt_token_ids"]
+        max_tokens = (self.body.get("sampling_params") or {}).get("max_tokens")
         if max_tokens is None:
-            max_tokens = max(1, self.max_model_len - prompt)
-        return Candidate(key=f"{self.member}/{self.entry_id}", job=self.request.job_id or DIRECT,
-                         priority=self.priority, prompt_tokens=prompt, max_tokens=int(max_tokens),
-                         arrival=self.request.created_at or 0,
-                         prefix=tuple(self.request.prompt_token_ids[:PREFIX_SORT_TOKENS]))
+            max_tokens = max(1, self.max_model_len - len(tokens))
+        return Candidate(key=f"{self.member}/{self.entry_id}", job=self.body.get("job_id") or DIRECT,
+                         priority=self.priority, prompt_tokens=len(tokens), max_tokens=int(max_tokens),
+                         arrival=self.body.get("created_at") or 0, prefix=tuple(tokens[:PREFIX_SORT_TOKENS]))
 
 
 def encode_request(request: BatchRequest) -> str:
@@ -119,9 +129,9 @@ class Staging:
                 continue
             priority, _ = parse_member(member)
             for entry_id, entry in entries:
-                request = BatchRequest.from_dict(json.loads(entry[b"req"]))
+                raw = entry[b"req"].decode()
                 eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                out.append(Staged(model, member, eid, request, priority, max_model_len))
+                out.append(Staged(model, member, eid, raw, json.loads(raw), priority, max_model_len))
         return out
 
     def remove(self, pipe: redis.client.Pipeline, staged: list[Staged]) -> None:

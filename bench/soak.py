@@ -216,7 +216,7 @@ def soak(args: argparse.Namespace, redis_url: str, logdir: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200_000,
-                        help="requests in the job [200000: about 5 min on 2 cores with the echo engine]")
+                        help="requests in the job [200000: about a minute on 2 cores with the echo engine]")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills (0: none)")
     parser.add_argument("--model", help="model folder: real engine workers instead of the echo engine")

@@ -30,9 +30,25 @@ MAX_QUEUES = 256  # staging streams read per pass (rotating among equal prioriti
 ENDED_ROWS_PER_PASS = 2000  # cancelled / expired rows published per model per pass
 
 
-def batch_fields(requests: list[BatchRequest]) -> dict[str, str]:
-    """The XADD fields of a batch entry (docs/protocol.md)."""
-    return encoded_batch_fields([encode_request(q) for q in requests])
+def batch_fields(requests: list[BatchRequest], *, solo: bool = False) -> dict[str, str]:
+    """The XADD fields of a batch entry (docs/protocol.md); ``solo``: run alone (see retry_batches)."""
+    fields = encoded_batch_fields([encode_request(q) for q in requests])
+    if solo:
+        fields["solo"] = "1"
+    return fields
+
+
+def retry_batches(requests: list[BatchRequest], max_attempts: int) -> list[dict[str, str]]:
+    """Batch entries that send ``requests`` (attempts already counted) back to the workers.
+
+    A request on its last attempt gets a batch of its own marked ``solo``: a worker runs it alone,
+    with nothing else in its engine or held, so that if it is the one that keeps killing workers
+    only it is dead-lettered, not the requests that happened to share its batches. The others
+    share one batch.
+    """
+    last = [q for q in requests if q.attempts >= max_attempts - 1]
+    rest = [q for q in requests if q.attempts < max_attempts - 1]
+    return ([batch_fields(rest)] if rest else []) + [batch_fields([q], solo=True) for q in last]
 
 
 def encoded_batch_fields(encoded: list[str]) -> dict[str, str]:

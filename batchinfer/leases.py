@@ -5,7 +5,8 @@ longer than ``lease_seconds`` is XAUTOCLAIMed here. Of its requests, those alrea
 dropped (the exactly-once guard says so), those of cancelled / expired jobs get their row, and
 each other one counts an attempt (workers count one too for each engine failure, see
 ``batchinfer.workers.outbox``): at ``max_attempts`` it is dead-lettered (``{p}:deadletter`` +
-a ``dead_lettered`` row), otherwise it goes into a new batch. The new batch, the attempt counts,
+a ``dead_lettered`` row), otherwise it goes into a new batch (one of its own, run alone, on its
+last attempt: :func:`batchinfer.dispatch.retry_batches`). The new batch, the attempt counts,
 the dead letters and the XACK + XDEL of the old entry are one MULTI. The attempt count travels
 in the batch entry (``attempts``), so a crash between claim and MULTI never counts twice;
 ``{p}:attempts:<job>`` mirrors it for operators.
@@ -19,7 +20,7 @@ import logging
 import redis
 
 from batchinfer.config import Settings
-from batchinfer.dispatch import batch_fields
+from batchinfer.dispatch import retry_batches
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
 from batchinfer.lookups import JobCache, RowSink
 from batchinfer.registry import Registry
@@ -90,8 +91,8 @@ class Leases:
             pipe.xadd(self.keys.deadletter, {"request": json.dumps(q.to_dict()), "error": message,
                                              "batch": entry_id, "model": model})
             dead += 1
-        if again:
-            pipe.xadd(stream, batch_fields(again))
+        for fields in retry_batches(again, self.max_attempts):
+            pipe.xadd(stream, fields)
         pipe.xack(stream, WORKERS_GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()
@@ -100,8 +101,9 @@ class Leases:
             metrics.lease_reclaimed(model, len(pending))
             if dead:
                 metrics.request_dead_lettered(model, dead)
-        log.warning("model %s: lease of batch %s expired: %d published, %d re-dispatched, %d dead-lettered",
-                    model, entry_id, len(requests) - len(pending), len(again), dead)
+        solo = sum(q.attempts >= self.max_attempts - 1 for q in again)
+        log.warning("model %s: lease of batch %s expired: %d published, %d re-dispatched (%d to run alone), "
+                    "%d dead-lettered", model, entry_id, len(requests) - len(pending), len(again), solo, dead)
 
     def _parse(self, entry_id: str, fields: dict[bytes, bytes], pipe: redis.client.Pipeline) -> list:
         """The batch's requests; an unreadable batch goes to the dead-letter stream whole."""

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from batchinfer.config import Settings
+from batchinfer.dispatch import batch_fields, retry_batches
 from batchinfer.jobstore import JobStore
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
 from batchinfer.protocol import IntakeEntry, ResultRow
@@ -138,8 +139,10 @@ def test_lease_expiry_redispatches_unpublished_and_dead_letters(env):
         if attempt == 1:  # the worker publishes idx 0, then dies with idx 1 in flight
             assert [q.idx for q in requests] == [0, 1]
             publisher.publish(ResultRow(job_id="j", idx=0, request_id="j:0", status="completed"))
+            assert b"solo" not in fields
         else:
             assert [(q.idx, q.attempts) for q in requests] == [(1, 1)]  # published idx 0 was dropped
+            assert fields[b"solo"] == b"1"  # its last attempt: it runs alone
         time.sleep(0.25)
         assert sched.leases.step() == 1
         assert not r.xrange(KEYS.batches("tiny"), min=entry_id, max=entry_id)  # old entry acked + deleted
@@ -301,3 +304,16 @@ def test_daemons_enqueue_exports_without_loading_pyarrow(redis_server):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_retry_batches_send_last_attempts_alone():
+    def req(idx: int, attempts: int) -> BatchRequest:
+        return BatchRequest(request_id=f"j:{idx}", job_id="j", idx=idx, prompt_token_ids=[1],
+                            sampling_params={}, model="tiny", attempts=attempts)
+
+    entries = retry_batches([req(0, 1), req(1, 2), req(2, 0), req(3, 2)], max_attempts=3)
+    got = [([q["idx"] for q in json.loads(e["requests"])], e.get("solo")) for e in entries]
+    assert got == [([0, 2], None), ([1], "1"), ([3], "1")]
+    assert all(e["v"] == "1" for e in entries)
+    assert retry_batches([req(0, 0)], max_attempts=1) == [batch_fields([req(0, 0)], solo=True)]
+    assert retry_batches([], max_attempts=3) == []

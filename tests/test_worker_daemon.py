@@ -37,11 +37,12 @@ def _request(job: str, idx: int, prompt: list[int], model: str = "echo", **param
                         line=idx + 1, custom_id=f"c{idx}", created_at=1)
 
 
-def _dispatch(r, requests: list[BatchRequest], model: str = "echo") -> str:
+def _dispatch(r, requests: list[BatchRequest], model: str = "echo", solo: bool = False) -> str:
     """What the scheduler does: one batch entry on the model's stream."""
     if not r.exists(KEYS.batches(model)):
         r.xgroup_create(KEYS.batches(model), WORKERS_GROUP, id="0", mkstream=True)
-    entry = r.xadd(KEYS.batches(model), {"v": "1", "requests": json.dumps([q.to_dict() for q in requests])})
+    fields = {"v": "1", "requests": json.dumps([q.to_dict() for q in requests])}
+    entry = r.xadd(KEYS.batches(model), {**fields, "solo": "1"} if solo else fields)
     return entry.decode()
 
 
@@ -385,3 +386,37 @@ def test_engine_failure_is_retried_then_dead_lettered_and_its_batch_completes(re
     assert len(dead) == 1 and json.loads(dead[0][1][b"request"])["request_id"] == "jp:3"
     assert dead[0][1][b"worker"] == b"w1" and json.loads(dead[0][1][b"request"])["attempts"] == 2
     assert r.xpending(KEYS.batches("echo"), WORKERS_GROUP)["pending"] == 0
+
+
+class RecordingEcho(EchoEngine):
+    """The echo engine, recording which requests were in it at every step."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.steps: list[set[str]] = []
+
+    def step(self):
+        self.steps.append(set(self._waiting))
+        return super().step()
+
+
+def test_a_solo_batch_runs_alone_and_nothing_is_pulled_while_it_is_held(redis_server):
+    """A request on its last attempt (a ``solo`` batch): what the worker holds finishes first, then
+    it runs alone, and the next batch is pulled only once its row is queued."""
+    r = redis_server.client()
+    JobStore(r, KEYS).create("js", model="echo")
+    reqs = [_request("js", i, [10 + i, 20, 30]) for i in range(9)]
+    _dispatch(r, reqs[:4])
+    _dispatch(r, reqs[4:5], solo=True)
+    _dispatch(r, reqs[5:])
+    Publisher(r, KEYS).finish_submission("js", 9)
+    engine = RecordingEcho(requests_per_step=1, max_num_seqs=8)
+    worker = Running(r, engine)
+    _wait(lambda: len(_rows(r, "js")) == 9, what="9 rows")
+    assert worker.stop() == 0
+    assert all(row["status"] == "completed" for row in _rows(r, "js"))
+    with_solo = [i for i, inside in enumerate(engine.steps) if "js:4" in inside]
+    assert with_solo and all(engine.steps[i] == {"js:4"} for i in with_solo)
+    assert any("js:0" in inside for inside in engine.steps[:with_solo[0]])  # the first batch ran before
+    later = {f"js:{i}" for i in range(5, 9)}
+    assert not any(inside & later for inside in engine.steps[:with_solo[-1] + 1])

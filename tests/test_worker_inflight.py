@@ -114,3 +114,30 @@ def test_parse_batch_separates_malformed_requests():
         parse_batch({b"v": b"2", b"requests": b"[]"})
     with pytest.raises(ValueError, match="not a JSON list"):
         parse_batch({b"v": b"1", b"requests": b"{}"})
+
+
+def test_solo_requests_wait_apart_and_hold_off_pulling_until_their_row_is_queued():
+    book = Book()
+    book.add_batch("b1", [_req(0), _req(1)], [False, False])
+    book.add_batch("b2", [_req(2)], [False], solo=True)
+    assert book.holds_solo and not book.solo_running
+    assert [book.next_waiting().request.request_id for _ in range(2)] == ["j:0", "j:1"]
+    assert book.next_waiting() is None  # the solo request never comes out with the others
+    solo = book.next_solo()
+    assert solo.request.request_id == "j:2" and book.next_solo() is None
+    book.start(solo, now_ms=1)
+    assert book.solo_running and book.holds_solo
+    book.close("j:2")  # its row is queued: pulling may resume
+    assert not book.solo_running and not book.holds_solo
+    assert book.done("j:2") == ["b2"]
+
+
+def test_a_held_request_re_sent_in_a_solo_batch_becomes_solo_and_a_lost_one_is_forgotten():
+    book = Book()
+    book.add_batch("b1", [_req(0), _req(1)], [False, False])
+    book.add_batch("b2", [_req(1)], [False], solo=True)  # a re-dispatch of j:1 on its last attempt
+    assert book.next_waiting().request.request_id == "j:0" and book.next_waiting() is None
+    assert book.next_solo().request.request_id == "j:1"
+    book.add_batch("b3", [_req(3)], [False], solo=True)
+    assert book.drop_batches(["b3"]) == ["j:3"]  # its lease went elsewhere before it started
+    assert book.next_solo() is None and book.solo == {"j:1"}

@@ -83,7 +83,8 @@ class WorkerDaemon:
                              lease_seconds=settings.lease_seconds, stall_seconds=stall_seconds,
                              heartbeat_seconds=settings.heartbeat_seconds)
         self.outbox = Outbox(r, self.keys, self.stream, self.publisher, enqueue_export=self._enqueue_export,
-                             on_published=self.metrics.row_published, on_acked=self.keeper.release)
+                             on_published=self.metrics.row_published, on_acked=self.keeper.release,
+                             max_attempts=settings.max_attempts)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -135,8 +136,9 @@ class WorkerDaemon:
 
     def _wants_batch(self) -> bool:
         """Pull while the requests held but not started cannot fill the engine's free room: when the
-        engine is full, exactly one batch waits prefetched. Never while draining or bisecting."""
-        if self.draining or self.quarantine.active:
+        engine is full, exactly one batch waits prefetched. Never while draining, bisecting or
+        holding a solo request (it must run with nothing else held)."""
+        if self.draining or self.quarantine.active or self.book.holds_solo:
             return False
         return self.book.num_unstarted < max(1, self._room())
 
@@ -197,7 +199,7 @@ class WorkerDaemon:
         entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         requests = self._parse_batch(entry, fields)
         published = self.publisher.published_mask([(q.job_id, q.idx, q.request_id) for q in requests])
-        if self.book.add_batch(entry, requests, published):
+        if self.book.add_batch(entry, requests, published, solo=fields.get(b"solo") == b"1"):
             self.outbox.ack([entry])  # nothing left to run (a re-delivery of finished work)
         else:
             self.keeper.hold(entry)
@@ -231,9 +233,13 @@ class WorkerDaemon:
                 for rid in self.quarantine.next_group(self.book.open_ids()) or []:
                     self._add(self.book.held[rid])
             return
+        if self.book.solo_running:
+            return  # a request on its last attempt runs alone
         room = self._room()
         while room > 0 and (held := self.book.next_waiting()) is not None:
             room -= self._add(held)
+        if self.engine.num_unfinished() == 0 and (held := self.book.next_solo()) is not None:
+            self._add(held)  # everything else held has finished: the solo request runs alone
 
     def _add(self, held: Held) -> bool:
         """Put one request into the engine; a request it refuses gets its error row at once."""

@@ -15,13 +15,16 @@ request finish with ``finish_reason="abort"`` and an ``error`` (as the real engi
 request's postprocessing fails); ``step_fault_hook(request_ids)`` raising makes ``step()`` raise
 with nothing changed (as a failed forward pass would). ``poison="MARKER"`` (a plain value, so
 ``batchinfer worker --echo --engine-option poison=MARKER`` can set it) makes every step that would
-finish a request whose prompt contains MARKER raise, the way a poison input crashes a batch.
+finish a request whose prompt contains MARKER raise, the way a poison input crashes a batch;
+with ``poison_exit=true`` such a step ends the whole process instead (exit code
+``POISON_EXIT_CODE``), the way a poison input that corrupts the device (a CUDA fault) kills a worker.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +40,7 @@ FaultHook = Callable[[str], None]  # raises to make that request fail (finished 
 StepFaultHook = Callable[[list[str]], None]  # raises to make the whole step fail
 
 BOS, EOS = "<s>", "</s>"
+POISON_EXIT_CODE = 86
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
 
@@ -96,6 +100,7 @@ class EchoEngine:
         fault_hook: FaultHook | None = None,
         step_fault_hook: StepFaultHook | None = None,
         poison: str | None = None,
+        poison_exit: bool = False,
     ):
         if requests_per_step < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError("requests_per_step and max_num_seqs must be >= 1, max_model_len >= 2")
@@ -116,6 +121,7 @@ class EchoEngine:
         self.fault_hook = fault_hook
         self.step_fault_hook = step_fault_hook
         self.poison = poison or None
+        self.poison_exit = bool(poison_exit)
         self._poisoned: set[str] = set()  # ids of waiting requests whose prompt holds the marker
         self.num_generated_tokens = 0
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
@@ -171,6 +177,8 @@ class EchoEngine:
         if self.step_fault_hook is not None:
             self.step_fault_hook([req.request_id for req in chosen])  # may raise: nothing changed
         poisoned = [req.request_id for req in chosen if req.request_id in self._poisoned]
+        if poisoned and self.poison_exit:
+            os._exit(POISON_EXIT_CODE)  # no cleanup, no flush: as abrupt as a device fault
         if poisoned:
             raise RuntimeError(f"poison request in the step: {poisoned[0]} (prompt contains {self.poison!r})")
         outputs, self._pending = self._pending, []

@@ -5,6 +5,9 @@ Pure bookkeeping for the worker daemon (no Redis, no engine), so its rules are u
 - a batch is acknowledged once every one of its requests has a published row;
 - a request that arrives in two batches (a re-dispatch after a lost lease) runs once and
   completes both;
+- a request of a ``solo`` batch (its last attempt, see ``batchinfer.dispatch.retry_batches``)
+  waits apart and runs alone: the worker pulls nothing while one is held, finishes what it was
+  running, then starts solo requests one at a time in an empty engine;
 - after an engine step fails without naming the culprit, :class:`Quarantine` bisects the
   requests that were running: each half runs alone until a single request fails alone (it gets
   an error row) and every other request completes normally.
@@ -79,12 +82,18 @@ class Book:
         self.batches: dict[str, set[str]] = {}  # entry id -> request ids without a published row
         self.held: dict[str, Held] = {}  # request id -> waiting or running request
         self.waiting: deque[str] = deque()  # request ids not yet in the engine, in arrival order
+        self.solo: set[str] = set()  # held requests that run alone (they came in a solo batch)
+        self.solo_waiting: deque[str] = deque()  # solo request ids not yet in the engine
         self.running: set[str] = set()
         self.engine_ids: dict[str, str] = {}  # engine id -> request id, while running
         self.closed: set[str] = set()  # rows queued, not yet published
 
-    def add_batch(self, entry_id: str, requests: Iterable[BatchRequest], published: Iterable[bool]) -> bool:
-        """Take a batch; requests already published are done. True when nothing is left to run."""
+    def add_batch(self, entry_id: str, requests: Iterable[BatchRequest], published: Iterable[bool],
+                  solo: bool = False) -> bool:
+        """Take a batch; requests already published are done. True when nothing is left to run.
+
+        ``solo``: its requests run alone (a request held already becomes solo too).
+        """
         todo = set()
         for req, done in zip(requests, published, strict=True):
             if done:
@@ -94,18 +103,39 @@ class Book:
             if held is None:
                 self.held[req.request_id] = held = Held(req)
                 self.waiting.append(req.request_id)
+            if solo and req.request_id not in self.solo:
+                self.solo.add(req.request_id)
+                self.solo_waiting.append(req.request_id)
             held.entries.add(entry_id)
         if todo:
             self.batches[entry_id] = todo
         return not todo
 
     def next_waiting(self) -> Held | None:
-        """The oldest waiting request (skipping ones finished meanwhile), or None."""
-        while self.waiting:
-            rid = self.waiting.popleft()
-            if rid in self.held and rid not in self.running and rid not in self.closed:
-                return self.held[rid]
+        """The oldest waiting request that may share the engine (skipping ones finished meanwhile)."""
+        return self._next(self.waiting, solo=False)
+
+    def next_solo(self) -> Held | None:
+        """The oldest waiting solo request, or None."""
+        return self._next(self.solo_waiting, solo=True)
+
+    def _next(self, queue: deque[str], solo: bool) -> Held | None:
+        while queue:
+            rid = queue.popleft()
+            held = self.held.get(rid)
+            if held is not None and (rid in self.solo) == solo and rid not in self.running \
+                    and rid not in self.closed:
+                return held
         return None
+
+    @property
+    def holds_solo(self) -> bool:
+        """A solo request is held and has no row yet: pull nothing more until it is done."""
+        return any(rid not in self.closed for rid in self.solo)
+
+    @property
+    def solo_running(self) -> bool:
+        return not self.solo.isdisjoint(self.running)
 
     def start(self, held: Held, now_ms: int) -> str:
         """Mark ``held`` running; returns the id to give the engine.
@@ -150,6 +180,7 @@ class Book:
         held = self.held.pop(request_id, None)
         self.running.discard(request_id)
         self.closed.discard(request_id)
+        self.solo.discard(request_id)
         if held is None:
             return []
         if held.engine_id is not None:
@@ -180,6 +211,7 @@ class Book:
                 held.entries.discard(entry)
                 if not held.entries and rid not in self.running and rid not in self.closed:
                     del self.held[rid]
+                    self.solo.discard(rid)
                     dropped.append(rid)
         return dropped
 

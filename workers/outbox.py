@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import redis
 
-from batchinfer.dispatch import batch_fields
+from batchinfer.dispatch import retry_batches
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
 from batchinfer.publish import Publisher
 from batchinfer.rows import BatchRequest, ResultRow
@@ -77,8 +77,9 @@ class Outbox:
 
     def __init__(self, r: redis.Redis, keys: Keys, stream: str, publisher: Publisher, *,
                  enqueue_export: Callable[[str], None], on_published: Callable[[ResultRow], None],
-                 on_acked: Callable[[list[str]], None], chunk: int = FLUSH_CHUNK):
+                 on_acked: Callable[[list[str]], None], max_attempts: int = 3, chunk: int = FLUSH_CHUNK):
         self.redis, self.keys, self.stream, self.publisher = r, keys, stream, publisher
+        self.max_attempts = max_attempts
         self.enqueue_export, self.on_published, self.on_acked = enqueue_export, on_published, on_acked
         self.chunk = chunk
         self.rows: deque[Outgoing] = deque()
@@ -142,10 +143,12 @@ class Outbox:
         return sent
 
     def _send_retries(self, book: Book) -> None:
-        """One MULTI: a new batch entry holding every request to retry, and their attempt counts."""
+        """One MULTI: new batch entries holding every request to retry (those on their last attempt
+        alone, in ``solo`` batches: ``retry_batches``), and their attempt counts."""
         requests = list(self.retries)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.stream, batch_fields(requests))
+        for fields in retry_batches(requests, self.max_attempts):
+            pipe.xadd(self.stream, fields)
         for q in requests:
             job, field = attempts_field(q)
             pipe.hset(self.keys.attempts(job), field, q.attempts)

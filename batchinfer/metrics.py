@@ -272,12 +272,15 @@ class WorkerMetrics(_DaemonMetrics):
         """
         now = self.clock()
         new_prompt = new_generated = computed_prompt = 0
+        inflight = self._inflight  # a hot loop: every running request, every step
         for out in outputs:
-            timing = self._inflight.get(out.request_id)
+            timing = inflight.get(out.request_id)
             if timing is None:  # not admitted through request_started (e.g. metrics enabled late)
-                timing = self._inflight[out.request_id] = [now - seconds, None, 0]
-            seen = sum(len(c.token_ids) for c in out.outputs)
-            delta = max(0, seen - timing[2])
+                timing = inflight[out.request_id] = [now - seconds, None, 0]
+            completions = out.outputs
+            seen = (len(completions[0].token_ids) if len(completions) == 1
+                    else sum(len(c.token_ids) for c in completions))
+            delta = seen - timing[2] if seen > timing[2] else 0
             if delta and timing[1] is None:  # prefill finished: first token
                 timing[1] = now
                 self.ttft.observe(now - timing[0])
@@ -286,7 +289,7 @@ class WorkerMetrics(_DaemonMetrics):
             timing[2] = seen
             new_generated += delta
             if out.finished:
-                del self._inflight[out.request_id]
+                del inflight[out.request_id]
                 if all(c.finish_reason != "abort" for c in out.outputs):
                     self.inference.observe(now - timing[0])
         self.step_seconds.observe(seconds)

@@ -1,13 +1,16 @@
-"""CPU backend for ``paged_attention``: batched decode, one SDPA per prefill chunk.
+"""CPU backend for ``paged_attention``: batched decode, explicit-matmul prefill.
 
 Same contract and results as kernels/reference.py (the specification), but built for CPU speed:
 
 - Decode rows (one query) are sorted by context length and grouped into buckets whose padding
-  stays under ``PAD_WASTE``; each bucket costs one block gather and one SDPA call instead of a
-  Python iteration per sequence. A KV head's ``G`` query heads act as ``G`` query rows over the
-  same keys, so grouped-query attention needs no ``repeat_interleave`` copy.
-- Prefill chunks (several queries, possibly over a cached prefix) run one SDPA each with the
-  causal mask aligned to the end (``enable_gqa``).
+  stays under ``PAD_WASTE`` and whose gathered K/V stay under ``BUCKET_BYTES``; each bucket
+  costs one block gather and one SDPA call instead of a Python iteration per sequence. A row
+  alone in its bucket skips the mask and SDPA (slow on one query row): two ``bmm`` and a softmax
+  over exactly its keys. A KV head's ``G`` query heads act as ``G`` query rows over the same
+  keys, so grouped-query attention needs no ``repeat_interleave`` copy.
+- Prefill chunks (several queries, possibly over a cached prefix) compute scores, mask and
+  softmax explicitly, ``PREFILL_CHUNK`` queries at a time over only the keys they can see:
+  ~2x faster than CPU SDPA here, whose causal kernel reached ~15 GFLOP/s.
 - Gathered K/V land in reused per-thread workspaces: glibc serves allocations above 32 MiB
   with fresh ``mmap``s, so a new gather tensor per layer page-faults on every step and made
   the gather ~5x slower than the copy itself.
@@ -31,6 +34,11 @@ import torch.nn.functional as F
 
 PAD_WASTE = 1.25  # a decode bucket may attend over at most 25% padded (masked) key slots
 MAX_BUCKET_ROWS = 64  # bounds one bucket's workspace (rows x longest context)
+# Bounds a bucket's gathered K+V: decode attention is memory-bound, and a smaller gather is still
+# cache-resident when the scores read it back (16 MiB measured best, from 512 KiB to unbounded,
+# on a Xeon with 2 MiB L2 per core). A long context may end up alone: see ``_decode_one``.
+BUCKET_BYTES = 16 << 20
+PREFILL_CHUNK = 128  # prefill queries per score matrix (keeps [G * chunk, keys] scores cache-resident)
 
 _local = threading.local()
 
@@ -81,19 +89,23 @@ def _check(cu: list[int], lens: list[int], num_tokens: int, block_size: int, max
 
 def decode_buckets(
     rows: list[tuple[int, int]], waste: float = PAD_WASTE, max_rows: int = MAX_BUCKET_ROWS,
+    max_keys: int | None = None,
 ) -> list[list[tuple[int, int]]]:
     """Split ``(sequence, context length)`` pairs into buckets for batched decode.
 
     Pairs are sorted by length; a bucket is padded to its longest member, and a new bucket
-    starts when that padding would exceed ``waste`` times the bucket's real key count or the
-    bucket would exceed ``max_rows``. Every pair lands in exactly one bucket.
+    starts when that padding would exceed ``waste`` times the bucket's real key count, the
+    bucket would exceed ``max_rows``, or its padded key slots (rows x longest) would exceed
+    ``max_keys`` (a row alone may exceed it). Every pair lands in exactly one bucket.
     """
     buckets: list[list[tuple[int, int]]] = []
     current: list[tuple[int, int]] = []
     real = 0  # sum of the current bucket's lengths
     for seq, length in sorted(rows, key=lambda r: r[1]):
         # Sorted ascending, so ``length`` is the padded length if this row joins.
-        if current and (len(current) >= max_rows or (len(current) + 1) * length > waste * (real + length)):
+        padded = (len(current) + 1) * length
+        if current and (len(current) >= max_rows or padded > waste * (real + length)
+                        or (max_keys is not None and padded > max_keys)):
             buckets.append(current)
             current, real = [], 0
         current.append((seq, length))
@@ -132,30 +144,58 @@ def _decode(
     out[rows] = o.reshape(B, H, D).to(out.dtype)
 
 
+def _decode_one(
+    q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_table: torch.Tensor, row: int, length: int, scale: float, sliding_window: int | None,
+    compute_dtype: torch.dtype,
+) -> None:
+    """Attend one decode row over exactly its visible keys: no padding, so no mask."""
+    _, H, D = q.shape
+    KVH = k_cache.shape[2]
+    blocks = block_table[None, :-(-length // k_cache.shape[1])]  # [1, nb]
+    lo = 0 if sliding_window is None else max(0, length - sliding_window)
+    k = _gather(k_cache, blocks, compute_dtype, "k")[0, lo:length]  # [L, KVH, D]
+    v = _gather(v_cache, blocks, compute_dtype, "v")[0, lo:length]
+    qg = q[row].to(compute_dtype).view(KVH, H // KVH, D)  # a KV head's query heads as query rows
+    # Two batched matmuls and a softmax: ~3x faster than SDPA's CPU kernel on one query row.
+    scores = torch.bmm(qg, k.permute(1, 2, 0)).mul_(scale)  # [KVH, G, L]
+    o = torch.bmm(scores.softmax(-1), v.transpose(0, 1))  # [KVH, G, D]
+    out[row] = o.view(H, D).to(out.dtype)
+
+
 def _prefill(
     q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_table: torch.Tensor, start: int, end: int, length: int, scale: float,
     sliding_window: int | None, compute_dtype: torch.dtype,
 ) -> None:
-    """Attend one sequence's query chunk ``q[start:end]`` (its last tokens) over its context."""
-    bs = k_cache.shape[1]
-    num_q, nb = end - start, -(-length // bs)
+    """Attend one sequence's query chunk ``q[start:end]`` (its last tokens) over its context.
+
+    Explicit scores and softmax per ``PREFILL_CHUNK`` queries, each over only the keys its
+    queries can see (CPU SDPA ran this at ~15 GFLOP/s; batched matmuls reach ~150). A KV head's
+    ``G`` query heads are stacked as ``G * chunk`` query rows over the same keys.
+    """
+    _, H, D = q.shape
+    bs, KVH = k_cache.shape[1], k_cache.shape[2]
+    G, num_q, nb = H // KVH, end - start, -(-length // bs)
     blocks = block_table[None, :nb].long()  # [1, nb]
-    k = _gather(k_cache, blocks, compute_dtype, "k")[0, :length]  # [L, KVH, D]
-    v = _gather(v_cache, blocks, compute_dtype, "v")[0, :length]
-    mask = None
-    causal = num_q == length and sliding_window is None  # whole prompt: SDPA's own (top-left) mask fits
-    if not causal:
-        q_pos = torch.arange(length - num_q, length)[:, None]  # [Lq, 1]
-        k_pos = torch.arange(length)[None, :]  # [1, L]
-        mask = k_pos <= q_pos
+    k = _gather(k_cache, blocks, compute_dtype, "k")[0, :length].transpose(0, 1)  # [KVH, L, D]
+    v = _gather(v_cache, blocks, compute_dtype, "v")[0, :length].transpose(0, 1)
+    qh = q[start:end].to(compute_dtype).permute(1, 0, 2).reshape(KVH, G, num_q, D)  # [KVH, G, Lq, D]
+    first = length - num_q  # position of the first query
+    for c0 in range(0, num_q, PREFILL_CHUNK):
+        c1 = min(c0 + PREFILL_CHUNK, num_q)
+        n, k_hi = c1 - c0, first + c1  # the chunk's last query sees keys < k_hi
+        k_lo = 0 if sliding_window is None else max(0, first + c0 - sliding_window + 1)
+        q_pos = torch.arange(first + c0, first + c1)[:, None]  # [n, 1]
+        k_pos = torch.arange(k_lo, k_hi)[None, :]  # [1, Lk]
+        hidden = k_pos > q_pos  # [n, Lk]
         if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-    o = F.scaled_dot_product_attention(
-        q[start:end].to(compute_dtype).transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-    )  # [H, Lq, D]
-    out[start:end] = o.transpose(0, 1).to(out.dtype)
+            hidden |= k_pos <= q_pos - sliding_window
+        qc = qh[:, :, c0:c1].reshape(KVH, G * n, D)
+        scores = torch.bmm(qc, k[:, k_lo:k_hi].transpose(1, 2)).mul_(scale)  # [KVH, G * n, Lk]
+        scores.view(KVH, G, n, -1).masked_fill_(hidden, float("-inf"))
+        o = torch.bmm(scores.softmax(-1), v[:, k_lo:k_hi])  # [KVH, G * n, D]
+        out[start + c0:start + c1] = o.view(H, n, D).transpose(0, 1).to(out.dtype)
 
 
 def paged_attention(
@@ -178,8 +218,14 @@ def paged_attention(
     _check(cu, lens, q.shape[0], k_cache.shape[1], block_tables.shape[1])
     out = torch.empty_like(q)
     decodes = [(i, n) for i, n in enumerate(lens) if cu[i + 1] - cu[i] == 1]
-    for bucket in decode_buckets(decodes):
-        _decode(q, out, k_cache, v_cache, block_tables, cu, bucket, scale, sliding_window, compute_dtype)
+    slot_bytes = 2 * math.prod(k_cache.shape[2:]) * max(k_cache.element_size(), 4)  # K + V, compute dtype
+    for bucket in decode_buckets(decodes, max_keys=BUCKET_BYTES // slot_bytes):
+        if len(bucket) == 1:
+            (i, length), = bucket
+            _decode_one(q, out, k_cache, v_cache, block_tables[i], cu[i], length, scale, sliding_window,
+                        compute_dtype)
+        else:
+            _decode(q, out, k_cache, v_cache, block_tables, cu, bucket, scale, sliding_window, compute_dtype)
     for i, length in enumerate(lens):
         if cu[i + 1] - cu[i] > 1:  # zero-query sequences need nothing; decodes are done
             _prefill(q, out, k_cache, v_cache, block_tables[i], cu[i], cu[i + 1], length, scale,

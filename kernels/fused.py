@@ -41,7 +41,9 @@ def rms_norm(
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # a new tensor: safe to scale in place
+    if weight.dtype == dtype:
+        return h.to(dtype).mul_(weight)  # == weight * h.to(dtype), bit for bit, without another copy
     return weight * h.to(dtype)
 
 
@@ -52,7 +54,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
 
         return triton_fused.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return torch.nn.functional.silu(gate).mul_(up)  # silu's output is new: multiply in place
 
 
 def rotary_embedding(
@@ -80,9 +82,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
     cos = cos[:, None, :].to(x.dtype)  # [T, 1, rot_dim / 2]
     sin = sin[:, None, :].to(x.dtype)
     if is_neox:
+        # Halves written in place: [x1 cos - x2 sin, x2 cos + x1 sin], the same roundings as HF's
+        # ``x * cos + rotate_half(x) * sin`` (a + (-b) * s == a - b * s exactly) in fewer passes.
         x1, x2 = x_rot.chunk(2, dim=-1)
-        cos2, sin2 = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-        rotated = x_rot * cos2 + torch.cat([-x2, x1], -1) * sin2
+        rotated = torch.empty_like(x_rot)
+        r1, r2 = rotated.chunk(2, dim=-1)
+        torch.mul(x1, cos, out=r1).sub_(x2 * sin)
+        torch.mul(x2, cos, out=r2).add_(x1 * sin)
     else:
         x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
         rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)

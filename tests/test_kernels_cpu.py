@@ -170,6 +170,28 @@ def test_decode_buckets_group_equal_lengths():
         [(0, 10), (2, 10)], [(1, 100), (3, 100)]]
 
 
+@given(lengths=st.lists(st.integers(1, 5000), max_size=300), max_keys=st.integers(1, 20000))
+def test_decode_buckets_stay_within_the_key_budget(lengths, max_keys):
+    rows = list(enumerate(lengths))
+    buckets = cpu_attention.decode_buckets(rows, max_keys=max_keys)
+    assert sorted(r for b in buckets for r in b) == sorted(rows)
+    for bucket in buckets:
+        assert len(bucket) == 1 or len(bucket) * max(n for _, n in bucket) <= max_keys
+
+
+@pytest.mark.parametrize("window", [None, 1, 50, 129])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_long_prefills_and_lone_decodes_match_reference(window, num_heads, num_kv_heads, monkeypatch):
+    """Prefills over several ``PREFILL_CHUNK``s (whole prompts and prefix-cached chunks), and
+    decodes split into one-row buckets by a tiny ``BUCKET_BYTES``."""
+    monkeypatch.setattr(cpu_attention, "BUCKET_BYTES", 1)
+    seqs = [(300, 300), (400, 250), (260, 130), (129, 129), (700, 1), (700, 1), (45, 1), (5, 1)]
+    batch = make_paged_batch(seqs, num_heads, num_kv_heads, 64, 16)
+    out, ref = _both(batch, sliding_window=window)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    torch.testing.assert_close(out, dense_reference(batch, sliding_window=window), **TOL[torch.float32])
+
+
 def test_cpu_tensors_pick_the_cpu_backend(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert kernels.available_backends("cpu") == ["cpu", "reference"]

@@ -91,7 +91,8 @@ class Leases:
             pipe.xadd(self.keys.deadletter, {"request": json.dumps(q.to_dict()), "error": message,
                                              "batch": entry_id, "model": model})
             dead += 1
-        for fields in retry_batches(again, self.max_attempts):
+        retries = retry_batches(again, self.max_attempts)
+        for fields in retries:
             pipe.xadd(stream, fields)
         pipe.xack(stream, WORKERS_GROUP, entry_id)
         pipe.xdel(stream, entry_id)
@@ -101,7 +102,7 @@ class Leases:
             metrics.lease_reclaimed(model, len(pending))
             if dead:
                 metrics.request_dead_lettered(model, dead)
-        solo = sum(q.attempts >= self.max_attempts - 1 for q in again)
+        solo = sum("solo" in fields for fields in retries)
         log.warning("model %s: lease of batch %s expired: %d published, %d re-dispatched (%d to run alone), "
                     "%d dead-lettered", model, entry_id, len(requests) - len(pending), len(again), solo, dead)
 

@@ -218,7 +218,7 @@ def paged_attention(
     _check(cu, lens, q.shape[0], k_cache.shape[1], block_tables.shape[1])
     out = torch.empty_like(q)
     decodes = [(i, n) for i, n in enumerate(lens) if cu[i + 1] - cu[i] == 1]
-    slot_bytes = 2 * math.prod(k_cache.shape[2:]) * max(k_cache.element_size(), 4)  # K + V, compute dtype
+    slot_bytes = 2 * math.prod(k_cache.shape[2:]) * compute_dtype.itemsize  # one key slot of K + V, gathered
     for bucket in decode_buckets(decodes, max_keys=BUCKET_BYTES // slot_bytes):
         if len(bucket) == 1:
             (i, length), = bucket

@@ -77,7 +77,7 @@ class Outbox:
 
     def __init__(self, r: redis.Redis, keys: Keys, stream: str, publisher: Publisher, *,
                  enqueue_export: Callable[[str], None], on_published: Callable[[ResultRow], None],
-                 on_acked: Callable[[list[str]], None], max_attempts: int = 3, chunk: int = FLUSH_CHUNK):
+                 on_acked: Callable[[list[str]], None], max_attempts: int, chunk: int = FLUSH_CHUNK):
         self.redis, self.keys, self.stream, self.publisher = r, keys, stream, publisher
         self.max_attempts = max_attempts
         self.enqueue_export, self.on_published, self.on_acked = enqueue_export, on_published, on_acked

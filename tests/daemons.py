@@ -203,6 +203,15 @@ def start_echo_job(stack: Stack, n: int, scheduler: str = "scheduler") -> str:
                                 for i in range(n)], model="echo")
 
 
+def submit_poison_job(stack: Stack, n: int, poison_idx: int) -> tuple[str, list[str]]:
+    """Submit ``n`` echo requests ``r0`` .. ``r<n-1>`` (4 tokens each) whose ``poison_idx``-th prompt
+    holds ``POISON`` (the echo engine's ``poison`` marker); returns the job id and the prompts."""
+    prompts = [f"request {i:03d}" if i != poison_idx else "a POISON pill" for i in range(n)]
+    job = stack.client.submit([{"custom_id": f"r{i}", "prompt": p, "max_tokens": 4}
+                               for i, p in enumerate(prompts)], model="echo")
+    return job, prompts
+
+
 def _killpg(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from daemons import SLOW_ECHO, assert_exactly_once, attempts, dead_letters
+from daemons import SLOW_ECHO, assert_exactly_once, attempts, dead_letters, submit_poison_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -27,9 +27,7 @@ def test_poison_request_is_retried_then_dead_lettered(redis_server, stacks):
     for name in ("a", "b"):
         stack.worker(name, echo=True, options=options)
     stack.wait_for_workers(2)
-    prompts = [f"request {i:03d}" if i != POISON_IDX else "a POISON pill" for i in range(N)]
-    job = stack.client.submit([{"custom_id": f"r{i}", "prompt": p, "max_tokens": 4}
-                               for i, p in enumerate(prompts)], model="echo")
+    job, prompts = submit_poison_job(stack, N, POISON_IDX)
 
     record = stack.wait(job, timeout=120)
     assert record.status.value == "completed", (record, stack.logs())  # the job ends; one row failed

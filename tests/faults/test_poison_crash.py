@@ -14,7 +14,7 @@ import json
 import time
 
 import pytest
-from daemons import SLOW_ECHO, assert_exactly_once, attempts, dead_letters
+from daemons import SLOW_ECHO, assert_exactly_once, attempts, dead_letters, submit_poison_job
 
 from batchinfer.workers.echo_engine import POISON_EXIT_CODE
 
@@ -32,9 +32,7 @@ def test_a_request_that_kills_its_worker_is_dead_lettered_alone(redis_server, st
     options = {**SLOW_ECHO, "poison": "POISON", "poison_exit": "true"}
     stack.worker("w0", echo=True, options=options)
     stack.wait_for_worker("w0")
-    prompts = [f"request {i:03d}" if i != POISON_IDX else "a POISON pill" for i in range(N)]
-    job = stack.client.submit([{"custom_id": f"r{i}", "prompt": p, "max_tokens": 4}
-                               for i, p in enumerate(prompts)], model="echo")
+    job, prompts = submit_poison_job(stack, N, POISON_IDX)
 
     # The supervisor (systemd, Kubernetes): a worker that dies is replaced under a new name.
     crashes, deadline = 0, time.monotonic() + 150

@@ -17,13 +17,13 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "batchinfer.workers.llm",
     "SamplingParams": "batchinfer.workers.sampling_params",
-    "Client": "batchinfer.client",
+    "Client": "batchinfer.client.client",
 }
 
 __all__ = ["LLM", "Client", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from batchinfer.client import Client
+    from batchinfer.client.client import Client
     from batchinfer.workers.llm import LLM
     from batchinfer.workers.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@
   throughput (rows per second between the first and the last result's stream ids), and the peak
   resident memory (VmHWM) of the scheduler and the worker.
 
-Everything runs against a private redis-server (``batchinfer.embedded``) in a temporary folder.
+Everything runs against a private redis-server (``batchinfer.cli.embedded``) in a temporary folder.
 ``python bench/queue_bench.py [--scale-requests 1000000] [--skip-overhead]``. (Not ``bench/queue.py``:
 a script of that name shadows the standard library's ``queue`` for every script run from ``bench/``.)
 """
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import redis
 
-from batchinfer.client import SUBMIT_CHUNK, Client
+from batchinfer.cli.embedded import EmbeddedRedis
+from batchinfer.client.client import SUBMIT_CHUNK, Client
 from batchinfer.config import Settings
-from batchinfer.embedded import EmbeddedRedis
 from batchinfer.keys import Keys
-from batchinfer.protocol import PROTOCOL_VERSION
+from batchinfer.protocol.entries import PROTOCOL_VERSION
 
 PREFIX = "{bench}"
 

@@ -9,7 +9,7 @@ job is submitted at once), throughput, the scheduler's peak RSS (VmHWM from /pro
 memory, kills, attempts counted, dead letters, and the scheduler's RSS sampled over the run
 (``[seconds, rows done, MiB]``). The last line printed is one JSON object.
 
-Runs against a private redis-server (``batchinfer.embedded``) unless ``--redis-url``.
+Runs against a private redis-server (``batchinfer.cli.embedded``) unless ``--redis-url``.
 
     python bench/soak.py                                    # the full run: 200,000 requests, ~5 min
     python bench/soak.py --requests 20000 --kill-every 5    # a quick one
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from batchinfer.client import Client
+from batchinfer.cli.embedded import EmbeddedRedis
+from batchinfer.client.client import Client
 from batchinfer.config import Settings
-from batchinfer.embedded import EmbeddedRedis
 from batchinfer.jobs.export import iter_stream
 from batchinfer.keys import Keys
 

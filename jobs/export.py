@@ -273,6 +273,6 @@ def confined_output(output: str, results_root: str) -> str:
 
 
 def _now_ms() -> int:
-    from batchinfer.rows import now_ms
+    from batchinfer.protocol.rows import now_ms
 
     return now_ms()

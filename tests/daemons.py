@@ -30,9 +30,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from batchinfer.client import Client
+from batchinfer.client.client import Client
 from batchinfer.config import Settings
-from batchinfer.registry import Registry
+from batchinfer.store.registry import Registry
 
 CLI = [sys.executable, "-m", "batchinfer.cli"]
 START_TIMEOUT_S = 180

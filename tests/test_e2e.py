@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from daemons import CLI, JOB_TIMEOUT_S, START_TIMEOUT_S, Stack
 
-from batchinfer.jobstore import JobStatus
+from batchinfer.store.jobstore import JobStatus
 
 pytestmark = pytest.mark.slow
 

@@ -240,7 +240,7 @@ def test_cuda_engine_with_graphs_matches_eager(tiny_llama):
 
 def test_from_model_and_the_lazy_public_api(tiny_llama):
     import batchinfer
-    from batchinfer.client import Client
+    from batchinfer.client.client import Client
     from batchinfer.workers.llm import LLM
 
     engine = Engine.from_model(tiny_llama, num_kv_blocks=8, max_num_seqs=2)

@@ -19,10 +19,10 @@ from batchinfer.config import Settings
 from batchinfer.jobs import nightly
 from batchinfer.jobs.export import RESULT_SCHEMA, IdxSorter, enqueue_export, export_job
 from batchinfer.jobs.output import resolve, write_rows
-from batchinfer.jobstore import JobStore
 from batchinfer.keys import DIRECT, Keys
-from batchinfer.publish import Publisher
-from batchinfer.rows import ResultRow
+from batchinfer.protocol.rows import ResultRow
+from batchinfer.store.jobstore import JobStore
+from batchinfer.store.publish import Publisher
 
 PREFIX = "{t}"
 
@@ -212,7 +212,7 @@ def test_rq_export_runs_and_retries_through_the_exporter_worker(redis_server, tm
     from rq.registry import ScheduledJobRegistry
     from rq.serializers import JSONSerializer
 
-    from batchinfer.exporter import build_worker
+    from batchinfer.jobs.exporter import build_worker
 
     r = redis_server.client()
     s = Settings(prefix=PREFIX)
@@ -262,7 +262,7 @@ def test_nightly_schedule_is_idempotent_and_runs_under_the_rq_scheduler(redis_se
     from rq.registry import ScheduledJobRegistry
     from rq.serializers import JSONSerializer
 
-    from batchinfer.exporter import build_worker
+    from batchinfer.jobs.exporter import build_worker
 
     monkeypatch.setenv("BATCHINFER_RESULTS_ROOT", str(tmp_path))
     r = redis_server.client()
@@ -288,7 +288,7 @@ def test_exporter_main_books_the_nightly_run_and_exports_in_burst_mode(redis_ser
     from rq.registry import ScheduledJobRegistry
     from rq.serializers import JSONSerializer
 
-    from batchinfer import exporter
+    from batchinfer.jobs import exporter
 
     r = redis_server.client()
     s = Settings(redis_url=redis_server.url, prefix=PREFIX)

@@ -12,7 +12,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchinfer.inputs import InputError, input_name, open_input, read_jsonl, read_parquet, read_records
+from batchinfer.client.inputs import (
+    InputError,
+    input_name,
+    open_input,
+    read_jsonl,
+    read_parquet,
+    read_records,
+)
 
 
 def write(path, text: str | bytes):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchinfer.logs import log_context, redact, request_extra, setup_logging
+from batchinfer.ops.logs import log_context, redact, request_extra, setup_logging
 
 
 @pytest.fixture
@@ -41,11 +41,11 @@ def lines(buf: io.StringIO) -> list[str]:
 
 def test_json_lines_carry_ts_level_logger_msg_and_request_ids(capture):
     buf = capture("json")
-    logging.getLogger("batchinfer.scheduler").warning(
+    logging.getLogger("batchinfer.scheduler.daemon").warning(
         "request %s rejected", "j1:7", extra=request_extra("j1", "j1:7"))
     logging.getLogger("batchinfer.worker").info("plain line")
     first, second = (json.loads(line) for line in lines(buf))
-    assert first["level"] == "WARNING" and first["logger"] == "batchinfer.scheduler"
+    assert first["level"] == "WARNING" and first["logger"] == "batchinfer.scheduler.daemon"
     assert first["msg"] == "request j1:7 rejected"
     assert (first["job_id"], first["request_id"]) == ("j1", "j1:7")
     assert dt.datetime.fromisoformat(first["ts"]).tzinfo is not None

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchinfer.httpserver import HealthServer
-from batchinfer.jobstore import JobStore
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
-from batchinfer.metrics import QUEUE_GAUGES, SPECS, SchedulerMetrics, ThroughputWindow, WorkerMetrics
-from batchinfer.protocol import IntakeEntry
-from batchinfer.publish import Publisher
-from batchinfer.queue_state import JobStatusCounter, stream_state
-from batchinfer.registry import Registry
-from batchinfer.rows import BatchRequest, ResultRow
+from batchinfer.ops.httpserver import HealthServer
+from batchinfer.ops.metrics import QUEUE_GAUGES, SPECS, SchedulerMetrics, ThroughputWindow, WorkerMetrics
+from batchinfer.protocol.entries import IntakeEntry
+from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.store.jobstore import JobStore
+from batchinfer.store.publish import Publisher
+from batchinfer.store.queue_state import JobStatusCounter, stream_state
+from batchinfer.store.registry import Registry
 from batchinfer.workers.echo_engine import EchoEngine
 from batchinfer.workers.outputs import CompletionOutput, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams

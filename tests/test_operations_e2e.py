@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchinfer.client import Client
+from batchinfer.client.client import Client
 from batchinfer.config import Settings
 
 from .conftest import free_port
@@ -123,7 +123,7 @@ def test_metrics_move_by_what_a_job_did(stack):
     assert s1["batchinfer_intake_lag_requests"] == 0 and s1["batchinfer_live_workers"] == 1
 
     # the container health check command, and JSON log lines
-    probe = subprocess.run([sys.executable, "-m", "batchinfer.httpserver",
+    probe = subprocess.run([sys.executable, "-m", "batchinfer.ops.httpserver",
                             f"http://127.0.0.1:{worker_port}/readyz"], timeout=60)
     assert probe.returncode == 0
     first_line = (stack["tmp"] / "worker.log").read_text().splitlines()[0]

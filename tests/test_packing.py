@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.packing import Budget, Candidate, Packer
+from batchinfer.scheduler.packing import Budget, Candidate, Packer
 
 
 def cand(key, job="j", priority=0, prompt=10, max_tokens=10, arrival=0, prefix=()):

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from batchinfer.progress import (
+from batchinfer.cli.progress import (
     JobProgress,
     Progress,
     bytes_progress,

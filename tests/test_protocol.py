@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from batchinfer.protocol import (
+from batchinfer.protocol.entries import (
     PROTOCOL_VERSION,
     BatchRequest,
     IntakeEntry,

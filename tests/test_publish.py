@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchinfer.keys import Keys
-from batchinfer.protocol import ResultRow
-from batchinfer.publish import Publisher
-from batchinfer.registry import Registry
+from batchinfer.protocol.entries import ResultRow
+from batchinfer.store.publish import Publisher
+from batchinfer.store.registry import Registry
 
 KEYS = Keys("{t}")
 

@@ -9,15 +9,15 @@ import time
 import pytest
 
 from batchinfer.config import Settings
-from batchinfer.dispatch import batch_fields, retry_batches
-from batchinfer.jobstore import JobStore
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
-from batchinfer.protocol import IntakeEntry, ResultRow
-from batchinfer.publish import Publisher
-from batchinfer.registry import Registry, read_tokenizer_files
-from batchinfer.rows import BatchRequest
-from batchinfer.scheduler import Scheduler
-from batchinfer.staging import held_key
+from batchinfer.protocol.entries import IntakeEntry, ResultRow
+from batchinfer.protocol.rows import BatchRequest
+from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.dispatch import batch_fields, retry_batches
+from batchinfer.scheduler.staging import held_key
+from batchinfer.store.jobstore import JobStore
+from batchinfer.store.publish import Publisher
+from batchinfer.store.registry import Registry, read_tokenizer_files
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.tokenizer import Tokenizer
 
@@ -290,10 +290,10 @@ def test_daemons_enqueue_exports_without_loading_pyarrow(redis_server):
         "import sys\n"
         "from batchinfer.config import Settings\n"
         "from batchinfer.keys import Keys\n"
-        "from batchinfer.lookups import JobCache, RowSink\n"
-        "from batchinfer.accounting import Accounting\n"
+        "from batchinfer.scheduler.lookups import JobCache, RowSink\n"
+        "from batchinfer.scheduler.accounting import Accounting\n"
         "from batchinfer.redis_conn import connect\n"
-        "import batchinfer.scheduler, batchinfer.workers.daemon\n"
+        "import batchinfer.scheduler.daemon, batchinfer.workers.daemon\n"
         f"s = Settings(redis_url={redis_server.url!r}, prefix='{{t}}')\n"
         "r, keys = connect(s.redis_url), Keys(s.prefix)\n"
         "sink = RowSink(r, s, keys)\n"

@@ -20,16 +20,17 @@ import pytest
 from click.testing import CliRunner
 from daemons import wait_for
 
-from batchinfer.cli import EXIT_USAGE, cli
-from batchinfer.client import Client
+from batchinfer.cli.context import EXIT_USAGE
+from batchinfer.cli.main import cli
+from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.jobs.export import enqueue_export, export_job
-from batchinfer.jobstore import JobStatus, JobStore
 from batchinfer.keys import RQ_QUEUE, Keys
-from batchinfer.protocol import ResultRow
-from batchinfer.publish import Publisher
-from batchinfer.registry import Registry
-from batchinfer.scheduler import Scheduler
+from batchinfer.protocol.entries import ResultRow
+from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.store.jobstore import JobStatus, JobStore
+from batchinfer.store.publish import Publisher
+from batchinfer.store.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ("batchinfer", "workers", "jobs", "kernels")
@@ -62,7 +63,7 @@ class Mkdir:
 def test_rq_jobs_are_json_and_a_pickled_rq_job_is_refused(redis_server, tmp_path):
     from rq import Queue
 
-    from batchinfer.exporter import build_worker
+    from batchinfer.jobs.exporter import build_worker
 
     r = redis_server.client()
     settings = Settings(redis_url=redis_server.url, prefix=PREFIX)
@@ -206,7 +207,7 @@ def _read_only_mount(folder: Path) -> tuple[str, ...]:
 
 @pytest.mark.slow
 def test_worker_serves_a_read_only_model_folder_and_runs_none_of_its_code(redis_server, tiny_llama, tmp_path):
-    from batchinfer.rows import BatchRequest
+    from batchinfer.protocol.rows import BatchRequest
 
     model = tmp_path / "tiny-ro"
     shutil.copytree(tiny_llama, model)

@@ -22,12 +22,12 @@ import pytest
 import redis
 from daemons import wait_for
 
-from batchinfer.cli import EXIT_REDIS
-from batchinfer.client import Client
+from batchinfer.cli.context import EXIT_REDIS
+from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.redis_conn import connect
-from batchinfer.registry import Registry
+from batchinfer.store.registry import Registry
 
 CLI = [sys.executable, "-m", "batchinfer.cli"]
 PREFIX = "{sec}"

@@ -7,14 +7,14 @@ import json
 
 from rich.console import Console
 
-from batchinfer.jobstore import JobStore
+from batchinfer.cli.top import Snapshot, render_to_text, run_top, snapshot_from_redis, snapshot_to_dict
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
-from batchinfer.metrics import WorkerMetrics
-from batchinfer.protocol import IntakeEntry, ResultRow
-from batchinfer.publish import Publisher
-from batchinfer.queue_state import JobView, QueueState, StreamState, WorkerView
-from batchinfer.registry import Registry
-from batchinfer.top import Snapshot, render_to_text, run_top, snapshot_from_redis, snapshot_to_dict
+from batchinfer.ops.metrics import WorkerMetrics
+from batchinfer.protocol.entries import IntakeEntry, ResultRow
+from batchinfer.store.jobstore import JobStore
+from batchinfer.store.publish import Publisher
+from batchinfer.store.queue_state import JobView, QueueState, StreamState, WorkerView
+from batchinfer.store.registry import Registry
 
 NOW = 1_750_000_000_000
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from batchinfer.config import Settings
-from batchinfer.jobstore import JobStore
 from batchinfer.keys import WORKERS_GROUP, Keys
-from batchinfer.publish import Publisher
-from batchinfer.registry import Registry
-from batchinfer.rows import BatchRequest, ResultRow
+from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.store.jobstore import JobStore
+from batchinfer.store.publish import Publisher
+from batchinfer.store.registry import Registry
 from batchinfer.workers.daemon import WorkerDaemon
 from batchinfer.workers.echo_engine import EchoEngine
 

@@ -7,7 +7,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchinfer.rows import BatchRequest
+from batchinfer.protocol.rows import BatchRequest
 from batchinfer.workers.inflight import Book, Quarantine
 
 

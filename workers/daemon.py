@@ -31,12 +31,12 @@ from typing import Any
 import redis
 
 from batchinfer.config import Settings
-from batchinfer.httpserver import Readiness
 from batchinfer.keys import WORKERS_GROUP, Keys
-from batchinfer.metrics import WorkerMetrics
-from batchinfer.publish import Publisher
-from batchinfer.registry import Registry, read_tokenizer_files
-from batchinfer.rows import BatchRequest, ResultRow, now_ms
+from batchinfer.ops.httpserver import Readiness
+from batchinfer.ops.metrics import WorkerMetrics
+from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms
+from batchinfer.store.publish import Publisher
+from batchinfer.store.registry import Registry, read_tokenizer_files
 from batchinfer.workers.inflight import Book, Held, Quarantine, parse_batch
 from batchinfer.workers.keeper import Keeper
 from batchinfer.workers.outbox import DeadLetter, Outbox

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchinfer.registry import read_tokenizer_files
+from batchinfer.store.registry import read_tokenizer_files
 from batchinfer.workers.outputs import CompletionOutput, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
 

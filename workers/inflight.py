@@ -5,7 +5,7 @@ Pure bookkeeping for the worker daemon (no Redis, no engine), so its rules are u
 - a batch is acknowledged once every one of its requests has a published row;
 - a request that arrives in two batches (a re-dispatch after a lost lease) runs once and
   completes both;
-- a request of a ``solo`` batch (its last attempt, see ``batchinfer.dispatch.retry_batches``)
+- a request of a ``solo`` batch (its last attempt, see ``batchinfer.scheduler.dispatch.retry_batches``)
   waits apart and runs alone: the worker pulls nothing while one is held, finishes what it was
   running, then starts solo requests one at a time in an empty engine;
 - after an engine step fails without naming the culprit, :class:`Quarantine` bisects the
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchinfer.rows import BatchRequest
+from batchinfer.protocol.rows import BatchRequest
 
 
 @dataclass

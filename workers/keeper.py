@@ -24,7 +24,7 @@ from typing import Any
 import redis
 
 from batchinfer.keys import WORKERS_GROUP, Keys
-from batchinfer.registry import Registry
+from batchinfer.store.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ iteration. Nothing leaves the outbox before Redis has confirmed it, so a Redis o
 it (every step is idempotent: the publish guard drops a row sent twice, XACK / XDEL of a gone entry
 is a no-op, a retried request carries its attempt count).
 
-- **Rows** go out in one pipeline per chunk (:meth:`batchinfer.publish.Publisher.publish_many`).
+- **Rows** go out in one pipeline per chunk (:meth:`batchinfer.store.publish.Publisher.publish_many`).
   A row may carry a dead letter: it is XADDed to ``{p}:deadletter`` only by the call that
   actually published the row, so a re-sent row never dead-letters twice.
 - **Retries**: a request the engine failed on goes back to the model's batch stream as a batch of
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import redis
 
-from batchinfer.dispatch import retry_batches
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
-from batchinfer.publish import Publisher
-from batchinfer.rows import BatchRequest, ResultRow
+from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.scheduler.dispatch import retry_batches
+from batchinfer.store.publish import Publisher
 from batchinfer.workers.inflight import Book
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from batchinfer.config import Settings
-from batchinfer.httpserver import Readiness
-from batchinfer.httpserver import serve as serve_http
-from batchinfer.metrics import WorkerMetrics
-from batchinfer.registry import read_tokenizer_files
+from batchinfer.ops.httpserver import Readiness
+from batchinfer.ops.httpserver import serve as serve_http
+from batchinfer.ops.metrics import WorkerMetrics
+from batchinfer.store.registry import read_tokenizer_files
 from batchinfer.workers.daemon import WorkerDaemon
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from batchinfer.exporter import MAINTENANCE_S, WORKER_TTL_S
+from batchinfer.jobs.exporter import MAINTENANCE_S, WORKER_TTL_S
 from batchinfer.keys import RQ_QUEUE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150),

@@ -13,7 +13,7 @@ import signal
 import pytest
 from daemons import assert_exactly_once, attempts, dead_letters, pending_of, requests_in
 
-from batchinfer.registry import Registry
+from batchinfer.store.registry import Registry
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

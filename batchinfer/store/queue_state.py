@@ -251,8 +251,8 @@ _WORKER_FIELDS = ("model", "device", "running", "waiting", "kv_usage", "tokens_p
 
 
 def live_workers(r: redis.Redis, keys: Keys) -> list[WorkerView]:
-    """Workers with an unexpired registration, by name (via :class:`batchinfer.registry.Registry`)."""
-    from batchinfer.registry import Registry
+    """Workers with an unexpired registration, by name (via :class:`batchinfer.store.registry.Registry`)."""
+    from batchinfer.store.registry import Registry
 
     views = []
     for w in Registry(r, keys).live_workers():

@@ -2,11 +2,11 @@
 
 The loop only loops; each concern is one object (docs/scheduler.md):
 
-- :class:`batchinfer.intake.Intake` — the intake group, validation, tokenisation, staging,
+- :class:`batchinfer.scheduler.intake.Intake` — the intake group, validation, tokenisation, staging,
   error rows, idempotency, and the holding area for models not served yet;
-- :class:`batchinfer.dispatch.Dispatcher` — backpressure and packing into batches;
-- :class:`batchinfer.leases.Leases` — expired batch leases: re-dispatch or dead-letter;
-- :class:`batchinfer.accounting.Accounting` — job expiry and the export safety net.
+- :class:`batchinfer.scheduler.dispatch.Dispatcher` — backpressure and packing into batches;
+- :class:`batchinfer.scheduler.leases.Leases` — expired batch leases: re-dispatch or dead-letter;
+- :class:`batchinfer.scheduler.accounting.Accounting` — job expiry and the export safety net.
 
 Everything the scheduler knows lives in Redis; its memory holds caches and one pass's window.
 """
@@ -21,16 +21,16 @@ from collections.abc import Callable
 
 import redis
 
-from batchinfer.accounting import Accounting
 from batchinfer.config import Settings
-from batchinfer.dispatch import Dispatcher
-from batchinfer.intake import Admission, Intake
 from batchinfer.keys import Keys
-from batchinfer.leases import Leases
-from batchinfer.lookups import JobCache, ModelCache, RowSink
-from batchinfer.metrics import SchedulerMetrics
-from batchinfer.registry import Registry
-from batchinfer.staging import Staging
+from batchinfer.ops.metrics import SchedulerMetrics
+from batchinfer.scheduler.accounting import Accounting
+from batchinfer.scheduler.dispatch import Dispatcher
+from batchinfer.scheduler.intake import Admission, Intake
+from batchinfer.scheduler.leases import Leases
+from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
+from batchinfer.scheduler.staging import Staging
+from batchinfer.store.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Scheduler:
 
 def main(settings: Settings) -> int:
     """``batchinfer scheduler``: serve until SIGTERM / SIGINT; returns the exit code."""
-    from batchinfer.httpserver import Readiness, serve
+    from batchinfer.ops.httpserver import Readiness, serve
     from batchinfer.redis_conn import connect
 
     stop = threading.Event()

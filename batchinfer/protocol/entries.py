@@ -1,8 +1,8 @@
 """The wire protocol, version 1 (docs/protocol.md): intake entries, the URL and field-name constants,
 job ids and :class:`RequestError`; batch requests and result rows are re-exported from
-:mod:`batchinfer.rows`.
+:mod:`batchinfer.protocol.rows`.
 
-Request bodies are validated in :mod:`batchinfer.bodies`. Nothing here touches Redis.
+Request bodies are validated in :mod:`batchinfer.protocol.bodies`. Nothing here touches Redis.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from batchinfer.rows import BatchRequest, ResultRow
+from batchinfer.protocol.rows import BatchRequest, ResultRow
 
 __all__ = ["PROTOCOL_VERSION", "BatchRequest", "IntakeEntry", "RequestError", "ResultRow", "valid_job_id"]
 

@@ -6,7 +6,7 @@ dropped (the exactly-once guard says so), those of cancelled / expired jobs get 
 each other one counts an attempt (workers count one too for each engine failure, see
 ``batchinfer.workers.outbox``): at ``max_attempts`` it is dead-lettered (``{p}:deadletter`` +
 a ``dead_lettered`` row), otherwise it goes into a new batch (one of its own, run alone, on its
-last attempt: :func:`batchinfer.dispatch.retry_batches`). The new batch, the attempt counts,
+last attempt: :func:`batchinfer.scheduler.dispatch.retry_batches`). The new batch, the attempt counts,
 the dead letters and the XACK + XDEL of the old entry are one MULTI. The attempt count travels
 in the batch entry (``attempts``), so a crash between claim and MULTI never counts twice;
 ``{p}:attempts:<job>`` mirrors it for operators.
@@ -20,11 +20,11 @@ import logging
 import redis
 
 from batchinfer.config import Settings
-from batchinfer.dispatch import retry_batches
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
-from batchinfer.lookups import JobCache, RowSink
-from batchinfer.registry import Registry
-from batchinfer.rows import BatchRequest, ResultRow
+from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.scheduler.dispatch import retry_batches
+from batchinfer.scheduler.lookups import JobCache, RowSink
+from batchinfer.store.registry import Registry
 
 log = logging.getLogger(__name__)
 

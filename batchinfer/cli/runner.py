@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:
-    from batchinfer.cli import Ctx
+    from batchinfer.cli.context import Ctx
 
 DEMO = "demo"
 STOP_TIMEOUT_S = 30.0
@@ -139,9 +139,9 @@ def run_all(ctx: Ctx, opts: RunOptions,
     ``wait`` raises ``SystemExit`` for a job that did not complete (the CLI's exit codes);
     ``check`` raises :class:`DaemonExited` when a daemon died.
     """
-    from batchinfer.cli import EXIT_DAEMON
-    from batchinfer.client import Client
-    from batchinfer.embedded import EmbeddedRedis
+    from batchinfer.cli.context import EXIT_DAEMON
+    from batchinfer.cli.embedded import EmbeddedRedis
+    from batchinfer.client.client import Client
 
     settings = ctx.settings
     say = (lambda msg: None) if ctx.quiet or ctx.json else (lambda msg: click.echo(msg, err=True))

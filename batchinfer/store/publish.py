@@ -28,7 +28,7 @@ NOSCRIPT_RETRIES = 3  # script reloads publish_many tries (each follows a flush 
 
 
 class Row(Protocol):
-    """What publishing needs from a ``batchinfer.protocol.ResultRow``."""
+    """What publishing needs from a ``batchinfer.protocol.entries.ResultRow``."""
 
     job_id: str | None
     idx: int | None
@@ -48,8 +48,8 @@ class PublishOutcome:
 
 @cache
 def lua_source(name: str) -> str:
-    """The text of ``batchinfer/lua/<name>.lua``, after the ``finalize.lua`` prelude if it uses it."""
-    lua = resources.files("batchinfer") / "lua"
+    """The text of ``batchinfer/store/lua/<name>.lua``, after the ``finalize.lua`` prelude if it uses it."""
+    lua = resources.files("batchinfer.store") / "lua"
     text = (lua / f"{name}.lua").read_text(encoding="utf-8")
     if name != "finalize" and "maybe_finalize(" in text:
         text = (lua / "finalize.lua").read_text(encoding="utf-8") + "\n" + text

@@ -72,7 +72,7 @@ def _serve_health(settings: Settings):
         return None
     from prometheus_client import CollectorRegistry, ProcessCollector
 
-    from batchinfer.httpserver import Readiness, serve
+    from batchinfer.ops.httpserver import Readiness, serve
     from batchinfer.redis_conn import connect
 
     registry = CollectorRegistry()

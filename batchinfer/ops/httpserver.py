@@ -192,7 +192,7 @@ def serve(port: int | None, registry: CollectorRegistry, readiness: Readiness,
 def probe(url: str, timeout: float = 5.0) -> int:
     """0 when ``url`` answers 200, else 1 (prints why): the health check command of a container.
 
-    ``python -m batchinfer.httpserver http://127.0.0.1:9102/readyz`` needs no curl in the image.
+    ``python -m batchinfer.ops.httpserver http://127.0.0.1:9102/readyz`` needs no curl in the image.
     """
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
@@ -208,5 +208,5 @@ __all__ = ["HealthServer", "Readiness", "probe", "serve"]
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m batchinfer.httpserver URL   (exit 0 when URL answers 200)")
+        sys.exit("usage: python -m batchinfer.ops.httpserver URL   (exit 0 when URL answers 200)")
     sys.exit(probe(sys.argv[1]))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from batchinfer.protocol import REQUEST_FIELDS, RequestError
+from batchinfer.protocol.entries import REQUEST_FIELDS, RequestError
 from batchinfer.workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

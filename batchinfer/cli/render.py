@@ -6,8 +6,8 @@ import datetime as dt
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from batchinfer.jobstore import JobRecord
-from batchinfer.registry import WorkerInfo
+from batchinfer.store.jobstore import JobRecord
+from batchinfer.store.registry import WorkerInfo
 
 _Item = TypeVar("_Item")
 _STAGES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",

@@ -2,7 +2,7 @@
 
 Per model, each pass: requests of cancelled / expired jobs leave staging as rows (whether or not
 a worker is live); then, if the live workers have fewer than ``BATCHES_PER_WORKER`` undelivered
-batches each, a bounded window of staged requests is read, packed (``batchinfer.packing``) and
+batches each, a bounded window of staged requests is read, packed (``batchinfer.scheduler.packing``) and
 moved into batches in one MULTI (XADD batch + XDEL staging). The rest stays in Redis.
 """
 
@@ -14,13 +14,13 @@ from collections import defaultdict
 import redis
 
 from batchinfer.keys import WORKERS_GROUP, Keys
-from batchinfer.lookups import JobCache, ModelCache, RowSink
-from batchinfer.metrics import SchedulerMetrics
-from batchinfer.packing import Budget, Packer
-from batchinfer.protocol import PROTOCOL_VERSION
-from batchinfer.registry import Registry, WorkerInfo
-from batchinfer.rows import BatchRequest, ResultRow
-from batchinfer.staging import Staging, encode_request, parse_member
+from batchinfer.ops.metrics import SchedulerMetrics
+from batchinfer.protocol.entries import PROTOCOL_VERSION
+from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
+from batchinfer.scheduler.packing import Budget, Packer
+from batchinfer.scheduler.staging import Staging, encode_request, parse_member
+from batchinfer.store.registry import Registry, WorkerInfo
 
 log = logging.getLogger(__name__)
 

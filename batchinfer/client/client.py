@@ -19,14 +19,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from batchinfer.client.inputs import DuplicateIds, InputError, InputLine, input_name, open_input
 from batchinfer.config import Settings
-from batchinfer.inputs import DuplicateIds, InputError, InputLine, input_name, open_input
-from batchinfer.jobstore import JobRecord, JobStatus, JobStore
 from batchinfer.keys import Keys
-from batchinfer.protocol import PROTOCOL_VERSION, IntakeEntry, ResultRow
-from batchinfer.publish import Publisher
+from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, ResultRow
 from batchinfer.redis_conn import connect
-from batchinfer.registry import Registry, WorkerInfo
+from batchinfer.store.jobstore import JobRecord, JobStatus, JobStore
+from batchinfer.store.publish import Publisher
+from batchinfer.store.registry import Registry, WorkerInfo
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -91,7 +91,7 @@ class Client:
         ``model`` field. ``output`` is where the exporter writes the results (default
         ``<results_root>/<job>.parquet``): a URI, or a path that stays inside ``results_root``.
         ``on_progress(n)`` is called with the number of requests sent so far after each chunk.
-        An empty or unreadable input raises :class:`~batchinfer.inputs.InputError` before any job
+        An empty or unreadable input raises :class:`~batchinfer.client.inputs.InputError` before any job
         exists. Lines that repeat a ``custom_id`` are sent, and one warning naming their line
         numbers goes to the job record's ``errors``. If submission is interrupted, the job is
         cancelled (what was sent is answered ``cancelled``) and the exception propagates.

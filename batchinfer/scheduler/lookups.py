@@ -15,10 +15,10 @@ import redis
 
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
-from batchinfer.metrics import SchedulerMetrics
-from batchinfer.publish import Publisher
-from batchinfer.registry import ModelInfo, Registry
-from batchinfer.rows import ResultRow, now_ms
+from batchinfer.ops.metrics import SchedulerMetrics
+from batchinfer.protocol.rows import ResultRow, now_ms
+from batchinfer.store.publish import Publisher
+from batchinfer.store.registry import ModelInfo, Registry
 from batchinfer.workers.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ import logging
 import redis
 
 from batchinfer.config import Settings
-from batchinfer.jobstore import JobStatus, JobStore
 from batchinfer.keys import Keys
-from batchinfer.lookups import JobCache, RowSink
-from batchinfer.rows import now_ms
+from batchinfer.protocol.rows import now_ms
+from batchinfer.scheduler.lookups import JobCache, RowSink
+from batchinfer.store.jobstore import JobStatus, JobStore
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,8 @@
 
 Each is a thin launcher: command-line options onto :class:`~batchinfer.config.Settings`, then the
 daemon's own ``main`` (imported late so that a command loads only its daemon), whose return value
-is the exit code. :mod:`batchinfer.cli` adds these commands to its group; this module never
-imports it back (``python -m batchinfer.cli`` runs that module as ``__main__``, and a second copy
-imported from here would get the commands instead), so the group's ``Ctx`` arrives through
-``click.pass_obj``.
+is the exit code. :mod:`batchinfer.cli.main` adds these commands to its group; the group's
+:class:`~batchinfer.cli.context.Ctx` arrives through ``click.pass_obj``.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import click
 from batchinfer.config import Settings
 
 if TYPE_CHECKING:
-    from batchinfer.cli import Ctx
+    from batchinfer.cli.context import Ctx
 
 POSITIVE = click.IntRange(min=1)
 
@@ -55,7 +53,7 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, m
               max_line_bytes: int | None, max_tokens_limit: int | None,
               max_prompt_tokens: int | None) -> None:
     """Run the scheduler daemon: intake -> validate -> tokenize -> pack -> dispatch."""
-    from batchinfer.scheduler import main
+    from batchinfer.scheduler.daemon import main
 
     override_settings(ctx.settings, lease_seconds=lease_seconds, max_attempts=max_attempts,
                       metrics_port=metrics_port, max_line_bytes=max_line_bytes,
@@ -100,7 +98,7 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, model_name: str | 
 @click.pass_obj
 def exporter(ctx: Ctx, name: str | None, burst: bool, metrics_port: int | None) -> None:
     """Run the exporter: an rq worker (JSON serializer) writing result files."""
-    from batchinfer.exporter import main
+    from batchinfer.jobs.exporter import main
 
     override_settings(ctx.settings, metrics_port=metrics_port)
     sys.exit(main(ctx.settings, name=name, burst=burst) or 0)

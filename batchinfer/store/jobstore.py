@@ -17,8 +17,8 @@ from typing import Any
 import redis
 
 from batchinfer.keys import Keys
-from batchinfer.protocol import valid_job_id
-from batchinfer.rows import now_ms
+from batchinfer.protocol.entries import valid_job_id
+from batchinfer.protocol.rows import now_ms
 
 
 class JobStatus(str, Enum):

@@ -1,5 +1,5 @@
-"""``batchinfer``: the command line (click), a thin layer over :class:`batchinfer.client.Client`;
-the daemon launchers (``scheduler``, ``worker``, ``exporter``) are in :mod:`batchinfer.cli_daemons`.
+"""``batchinfer``: the command line (click), a thin layer over :class:`batchinfer.client.client.Client`;
+the daemon launchers (``scheduler``, ``worker``, ``exporter``) are in :mod:`batchinfer.cli.daemons`.
 Exit codes are documented in docs/cli.md.
 
 Read commands print for people by default and one JSON document with ``--json``; progress bars
@@ -8,96 +8,25 @@ go to stderr and only when it is a terminal. Runnable as ``python -m batchinfer.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import click
 
-from batchinfer import cli_render as render
-from batchinfer.cli_daemons import POSITIVE, default_device, exporter, override_settings, scheduler, worker
+from batchinfer.cli import render
+from batchinfer.cli.context import (
+    EXIT_JOB_FAILED,
+    Ctx,
+    emit,
+    handle_errors,
+    json_option,
+)
+from batchinfer.cli.daemons import POSITIVE, default_device, exporter, override_settings, scheduler, worker
 from batchinfer.config import Settings
 
 log = logging.getLogger("batchinfer.cli")
-
-# Exit codes (docs/cli.md).
-EXIT_OK = 0
-EXIT_ERROR = 1  # unexpected failure
-EXIT_USAGE = 2  # bad option or argument (click's own code too)
-EXIT_REDIS = 3  # Redis unreachable
-EXIT_NOT_FOUND = 4  # no such job
-EXIT_JOB_FAILED = 5  # the job ended failed, expired or cancelled
-EXIT_TIMEOUT = 6  # --timeout passed before the job ended
-EXIT_INPUT = 7  # the input file cannot be read
-EXIT_DAEMON = 8  # `run`: a daemon it started exited early
-EXIT_INTERRUPTED = 130  # Ctrl-C
-
-
-class Ctx:
-    """What the group hands to every command."""
-
-    def __init__(self, settings: Settings, json_output: bool, quiet: bool):
-        self.settings = settings
-        self.json = json_output
-        self.quiet = quiet
-
-    def client(self):
-        from batchinfer.client import Client
-
-        return Client(settings=self.settings)
-
-
-def _fail(code: int, message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
-def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Map the errors a person can act on to one line on stderr and a documented exit code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        import redis
-
-        from batchinfer.client import JobNotFound
-        from batchinfer.inputs import InputError
-        from batchinfer.redis_conn import describe
-
-        try:
-            return fn(*args, **kwargs)
-        except JobNotFound as e:
-            _fail(EXIT_NOT_FOUND, str(e))
-        except InputError as e:
-            _fail(EXIT_INPUT, str(e))
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            ctx = click.get_current_context().find_object(Ctx)
-            where = describe(ctx.settings.redis_url) if ctx else "Redis"
-            _fail(EXIT_REDIS, f"cannot reach Redis at {where}: {e}")
-        except TimeoutError as e:
-            _fail(EXIT_TIMEOUT, str(e))
-        except (ValueError, FileNotFoundError) as e:
-            _fail(EXIT_USAGE, str(e))
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
-
-    return wrapper
-
-
-def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``--json`` on a read command (the group's ``--json`` works too)."""
-    return click.option("--json", "json_flag", is_flag=True, help="Print one JSON document.")(fn)
-
-
-def emit(ctx: Ctx, json_flag: bool, payload: Any, human: Callable[[], None]) -> None:
-    if ctx.json or json_flag:
-        click.echo(json.dumps(payload, ensure_ascii=False, default=str))
-    else:
-        human()
-
 
 # -- the group -------------------------------------------------------------------------------------
 
@@ -116,7 +45,7 @@ def emit(ctx: Ctx, json_flag: bool, payload: Any, human: Callable[[], None]) -> 
 def cli(click_ctx: click.Context, redis_url: str | None, redis_ca_file: str | None, prefix: str | None,
         json_output: bool, quiet: bool, log_format: str | None, log_level: str | None) -> None:
     """batchinfer: batch LLM inference on a Redis job queue."""
-    from batchinfer.logs import setup_logging
+    from batchinfer.ops.logs import setup_logging
 
     try:
         settings = Settings.from_env(redis_url=redis_url, redis_ca_file=redis_ca_file, prefix=prefix,
@@ -173,7 +102,7 @@ def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | No
            completion_window: str, metadata: tuple[str, ...], job_id: str | None, input_format: str | None,
            max_line_bytes: int | None, max_requests: int | None, json_flag: bool) -> None:
     """Submit FILE (JSONL: plain or OpenAI Batch lines; or Parquet) as a job; prints its id."""
-    from batchinfer.progress import lines_progress
+    from batchinfer.cli.progress import lines_progress
 
     override_settings(ctx.settings, max_line_bytes=max_line_bytes, max_requests_per_job=max_requests)
     client = ctx.client()
@@ -230,8 +159,8 @@ def wait(ctx: Ctx, job: str, timeout: float | None, json_flag: bool) -> None:
 
 def _wait_and_report(ctx: Ctx, client, job: str, timeout: float | None, json_flag: bool,
                      check: Callable[[], None] | None = None) -> None:
-    from batchinfer.jobstore import JobStatus
-    from batchinfer.progress import JobProgress
+    from batchinfer.cli.progress import JobProgress
+    from batchinfer.store.jobstore import JobStatus
 
     with JobProgress(job, quiet=ctx.quiet or ctx.json or json_flag) as bar:
         def progress(record) -> None:
@@ -269,7 +198,7 @@ def cancel(ctx: Ctx, job: str, json_flag: bool) -> None:
 @handle_errors
 def results(ctx: Ctx, job: str, output: str, fmt: str, json_flag: bool) -> None:
     """Write a job's results (in input order) to a file."""
-    from batchinfer.progress import rows_progress
+    from batchinfer.cli.progress import rows_progress
 
     client = ctx.client()
     record = client.status(job)
@@ -304,9 +233,9 @@ def workers(ctx: Ctx, model: str | None, json_flag: bool) -> None:
 @handle_errors
 def top(ctx: Ctx, refresh: float, once: bool, json_flag: bool) -> None:
     """Live view of workers, jobs and queues (Ctrl-C to leave)."""
+    from batchinfer.cli.top import render_to_text, run_top, snapshot_from_redis, snapshot_to_dict
     from batchinfer.keys import Keys
     from batchinfer.redis_conn import connect, describe
-    from batchinfer.top import render_to_text, run_top, snapshot_from_redis, snapshot_to_dict
 
     r = connect(ctx.settings.redis_url, ctx.settings.redis_ca_file)
     keys, where = Keys(ctx.settings.prefix), describe(ctx.settings.redis_url)
@@ -324,7 +253,7 @@ def top(ctx: Ctx, refresh: float, once: bool, json_flag: bool) -> None:
 @pass_ctx
 def doctor(ctx: Ctx, model_dir: str | None, device: str | None, json_flag: bool) -> None:
     """Check Redis, a model folder, the device and the kernels; say what to fix (exit 1 on errors)."""
-    from batchinfer.doctor import exit_code, render_json, render_text, run_doctor
+    from batchinfer.cli.doctor import exit_code, render_json, render_text, run_doctor
 
     checks = run_doctor(ctx.settings, model_dir, device)
     click.echo(render_json(checks) if ctx.json or json_flag else render_text(checks))
@@ -355,7 +284,7 @@ def run(ctx: Ctx, file: str, output: str, model: str, fmt: str, device: str | No
     wait with a progress bar, write OUTPUT, stop everything."""
     from pathlib import Path
 
-    from batchinfer.runner import RunOptions, run_all
+    from batchinfer.cli.runner import RunOptions, run_all
 
     # The exporter `run` starts is the caller's own: a local path is the explicit file:// URI, which
     # the results-root confinement of shared exporters lets through.
@@ -370,6 +299,3 @@ def main() -> None:
     """Console entry point (``batchinfer``)."""
     cli(prog_name="batchinfer")
 
-
-if __name__ == "__main__":
-    main()

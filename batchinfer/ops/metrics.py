@@ -1,7 +1,7 @@
 """Prometheus metrics of the scheduler and worker daemons (docs/operations.md lists them all).
 
 Each daemon owns one :class:`SchedulerMetrics` or :class:`WorkerMetrics` and calls its small
-methods from its loop; :mod:`batchinfer.httpserver` serves ``registry`` on ``--metrics-port``.
+methods from its loop; :mod:`batchinfer.ops.httpserver` serves ``registry`` on ``--metrics-port``.
 Metrics kept in Redis (queue depths, intake lag, jobs by status) are read at scrape time by
 :class:`QueueCollector`, which only the scheduler registers so that each series has one source.
 Counters move only for events that happened in this process; a row counts once, when the
@@ -32,8 +32,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from batchinfer import queue_state
 from batchinfer.keys import Keys
+from batchinfer.store import queue_state
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ UNKNOWN = "unknown"  # label value of a row whose model could not be read
 
 
 class Row(Protocol):
-    """What the metrics read from a ``batchinfer.rows.ResultRow``."""
+    """What the metrics read from a ``batchinfer.protocol.rows.ResultRow``."""
 
     status: str
     model: str | None

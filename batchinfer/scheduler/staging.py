@@ -27,9 +27,9 @@ from typing import Any
 import redis
 
 from batchinfer.keys import DIRECT, Keys
-from batchinfer.packing import PREFIX_SORT_TOKENS, Candidate
-from batchinfer.publish import lua_source
-from batchinfer.rows import BatchRequest, fields_dict
+from batchinfer.protocol.rows import BatchRequest, fields_dict
+from batchinfer.scheduler.packing import PREFIX_SORT_TOKENS, Candidate
+from batchinfer.store.publish import lua_source
 
 
 def queue_key(keys: Keys, model: str, member: str) -> str:

@@ -1,6 +1,6 @@
 """``batchinfer top``: a live terminal view of workers, jobs in progress and queue depths.
 
-:func:`snapshot_from_redis` reads everything once (bounded reads, see :mod:`batchinfer.queue_state`),
+:func:`snapshot_from_redis` reads everything once (bounded reads, see :mod:`batchinfer.store.queue_state`),
 :func:`render_top` turns a :class:`Snapshot` into a rich renderable (pure: tests render it to a
 string), and :func:`run_top` refreshes it in place until Ctrl-C.
 """
@@ -19,9 +19,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from batchinfer import queue_state
 from batchinfer.keys import Keys
-from batchinfer.queue_state import JobView, QueueState, WorkerView
+from batchinfer.store import queue_state
+from batchinfer.store.queue_state import JobView, QueueState, WorkerView
 
 STALE_HEARTBEATS = 3  # a worker silent for this many heartbeat periods is shown in red
 

@@ -1,7 +1,7 @@
 """Intake: read the requests stream, validate, tokenise, and stage — or answer with an error row.
 
 Each intake entry ends in exactly one place, and its XACK + XDEL travels in the same MULTI:
-a staging stream (valid; ``batchinfer.staging``), the holding area (its model is not served yet),
+a staging stream (valid; ``batchinfer.scheduler.staging``), the holding area (its model is not served yet),
 or nowhere (an error / cancelled / expired row was published first, or a duplicate was dropped).
 On start the scheduler first re-reads its own pending entries (read before a crash, not acked).
 """
@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import redis
 
-from batchinfer.bodies import RequestSpec, parse_body
+from batchinfer.client.inputs import leading_custom_id
 from batchinfer.config import Settings
-from batchinfer.inputs import leading_custom_id
 from batchinfer.keys import SCHEDULER_GROUP, Keys
-from batchinfer.lookups import JobCache, ModelCache, RowSink
-from batchinfer.protocol import IntakeEntry, RequestError, valid_job_id
-from batchinfer.rows import BatchRequest, ResultRow, now_ms, request_id_for
-from batchinfer.staging import Staging, held_key
+from batchinfer.protocol.bodies import RequestSpec, parse_body
+from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
+from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms, request_id_for
+from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
+from batchinfer.scheduler.staging import Staging, held_key
 from batchinfer.workers.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 :class:`RequestSpec`, with OpenAI names mapped and unknown fields rejected by name.
 
 Bodies are validated once, in the scheduler's intake, through :func:`parse_body`; every problem is a
-:class:`~batchinfer.protocol.RequestError` naming the field (and the input line when known), which the
+:class:`~batchinfer.protocol.entries.RequestError` naming the field (and the input line when known), which the
 intake turns into an error row. Nothing here touches Redis.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchinfer.protocol import (
+from batchinfer.protocol.entries import (
     CHAT_URL,
     COMPLETIONS_URL,
     IGNORED_OPENAI_FIELDS,

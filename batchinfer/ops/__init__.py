@@ -1,0 +1,1 @@
+"""Operating the daemons: logging, Prometheus metrics, the health and metrics HTTP server."""

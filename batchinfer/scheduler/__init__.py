@@ -1,0 +1,1 @@
+"""The scheduler daemon: intake, staging, packing policy, dispatch, leases and job accounting."""

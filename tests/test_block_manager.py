@@ -11,9 +11,9 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.workers.block_manager import BlockManager
-from batchinfer.workers.scheduler import Scheduler
-from batchinfer.workers.sequence import Sequence, SequenceStatus
+from batchinfer.workers.engine.block_manager import BlockManager
+from batchinfer.workers.engine.scheduler import Scheduler
+from batchinfer.workers.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.workers.detokenizer import IncrementalDetokenizer, find_stop_string
 from batchinfer.workers.testing import EOT, build_tokenizer
+from batchinfer.workers.text.detokenizer import IncrementalDetokenizer, find_stop_string
 
 TEXT = "héllo 世界 🙂"
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchinfer.workers.config import EngineConfig
-from batchinfer.workers.engine import Engine
+from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.sampling_params import SamplingParams
 
 
@@ -252,7 +252,7 @@ def test_from_model_and_the_lazy_public_api(tiny_llama):
 
 
 def test_cuda_graph_batch_sizes():
-    from batchinfer.workers.cuda_graph import batch_sizes
+    from batchinfer.workers.engine.cuda_graph import batch_sizes
 
     assert batch_sizes(1) == [1]
     assert batch_sizes(8) == [1, 2, 4, 8]

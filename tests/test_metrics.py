@@ -26,7 +26,7 @@ from batchinfer.store.publish import Publisher
 from batchinfer.store.queue_state import JobStatusCounter, stream_state
 from batchinfer.store.registry import Registry
 from batchinfer.workers.echo_engine import EchoEngine
-from batchinfer.workers.outputs import CompletionOutput, RequestOutput
+from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

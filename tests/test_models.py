@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from batchinfer.workers.attention import AttentionMetadata
+from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.models import Decoder, ModelConfig, load_model
 from batchinfer.workers.testing import make_tiny_model
 

@@ -14,7 +14,7 @@ from batchinfer.protocol.entries import (
     ResultRow,
     valid_job_id,
 )
-from batchinfer.workers.outputs import CompletionOutput, RequestOutput
+from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
 
 # -- intake entries --------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from batchinfer.workers.sampler import (
+from batchinfer.workers.engine.sampler import (
     Sampler,
     SamplingRow,
     apply_min_p,

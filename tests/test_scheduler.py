@@ -19,7 +19,7 @@ from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry, read_tokenizer_files
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.tokenizer import Tokenizer
+from batchinfer.workers.text.tokenizer import Tokenizer
 
 KEYS = Keys("{t}")
 CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_tokens": 4096}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from batchinfer.workers.block_manager import BlockManager
-from batchinfer.workers.scheduler import Scheduler, SchedulerOutput
-from batchinfer.workers.sequence import Sequence, SequenceStatus
+from batchinfer.workers.engine.block_manager import BlockManager
+from batchinfer.workers.engine.scheduler import Scheduler, SchedulerOutput
+from batchinfer.workers.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 

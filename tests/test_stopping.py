@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from batchinfer.workers.detokenizer import IncrementalDetokenizer
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.stopping import StopResult, check_stop
 from batchinfer.workers.testing import EOS, EOT, build_tokenizer
+from batchinfer.workers.text.detokenizer import IncrementalDetokenizer
+from batchinfer.workers.text.stopping import StopResult, check_stop
 
 
 @pytest.fixture(scope="module")

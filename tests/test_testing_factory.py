@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from batchinfer.workers.attention import AttentionMetadata
+from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.models import load_model
 from batchinfer.workers.testing import make_demo_model, make_tiny_model, tokenizer_files
-from batchinfer.workers.tokenizer import Tokenizer
+from batchinfer.workers.text.tokenizer import Tokenizer
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json"]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchinfer.workers.testing import BOS, EOS, EOT, PAD, make_tiny_model
-from batchinfer.workers.tokenizer import ChatTemplateError, Tokenizer, validate_messages
+from batchinfer.workers.text.tokenizer import ChatTemplateError, Tokenizer, validate_messages
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

@@ -285,7 +285,7 @@ def test_sigterm_drains_and_exits_zero(redis_server, tmp_path):
 
 
 def test_real_engine_matches_in_process_generation(redis_server, tiny_llama):
-    from batchinfer.workers.engine import Engine
+    from batchinfer.workers.engine.engine import Engine
 
     def engine():
         return Engine.from_model(tiny_llama, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.store.registry import read_tokenizer_files
-from batchinfer.workers.outputs import CompletionOutput, RequestOutput
+from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
 
 FaultHook = Callable[[str], None]  # raises to make that request fail (finished with an error)
@@ -104,7 +104,7 @@ class EchoEngine:
     ):
         if requests_per_step < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError("requests_per_step and max_num_seqs must be >= 1, max_model_len >= 2")
-        from batchinfer.workers.tokenizer import Tokenizer
+        from batchinfer.workers.text.tokenizer import Tokenizer
 
         self.model_name = model_name
         self.tokenizer_files = dict(tokenizer_files or byte_tokenizer_files())

@@ -16,11 +16,11 @@ from typing import Any
 from tqdm import tqdm
 
 from batchinfer.workers.config import EngineConfig
-from batchinfer.workers.engine import Engine
-from batchinfer.workers.outputs import RequestOutput
+from batchinfer.workers.engine.engine import Engine
+from batchinfer.workers.engine.outputs import RequestOutput
+from batchinfer.workers.engine.sequence import Request
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.sequence import Request
-from batchinfer.workers.tokenizer import Tokenizer
+from batchinfer.workers.text.tokenizer import Tokenizer
 
 Prompt = str | Mapping[str, Any]
 

@@ -59,7 +59,7 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
             engine = EchoEngine.from_model_dir(model_dir, **options) if model_dir else EchoEngine(**options)
         else:
             from batchinfer.workers.config import EngineConfig
-            from batchinfer.workers.engine import Engine
+            from batchinfer.workers.engine.engine import Engine
 
             engine = Engine(EngineConfig(model=str(model_dir), device=device, **options))
     except TypeError as e:  # an engine option the engine does not have

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from batchinfer.workers.outputs import RequestOutput
+    from batchinfer.workers.engine.outputs import RequestOutput
     from batchinfer.workers.sampling_params import SamplingParams
 
 ROW_STATUSES = ("completed", "failed", "cancelled", "expired")

@@ -19,7 +19,7 @@ from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import ModelInfo, Registry
-from batchinfer.workers.tokenizer import Tokenizer
+from batchinfer.workers.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from batchinfer.kernels import paged_attention, write_kv
 from batchinfer.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
-from batchinfer.workers.attention import AttentionMetadata
+from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.models.config import ModelConfig
 from batchinfer.workers.models.rope import cos_sin_cache
 

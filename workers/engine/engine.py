@@ -16,18 +16,18 @@ from typing import Any
 
 import torch
 
-from batchinfer.workers.block_manager import BlockManager
 from batchinfer.workers.config import EngineConfig
-from batchinfer.workers.detokenizer import IncrementalDetokenizer
-from batchinfer.workers.model_runner import ModelRunner
+from batchinfer.workers.engine.block_manager import BlockManager
+from batchinfer.workers.engine.model_runner import ModelRunner
+from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput
+from batchinfer.workers.engine.sampler import Sampler, SamplingRow, make_generator
+from batchinfer.workers.engine.scheduler import Scheduler
+from batchinfer.workers.engine.sequence import Request, Sequence
 from batchinfer.workers.models import Decoder, load_model
-from batchinfer.workers.outputs import CompletionOutput, RequestOutput
-from batchinfer.workers.sampler import Sampler, SamplingRow, make_generator
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.scheduler import Scheduler
-from batchinfer.workers.sequence import Request, Sequence
-from batchinfer.workers.stopping import check_stop
-from batchinfer.workers.tokenizer import Tokenizer
+from batchinfer.workers.text.detokenizer import IncrementalDetokenizer
+from batchinfer.workers.text.stopping import check_stop
+from batchinfer.workers.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ difference, only once it no longer ends in an incomplete character. The window s
 prompt so the first output token is decoded in context too.
 
 The tokenizer is anything with ``decode(ids, skip_special_tokens=...) -> str``: our
-``batchinfer.workers.tokenizer.Tokenizer`` or a bare ``tokenizers.Tokenizer``.
+``batchinfer.workers.text.tokenizer.Tokenizer`` or a bare ``tokenizers.Tokenizer``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
-from batchinfer.workers.sequence import Sequence
+from batchinfer.workers.engine.sequence import Sequence
 
 
 def hash_block(parent: bytes, token_ids: Seq[int]) -> bytes:

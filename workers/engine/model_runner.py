@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchinfer.workers.attention import AttentionMetadata
 from batchinfer.workers.config import EngineConfig
+from batchinfer.workers.engine.attention import AttentionMetadata
+from batchinfer.workers.engine.scheduler import ScheduledSequence
 from batchinfer.workers.models import Decoder
-from batchinfer.workers.scheduler import ScheduledSequence
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class ModelRunner:
         ]
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            from batchinfer.workers.cuda_graph import DecodeGraphs
+            from batchinfer.workers.engine.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self, max_batch_size=config.max_num_seqs)
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
-from batchinfer.workers.detokenizer import IncrementalDetokenizer, find_stop_string
 from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.text.detokenizer import IncrementalDetokenizer, find_stop_string
 
 
 class StopResult(NamedTuple):

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchinfer.workers.attention import AttentionMetadata
-from batchinfer.workers.scheduler import ScheduledSequence
+from batchinfer.workers.engine.attention import AttentionMetadata
+from batchinfer.workers.engine.scheduler import ScheduledSequence
 
 if TYPE_CHECKING:
-    from batchinfer.workers.model_runner import ModelRunner
+    from batchinfer.workers.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchinfer.workers.block_manager import BlockManager
-from batchinfer.workers.sequence import Sequence, SequenceStatus
+from batchinfer.workers.engine.block_manager import BlockManager
+from batchinfer.workers.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

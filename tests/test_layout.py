@@ -1,0 +1,136 @@
+"""The package's shape: no import circles, and folders small enough to read by their names.
+
+Imports are read from the source (``ast``), not by importing, so that lazy imports inside functions
+count too: a circle closed by a late import still loads a module half-initialised, or twice under
+``python -m``. Imports under ``if TYPE_CHECKING:`` are left out: they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+# Past this many modules directly in one folder, a reader can no longer tell roles from names alone.
+MAX_MODULES_PER_FOLDER = 12
+
+
+def _package_dirs() -> dict[str, Path]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return {name: ROOT / folder for name, folder in config["package-dir"].items()}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the distribution by import name (packages by their ``__init__.py``)."""
+    modules: dict[str, Path] = {}
+    for package, folder in _package_dirs().items():
+        for path in folder.glob("*.py"):
+            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST) -> list[tuple[str, list[str]]]:
+    """What a module imports at run time: ``(module, names)`` per statement (``import a`` gives
+    ``("a", [])``)."""
+    found: list[tuple[str, list[str]]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, [alias.name for alias in node.names]))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports. ``from pkg import sub`` (a submodule) is an edge to
+    ``pkg.sub`` alone: a package's ``__init__`` is already running whenever its submodules load, so
+    counting it would make every package a circle; ``from pkg import name`` is an edge to ``pkg``."""
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for module, names in _imports(ast.parse(path.read_text(), filename=str(path))):
+            submodules = {f"{module}.{n}" for n in names if f"{module}.{n}" in modules}
+            deps |= submodules
+            if len(submodules) < len(names) or not names:
+                deps.add(module)
+        graph[name] = {dep for dep in deps if dep in modules and dep != name}
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_circle_closed_by_a_late_import(tmp_path):
+    # The shape runner.py <-> cli.py had: one side imports the other inside a function.
+    (tmp_path / "a.py").write_text("import pkg.b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from pkg.a import x\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n")
+    modules = {f"pkg.{p.stem}": p for p in tmp_path.glob("*.py")}
+    graph = import_graph(modules)
+    assert graph["pkg.c"] == set()
+    assert find_cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+def test_no_import_circles():
+    cycles = find_cycles(import_graph(_modules()))
+    assert cycles == [], f"import circles: {cycles}"
+
+
+def test_every_folder_stays_small():
+    crowded = {package: count for package, folder in _package_dirs().items()
+               if (count := sum(1 for p in folder.glob("*.py") if p.stem != "__init__"))
+               > MAX_MODULES_PER_FOLDER}
+    assert crowded == {}, f"folders with more than {MAX_MODULES_PER_FOLDER} modules: {crowded}"
+
+
+def test_top_level_holds_only_cross_cutting_modules():
+    top = sorted(p.stem for p in (ROOT / "batchinfer").glob("*.py"))
+    assert top == ["__init__", "config", "keys", "redis_conn"]

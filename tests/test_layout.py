@@ -109,7 +109,7 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_cycle_finder_finds_a_circle_closed_by_a_late_import(tmp_path):
-    # The shape runner.py <-> cli.py had: one side imports the other inside a function.
+    # The shape cli/runner.py <-> cli/main.py had: one side imports the other inside a function.
     (tmp_path / "a.py").write_text("import pkg.b\n")
     (tmp_path / "b.py").write_text("def f():\n    from pkg.a import x\n")
     (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n")

@@ -1,7 +1,8 @@
 """Redis connections from URLs: ``redis://``, ``rediss://`` (TLS, CA file), ``unix://``, ACL users.
 
 Every process (client, CLI, daemons) connects through :func:`connect`, so retries with backoff on
-connection errors and the health check interval are the same everywhere.
+connection errors and the health check interval are the same everywhere. Consumer groups are
+created in one place too: :func:`ensure_group`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,21 @@ def connect(
     if scheme == "rediss" and ca_file:
         kwargs["ssl_ca_certs"] = ca_file
     return redis.Redis.from_url(url, **kwargs)
+
+
+def ensure_group(r: redis.Redis, stream: str, group: str) -> bool:
+    """Create consumer ``group`` on ``stream`` (and the stream) unless it exists; True if created.
+
+    The group starts at id 0, so it also delivers entries XADDed before it existed (a scheduler
+    may dispatch before any worker has started, and producers may XADD before the scheduler).
+    """
+    try:
+        r.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.ResponseError as e:
+        if "BUSYGROUP" not in str(e):  # BUSYGROUP: another process created it first
+            raise
+        return False
+    return True
 
 
 def is_permanent(error: Exception) -> bool:

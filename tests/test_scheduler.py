@@ -10,10 +10,10 @@ import pytest
 
 from batchinfer.config import Settings
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
+from batchinfer.protocol.batches import encode, retry_batches
 from batchinfer.protocol.entries import IntakeEntry, ResultRow
 from batchinfer.protocol.rows import BatchRequest
 from batchinfer.scheduler.daemon import Scheduler
-from batchinfer.scheduler.dispatch import batch_fields, retry_batches
 from batchinfer.scheduler.staging import held_key
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
@@ -315,5 +315,5 @@ def test_retry_batches_send_last_attempts_alone():
     got = [([q["idx"] for q in json.loads(e["requests"])], e.get("solo")) for e in entries]
     assert got == [([0, 2], None), ([1], "1"), ([3], "1")]
     assert all(e["v"] == "1" for e in entries)
-    assert retry_batches([req(0, 0)], max_attempts=1) == [batch_fields([req(0, 0)], solo=True)]
+    assert retry_batches([req(0, 0)], max_attempts=1) == [encode([req(0, 0)], solo=True)]
     assert retry_batches([], max_attempts=3) == []

@@ -35,6 +35,7 @@ from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.ops.httpserver import Readiness
 from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms
+from batchinfer.redis_conn import ensure_group
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry, read_tokenizer_files
 from batchinfer.workers.inflight import Book, Held, Quarantine, parse_batch
@@ -168,11 +169,7 @@ class WorkerDaemon:
         Registry(self.redis, self.keys).register_model(self.model, self.tokenizer_files, self.capacity, eos)
 
     def _ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.stream, WORKERS_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        ensure_group(self.redis, self.stream, WORKERS_GROUP)
 
     # -- batches in -------------------------------------------------------------------------------
 

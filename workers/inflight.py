@@ -5,7 +5,7 @@ Pure bookkeeping for the worker daemon (no Redis, no engine), so its rules are u
 - a batch is acknowledged once every one of its requests has a published row;
 - a request that arrives in two batches (a re-dispatch after a lost lease) runs once and
   completes both;
-- a request of a ``solo`` batch (its last attempt, see ``batchinfer.scheduler.dispatch.retry_batches``)
+- a request of a ``solo`` batch (its last attempt, see ``batchinfer.protocol.batches.retry_batches``)
   waits apart and runs alone: the worker pulls nothing while one is held, finishes what it was
   running, then starts solo requests one at a time in an empty engine;
 - after an engine step fails without naming the culprit, :class:`Quarantine` bisects the
@@ -15,53 +15,19 @@ Pure bookkeeping for the worker daemon (no Redis, no engine), so its rules are u
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
+from batchinfer.protocol.batches import Rejected, decode
 from batchinfer.protocol.rows import BatchRequest
 
 
-@dataclass
-class Rejected:
-    """A malformed element of a batch entry: routable ones (job and idx known) get an error row."""
-
-    item: Any
-    reason: str
-
-    @property
-    def route(self) -> tuple[str, int] | None:
-        item = self.item if isinstance(self.item, dict) else {}
-        job, idx = item.get("job_id"), item.get("idx")
-        ok = isinstance(job, str) and isinstance(idx, int) and not isinstance(idx, bool) and idx >= 0
-        return (job, idx) if ok else None
-
-
 def parse_batch(fields: Mapping[bytes, bytes]) -> tuple[list[BatchRequest], list[Rejected]]:
-    """A batch entry's requests and its malformed elements; ValueError for an entry that is no batch."""
-    if fields.get(b"v") != b"1":
-        raise ValueError(f"unsupported batch protocol version {fields.get(b'v')!r}")
-    try:
-        items = json.loads(fields[b"requests"])
-    except KeyError:
-        raise ValueError("no 'requests' field") from None
-    if not isinstance(items, list):
-        raise ValueError("'requests' is not a JSON list")
-    requests, rejected = [], []
-    for i, item in enumerate(items):
-        try:
-            req = BatchRequest.from_dict(item)
-        except (TypeError, AttributeError) as e:
-            rejected.append(Rejected(item, f"request {i} of the batch is malformed: {e}"))
-            continue
-        idx_ok = isinstance(req.idx, int) and not isinstance(req.idx, bool) and req.idx >= 0
-        if not isinstance(req.request_id, str) or not req.request_id or (req.job_id and not idx_ok):
-            rejected.append(Rejected(item, f"request {i} of the batch has no valid request_id / idx"))
-            continue
-        requests.append(req)
-    return requests, rejected
+    """A batch entry's requests and its malformed elements (:func:`batchinfer.protocol.batches.decode`);
+    ValueError (:class:`~batchinfer.protocol.batches.MalformedBatch`) for an entry that is no batch."""
+    entry = decode(fields)
+    return entry.requests, entry.rejected
 
 
 @dataclass

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import redis
 
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
+from batchinfer.protocol.batches import retry_batches
 from batchinfer.protocol.rows import BatchRequest, ResultRow
-from batchinfer.scheduler.dispatch import retry_batches
 from batchinfer.store.publish import Publisher
 from batchinfer.workers.inflight import Book
 

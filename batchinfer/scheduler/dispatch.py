@@ -15,11 +15,12 @@ import redis
 
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.ops.metrics import SchedulerMetrics
-from batchinfer.protocol.entries import PROTOCOL_VERSION
-from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.protocol.batches import encode_raw
+from batchinfer.protocol.rows import ResultRow
+from batchinfer.redis_conn import ensure_group
 from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
 from batchinfer.scheduler.packing import Budget, Packer
-from batchinfer.scheduler.staging import Staging, encode_request, parse_member
+from batchinfer.scheduler.staging import Staging, parse_member
 from batchinfer.store.registry import Registry, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -28,41 +29,6 @@ BATCHES_PER_WORKER = 2  # undelivered batches kept ready per live worker
 WINDOW_FACTOR = 2  # candidates read per pass = this x what the batches can hold
 MAX_QUEUES = 256  # staging streams read per pass (rotating among equal priorities)
 ENDED_ROWS_PER_PASS = 2000  # cancelled / expired rows published per model per pass
-
-
-def batch_fields(requests: list[BatchRequest], *, solo: bool = False) -> dict[str, str]:
-    """The XADD fields of a batch entry (docs/protocol.md); ``solo``: run alone (see retry_batches)."""
-    fields = encoded_batch_fields([encode_request(q) for q in requests])
-    if solo:
-        fields["solo"] = "1"
-    return fields
-
-
-def retry_batches(requests: list[BatchRequest], max_attempts: int) -> list[dict[str, str]]:
-    """Batch entries that send ``requests`` (attempts already counted) back to the workers.
-
-    A request on its last attempt gets a batch of its own marked ``solo``: a worker runs it alone,
-    with nothing else in its engine or held, so that if it is the one that keeps killing workers
-    only it is dead-lettered, not the requests that happened to share its batches. The others
-    share one batch.
-    """
-    last = [q for q in requests if q.attempts >= max_attempts - 1]
-    rest = [q for q in requests if q.attempts < max_attempts - 1]
-    return ([batch_fields(rest)] if rest else []) + [batch_fields([q], solo=True) for q in last]
-
-
-def encoded_batch_fields(encoded: list[str]) -> dict[str, str]:
-    """``batch_fields`` of requests already encoded as JSON objects (staging keeps them so)."""
-    return {"v": PROTOCOL_VERSION, "requests": "[" + ",".join(encoded) + "]"}
-
-
-def ensure_group(r: redis.Redis, stream: str) -> None:
-    """The workers' group on a batch stream (from id 0, as the workers create it)."""
-    try:
-        r.xgroup_create(stream, WORKERS_GROUP, id="0", mkstream=True)
-    except redis.ResponseError as e:
-        if "BUSYGROUP" not in str(e):
-            raise
 
 
 def undelivered(r: redis.Redis, stream: str, cap: int) -> int:
@@ -119,7 +85,7 @@ class Dispatcher:
             return 0  # requests wait in staging until a worker serves the model
         stream = self.keys.batches(model)
         if stream not in self.grouped:
-            ensure_group(self.redis, stream)
+            ensure_group(self.redis, stream, WORKERS_GROUP)
             self.grouped.add(stream)
         target = BATCHES_PER_WORKER * len(workers)
         want = target - undelivered(self.redis, stream, cap=target)
@@ -137,7 +103,7 @@ class Dispatcher:
         pipe = self.redis.pipeline(transaction=True)
         for batch in batches:
             chosen_staged = [by_key[c.key] for c in batch]
-            pipe.xadd(stream, encoded_batch_fields([s.raw for s in chosen_staged]))
+            pipe.xadd(stream, encode_raw([s.raw for s in chosen_staged]))
             self.staging.remove(pipe, chosen_staged)
         pipe.execute()
         if self.metrics is not None:

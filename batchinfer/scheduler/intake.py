@@ -19,6 +19,7 @@ from batchinfer.keys import SCHEDULER_GROUP, Keys
 from batchinfer.protocol.bodies import RequestSpec, parse_body
 from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
 from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms, request_id_for
+from batchinfer.redis_conn import ensure_group
 from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
 from batchinfer.scheduler.staging import Staging, held_key
 from batchinfer.workers.sampling_params import SamplingParams
@@ -221,11 +222,7 @@ class Intake:
         self.held_cursor = "-"
 
     def ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.keys.requests, SCHEDULER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        ensure_group(self.redis, self.keys.requests, SCHEDULER_GROUP)
 
     def step(self, block_ms: int | None = None) -> int:
         """Read and settle one chunk of entries (own pending ones first); returns how many were read."""

@@ -6,7 +6,7 @@ dropped (the exactly-once guard says so), those of cancelled / expired jobs get 
 each other one counts an attempt (workers count one too for each engine failure, see
 ``batchinfer.workers.outbox``): at ``max_attempts`` it is dead-lettered (``{p}:deadletter`` +
 a ``dead_lettered`` row), otherwise it goes into a new batch (one of its own, run alone, on its
-last attempt: :func:`batchinfer.scheduler.dispatch.retry_batches`). The new batch, the attempt counts,
+last attempt: :func:`batchinfer.protocol.batches.retry_batches`). The new batch, the attempt counts,
 the dead letters and the XACK + XDEL of the old entry are one MULTI. The attempt count travels
 in the batch entry (``attempts``), so a crash between claim and MULTI never counts twice;
 ``{p}:attempts:<job>`` mirrors it for operators.
@@ -21,8 +21,8 @@ import redis
 
 from batchinfer.config import Settings
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
+from batchinfer.protocol.batches import SOLO_FIELD, retry_batches
 from batchinfer.protocol.rows import BatchRequest, ResultRow
-from batchinfer.scheduler.dispatch import retry_batches
 from batchinfer.scheduler.lookups import JobCache, RowSink
 from batchinfer.store.registry import Registry
 
@@ -102,7 +102,7 @@ class Leases:
             metrics.lease_reclaimed(model, len(pending))
             if dead:
                 metrics.request_dead_lettered(model, dead)
-        solo = sum("solo" in fields for fields in retries)
+        solo = sum(SOLO_FIELD in fields for fields in retries)
         log.warning("model %s: lease of batch %s expired: %d published, %d re-dispatched (%d to run alone), "
                     "%d dead-lettered", model, entry_id, len(requests) - len(pending), len(again), solo, dead)
 

@@ -27,7 +27,8 @@ from typing import Any
 import redis
 
 from batchinfer.keys import DIRECT, Keys
-from batchinfer.protocol.rows import BatchRequest, fields_dict
+from batchinfer.protocol.batches import encode_request
+from batchinfer.protocol.rows import BatchRequest
 from batchinfer.scheduler.packing import PREFIX_SORT_TOKENS, Candidate
 from batchinfer.store.publish import lua_source
 
@@ -88,11 +89,6 @@ class Staged:
         return Candidate(key=f"{self.member}/{self.entry_id}", job=self.body.get("job_id") or DIRECT,
                          priority=self.priority, prompt_tokens=len(tokens), max_tokens=int(max_tokens),
                          arrival=self.body.get("created_at") or 0, prefix=tuple(tokens[:PREFIX_SORT_TOKENS]))
-
-
-def encode_request(request: BatchRequest) -> str:
-    # fields_dict, not to_dict: a hot path (every request passes here twice), encoded right away
-    return json.dumps(fields_dict(request), separators=(",", ":"), ensure_ascii=False)
 
 
 class Staging:

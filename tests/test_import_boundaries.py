@@ -1,0 +1,37 @@
+"""Import boundaries between roles: a worker process never loads the scheduler's code."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
+
+
+def test_worker_entry_points_load_no_scheduler_module(tmp_path: Path) -> None:
+    # a fresh interpreter (sys.modules of this test run is full of everything), started in a temp
+    # cwd with -P so that the repo root's kernels/ folder does not shadow an installed package
+    code = ("import batchinfer.workers.daemon, batchinfer.workers.serve, sys; "
+            "print(sorted(m for m in sys.modules if m.startswith('batchinfer.scheduler')))")
+    out = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_module_under_workers_imports_the_scheduler() -> None:
+    # the static form of the test above, for modules the two entry points do not load
+    offenders = []
+    for path in sorted(WORKERS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):  # also `from batchinfer import scheduler`
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            offenders += [f"{path.relative_to(WORKERS)}: {n}" for n in names
+                          if n == "batchinfer.scheduler" or n.startswith("batchinfer.scheduler.")]
+    assert offenders == []

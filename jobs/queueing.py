@@ -6,6 +6,7 @@ The scheduler and the workers enqueue a job's export when its last row lands; im
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 
@@ -28,18 +29,26 @@ def enqueue_export(r: redis.Redis, settings: Settings, job_id: str, *, output: s
                    fmt: str | None = None) -> str:
     """Enqueue ``export_job`` for ``job_id`` on the rq queue (JSON serializer, retries); returns its rq id.
 
-    The rq job id is derived from the prefix and job id, so a second call replaces the first.
+    At most one export per job: the rq job id is derived from the prefix and job id, and the
+    enqueue is rq's atomic ``unique`` one, so while that rq job exists (queued, started, booked
+    for a retry, finished or failed) a later call adds nothing (its ``output`` / ``fmt`` are
+    ignored) and returns the same id. Once rq has dropped it (result / failure TTL), a call
+    enqueues a new one: the scheduler's export safety net relies on that.
     """
     from rq import Queue, Retry
+    from rq.exceptions import DuplicateJobError
     from rq.serializers import JSONSerializer
 
+    rq_id = rq_job_id("export", settings.prefix, job_id)
     queue = Queue(RQ_QUEUE, connection=r, serializer=JSONSerializer)
-    job = queue.enqueue_call(
-        "batchinfer.jobs.export.export_job", args=[job_id],
-        kwargs={"prefix": settings.prefix, "output": output, "fmt": fmt},
-        job_id=rq_job_id("export", settings.prefix, job_id), description=f"export {job_id}",
-        retry=Retry(max=len(RETRY_INTERVALS), interval=list(RETRY_INTERVALS)),
-        timeout=EXPORT_TIMEOUT_S, result_ttl=settings.results_ttl_seconds,
-        failure_ttl=settings.results_ttl_seconds,
-    )
-    return job.id
+    # A DuplicateJobError means this job's export exists already: a retried call, or the safety net's race.
+    with contextlib.suppress(DuplicateJobError):
+        queue.enqueue_call(
+            "batchinfer.jobs.export.export_job", args=[job_id],
+            kwargs={"prefix": settings.prefix, "output": output, "fmt": fmt},
+            job_id=rq_id, description=f"export {job_id}", unique=True,
+            retry=Retry(max=len(RETRY_INTERVALS), interval=list(RETRY_INTERVALS)),
+            timeout=EXPORT_TIMEOUT_S, result_ttl=settings.results_ttl_seconds,
+            failure_ttl=settings.results_ttl_seconds,
+        )
+    return rq_id

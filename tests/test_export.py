@@ -81,7 +81,8 @@ def test_parquet_export_is_typed_ordered_and_settles_the_job(redis_server, tmp_p
     assert rows[3]["output_token_ids"] is None
     rec = _record(r, job)
     assert rec["status"] == "completed" and rec["output"] == str(out) and "completed_at" in rec
-    assert r.ttl(Keys(PREFIX).results(job)) > 0  # the stream is kept for the TTL, then dropped
+    ttl = Settings.from_env(prefix=PREFIX).results_ttl_seconds  # the stream is kept for the TTL, then dropped
+    assert ttl - 60 < r.ttl(Keys(PREFIX).results(job)) <= ttl
     assert [p.name for p in out.parent.iterdir()] == ["res.parquet"]  # no temporary left over
 
 
@@ -227,6 +228,33 @@ def test_rq_export_runs_and_retries_through_the_exporter_worker(redis_server, tm
     assert rec["status"] == "finalizing" and "export failed" in rec["export_error"]  # retries are left
     queue = Queue("batchinfer", connection=r, serializer=JSONSerializer)
     assert len(ScheduledJobRegistry(queue=queue).get_job_ids()) == 1  # the retry is booked
+    enqueue_export(r, s, bad)  # asked again while the retry is booked: rq's retry stays the only run
+    assert queue.count == 0 and len(ScheduledJobRegistry(queue=queue).get_job_ids()) == 1
+
+
+def test_an_export_is_queued_and_run_once_however_often_it_is_enqueued(redis_server, tmp_path):
+    from rq import Queue
+    from rq.job import Job, JobStatus
+    from rq.serializers import JSONSerializer
+
+    from batchinfer.jobs.exporter import build_worker
+
+    r = redis_server.client()
+    s = Settings(prefix=PREFIX)
+    job = _job(r, 3, output=(tmp_path / "once.parquet").as_uri(), job_id="jonce")
+    queue = Queue("batchinfer", connection=r, serializer=JSONSerializer)
+    rq_id = enqueue_export(r, s, job)
+    assert enqueue_export(r, s, job) == rq_id
+    assert queue.get_job_ids() == [rq_id]  # one queue entry, not one per call
+    build_worker(r).work(burst=True)
+    rq_job = Job.fetch(rq_id, connection=r, serializer=JSONSerializer)
+    assert rq_job.get_status() == JobStatus.FINISHED and len(rq_job.results()) == 1  # one export run
+    assert _record(r, job)["status"] == "completed"
+    enqueue_export(r, s, job)  # after the export finished: nothing more to run
+    assert queue.count == 0 and rq_job.get_status() == JobStatus.FINISHED
+    # Once rq has dropped its job (result TTL), the scheduler's safety net can enqueue the export anew.
+    rq_job.delete()
+    assert enqueue_export(r, s, job) == rq_id and queue.get_job_ids() == [rq_id]
 
 
 def _direct_row(n: int) -> str:

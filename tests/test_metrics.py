@@ -41,7 +41,12 @@ def scrape(server: HealthServer) -> Samples:
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sample ``name{labels}``; a missing one fails the test (absence is asserted with ``in``)."""
+    key = (name, tuple(sorted(labels.items())))
+    if key not in samples:
+        near = sorted(str(dict(k[1])) for k in samples if k[0] == name)
+        pytest.fail(f"no sample {name}{dict(labels)} in the scrape; that name has {near or 'no samples'}")
+    return samples[key]
 
 
 def get(url: str) -> tuple[int, bytes]:
@@ -129,8 +134,9 @@ def test_a_job_moves_the_counters_by_the_expected_amounts(redis_server, servers)
     s1, w1 = scrape(s_http), scrape(w_http)
     generated = sum(row.completion_tokens for row in rows)
     assert generated == sum(min(4, len(p)) for p in prompts)
+    completed = ("batchinfer_requests_completed_total", (("model", "echo"),))
+    assert completed not in w0 and w1[completed] == 3  # the series starts with the first completed row
     delta_w = {name: value(w1, name, **labels) - value(w0, name, **labels) for name, labels in [
-        ("batchinfer_requests_completed_total", {"model": "echo"}),
         ("batchinfer_generation_tokens_total", {"model": "echo"}),
         ("batchinfer_prompt_tokens_total", {"model": "echo"}),
         ("batchinfer_prefix_cache_queried_tokens_total", {"model": "echo"}),
@@ -141,7 +147,7 @@ def test_a_job_moves_the_counters_by_the_expected_amounts(redis_server, servers)
         ("batchinfer_e2e_request_latency_seconds_count", {"model": "echo"}),
     ]}
     assert delta_w == {
-        "batchinfer_requests_completed_total": 3, "batchinfer_generation_tokens_total": generated,
+        "batchinfer_generation_tokens_total": generated,
         "batchinfer_prompt_tokens_total": 9, "batchinfer_prefix_cache_queried_tokens_total": 9,
         "batchinfer_step_duration_seconds_count": 1, "batchinfer_step_tokens_sum": 9 + generated,
         "batchinfer_time_to_first_token_seconds_count": 3, "batchinfer_request_inference_seconds_count": 3,

@@ -147,11 +147,13 @@ def test_registry_models_and_workers(r):
     with pytest.raises(ValueError, match="kv_tokens"):
         reg.register_model("x", {"tokenizer.json": b"{}"}, {"max_model_len": 1})
 
+    before = time.time_ns() // 1_000_000
     reg.heartbeat_worker("w1", {"model": "m", "device": "cpu", "capacity": cap}, ttl=30)
+    after = time.time_ns() // 1_000_000
     reg.heartbeat_worker("w2", {"model": "other"}, ttl=0.05)
     assert [w.name for w in reg.live_workers()] == ["w1", "w2"]
     (w1,) = reg.live_workers("m")
-    assert w1.info["device"] == "cpu" and w1.capacity == cap and w1.heartbeat_at > 0
+    assert w1.info["device"] == "cpu" and w1.capacity == cap and before <= w1.heartbeat_at <= after
     deadline = time.monotonic() + 5
     while r.exists(KEYS.worker("w2")) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.models import load_model
@@ -31,7 +32,9 @@ def test_sharded_layout_and_rewrite(tmp_path):
     index = json.loads((path / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    assert index["metadata"]["total_size"] > 0
+    tensors = {n: t for f in files for n, t in load_file(path / f).items()}
+    assert sorted(index["weight_map"]) == sorted(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     # Writing a single-file checkpoint into the same directory removes the shards and index.
     make_tiny_model(path)
     assert sorted(p.name for p in path.glob("model*")) == ["model.safetensors"]

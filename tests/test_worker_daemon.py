@@ -111,8 +111,10 @@ def test_each_request_published_once_batches_acked_and_export_enqueued(redis_ser
     _wait(lambda: Queue("batchinfer", connection=r).count == 1, what="the export this worker made due")
     model = Registry(r, KEYS).get_model("echo")
     assert model.max_num_seqs == 4 and b"chat_template" in model.files["tokenizer_config.json"]
-    live = _wait(lambda: Registry(r, KEYS).live_workers("echo"))
-    assert live[0].name == "w1" and "tokens_per_s" in live[0].info and live[0].info["requests_done"] >= 0
+    # the heartbeat after the last flush reports all 10 rows this worker sent
+    live = _wait(lambda: [w for w in Registry(r, KEYS).live_workers("echo") if w.info["requests_done"] == 10],
+                 what="a heartbeat with requests_done == 10")
+    assert [w.name for w in live] == ["w1"] and "tokens_per_s" in live[0].info
     assert worker.stop() == 0
     assert Registry(r, KEYS).live_workers() == []  # a clean stop unregisters
 

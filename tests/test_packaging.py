@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,3 +40,22 @@ def test_import_names_resolve():
     assert Path(batchinfer.workers.__file__).parent.name == "workers"
     assert Path(batchinfer.kernels.__file__).parent.name == "kernels"
     assert Path(batchinfer.jobs.__file__).parent.name == "jobs"
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P is new in 3.11")
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_python_dash_p_in_the_repo_root_imports_transformers_past_our_kernels_folder():
+    """README's way around: our kernels/ shadows the `kernels` package transformers 5 probes for."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+
+    def run(*flags: str, code: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, *flags, "-c", code, str(ROOT)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    # Without -P the current directory comes first, and `kernels` is our folder: why README says so.
+    plain = run(code="import importlib.util; print(importlib.util.find_spec('kernels').origin)")
+    assert plain.returncode == 0 and plain.stdout.strip() == str(ROOT / "kernels" / "__init__.py"), plain
+    safe = run("-P", code="import sys, transformers.modeling_utils\n"
+                          "k = sys.modules.get('kernels')\n"
+                          "assert k is None or not k.__file__.startswith(sys.argv[1]), k.__file__")
+    assert safe.returncode == 0, safe.stderr[-3000:]

@@ -7,6 +7,7 @@ created in one place too: :func:`ensure_group`.
 
 from __future__ import annotations
 
+from typing import overload
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import redis
@@ -16,7 +17,10 @@ from redis.retry import Retry
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 SCHEMES = ("redis", "rediss", "unix")
 
-# Retries cover a restarting Redis (a few seconds); a daemon's own loop reconnects beyond that.
+# Retries cover a restarting Redis (a few seconds); a daemon's own loop reconnects beyond that
+# (paced by a Backoff, below). These stay redis-py's own ExponentialBackoff inside its Retry: that
+# one repeats a single command within the call, unseen by the caller, while Backoff paces a whole
+# loop that catches the error, resets its state and starts over.
 RETRIES = 6
 BACKOFF_CAP_S = 2.0
 BACKOFF_BASE_S = 0.05
@@ -129,3 +133,48 @@ def redact_url(url: str | None) -> str:
 def describe(url: str | None) -> str:
     """A short human description of where a URL points, password redacted."""
     return redact_url(url or DEFAULT_URL)
+
+
+@overload
+def as_text(value: None, errors: str = "strict") -> None: ...
+@overload
+def as_text(value: bytes | str | int | float, errors: str = "strict") -> str: ...
+def as_text(value: object, errors: str = "strict") -> str | None:
+    """A Redis reply as text, whether or not the connection decodes responses.
+
+    ``bytes`` are decoded as UTF-8 (``errors`` as for :meth:`bytes.decode`: read-only views pass
+    ``"replace"`` so that one stray byte cannot fail a scrape); ``None`` (an absent field or key)
+    stays ``None``; a ``str`` is returned as it is, anything else (an integer reply) as ``str()``.
+    """
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors)
+    return str(value)
+
+
+class Backoff:
+    """The waits of a loop that retries until an outage ends: ``start`` seconds, then ``factor``
+    times the previous wait, never more than ``cap``; :meth:`reset` after a try that worked.
+
+    Pure (it never sleeps: the loop waits on its own stop event) and without jitter: each process
+    retries on its own connection, so there is no herd of identical clients to spread out.
+    """
+
+    def __init__(self, start: float, cap: float, factor: float = 2.0):
+        if not 0 < start <= cap:
+            raise ValueError(f"backoff needs 0 < start <= cap, got start={start} cap={cap}")
+        if factor < 1:
+            raise ValueError(f"backoff factor must be >= 1, got {factor}")
+        self.start, self.cap, self.factor = start, cap, factor
+        self._wait = start
+
+    def next(self) -> float:
+        """The wait before the next try (seconds); the one after it is ``factor`` times longer."""
+        wait = self._wait
+        self._wait = min(self.cap, wait * self.factor)
+        return wait
+
+    def reset(self) -> None:
+        """Back to ``start``: the last try worked."""
+        self._wait = self.start

@@ -19,7 +19,7 @@ import struct
 import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import redis
 
@@ -33,6 +33,8 @@ from batchinfer.jobs.queueing import (  # noqa: F401 - re-exported: the exporter
     rq_job_id,
 )
 from batchinfer.keys import Keys
+from batchinfer.protocol.rows import now_ms
+from batchinfer.redis_conn import as_text
 
 __all__ = ["RESULT_SCHEMA", "IdxSorter", "confined_output", "enqueue_export", "export_job", "iter_stream",
            "rq_job_id", "write_rows"]
@@ -185,10 +187,6 @@ def sorted_rows(r: redis.Redis, stream: str, directory: str, total: int | None =
         sorter.close()
 
 
-def _text(value: Any) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _connection(redis_url: str | None, settings: Settings) -> redis.Redis:
     """``redis_url``, else the connection of the rq job running this, else the settings' URL."""
     from batchinfer.redis_conn import connect
@@ -224,7 +222,7 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
     r = _connection(redis_url, settings)
     keys = Keys(settings.prefix)
     try:
-        record = {_text(k): _text(v) for k, v in r.hgetall(keys.job(job_id)).items()}
+        record = {as_text(k): as_text(v) for k, v in r.hgetall(keys.job(job_id)).items()}
         if not record:
             raise LookupError(f"job {job_id!r} does not exist under prefix {settings.prefix!r}")
         status = record.get("status")
@@ -240,15 +238,15 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
             location = write_rows(sorted_rows(r, keys.results(job_id), spill, total), dest, fmt)
         final = r.eval(_MARK_EXPORTED, 5, keys.job(job_id), keys.cancelled, keys.results(job_id),
                        keys.published(job_id), keys.attempts(job_id),
-                       location, _now_ms(), settings.results_ttl_seconds, job_id)
-        log.info("job %s exported to %s (%s)", job_id, location, _text(final),
+                       location, now_ms(), settings.results_ttl_seconds, job_id)
+        log.info("job %s exported to %s (%s)", job_id, location, as_text(final),
                  extra={"job_id": job_id})
         return location
     except Exception as e:
         message = f"export failed: {type(e).__name__}: {e}"
         last = _last_attempt()
         with contextlib.suppress(redis.RedisError):
-            r.eval(_MARK_FAILED, 1, keys.job(job_id), message, _now_ms(), "1" if last else "0")
+            r.eval(_MARK_FAILED, 1, keys.job(job_id), message, now_ms(), "1" if last else "0")
         log.error("job %s: %s%s", job_id, message, "" if last else " (will retry)", extra={"job_id": job_id})
         raise
 
@@ -270,9 +268,3 @@ def confined_output(output: str, results_root: str) -> str:
         raise ValueError(f"output {output!r} is outside the results folder {root} (BATCHINFER_RESULTS_ROOT): "
                          "give a path below it, or a URI (file:///..., s3://...) to write elsewhere")
     return output
-
-
-def _now_ms() -> int:
-    from batchinfer.protocol.rows import now_ms
-
-    return now_ms()

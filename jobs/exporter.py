@@ -21,10 +21,11 @@ import redis
 
 from batchinfer.config import Settings
 from batchinfer.keys import RQ_QUEUE
+from batchinfer.redis_conn import Backoff, connect
 
 log = logging.getLogger(__name__)
 
-BACKOFF_S = (1, 2, 5, 10, 30)
+BACKOFF_START_S, BACKOFF_CAP_S = 1.0, 30.0  # waits before a rebuild: 1, 2, 4, 8, 16, 30 s
 # rq's scheduler (a child process that moves retries and the nightly job onto the queue when due)
 # dies when Redis goes away, and the worker restarts it only in its maintenance pass, which by
 # default runs after an idle dequeue of worker_ttl - 15 = 405 s and at most every 10 minutes: an
@@ -73,7 +74,6 @@ def _serve_health(settings: Settings):
     from prometheus_client import CollectorRegistry, ProcessCollector
 
     from batchinfer.ops.httpserver import Readiness, serve
-    from batchinfer.redis_conn import connect
 
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
@@ -85,10 +85,10 @@ def _serve_health(settings: Settings):
 
 def _run(settings: Settings, name: str, burst: bool) -> int:
     from batchinfer.jobs.nightly import schedule_nightly
-    from batchinfer.redis_conn import connect
 
     stopping = threading.Event()
-    attempt = 0
+    # never reset: work() only returns on a failure, so a success is never seen (attempt names the worker)
+    attempt, backoff = 0, Backoff(BACKOFF_START_S, BACKOFF_CAP_S)
     while not stopping.is_set():
         try:
             r = connect(settings.redis_url, settings.redis_ca_file)
@@ -105,9 +105,9 @@ def _run(settings: Settings, name: str, burst: bool) -> int:
             if stopping.is_set():
                 return 0
             reason = f"lost Redis ({e})"
-        delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+        delay = backoff.next()
         attempt += 1
-        log.warning("exporter: %s; starting again in %ss", reason, delay)
+        log.warning("exporter: %s; starting again in %gs", reason, delay)
         _sleep_unless_stopped(delay, stopping)
     return 0
 

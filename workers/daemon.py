@@ -35,7 +35,7 @@ from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.ops.httpserver import Readiness
 from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms
-from batchinfer.redis_conn import ensure_group
+from batchinfer.redis_conn import Backoff, ensure_group
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry, read_tokenizer_files
 from batchinfer.workers.inflight import Book, Held, Quarantine, parse_batch
@@ -44,7 +44,7 @@ from batchinfer.workers.outbox import DeadLetter, Outbox
 
 log = logging.getLogger(__name__)
 
-BACKOFF_S = (0.5, 1, 2, 5, 10)
+BACKOFF_START_S, BACKOFF_CAP_S = 0.5, 10.0  # waits after a failed iteration: 0.5, 1, 2, 4, 8, 10 s
 EXIT_ENGINE_BROKEN = 3
 
 
@@ -91,7 +91,7 @@ class WorkerDaemon:
 
     def run(self, stop: threading.Event) -> int:
         """Serve until ``stop`` is set and everything held is published; returns the exit code."""
-        attempt = 0
+        backoff = Backoff(BACKOFF_START_S, BACKOFF_CAP_S)
         try:
             while not self.hard_stop.is_set():
                 self.keeper.tick()
@@ -103,14 +103,13 @@ class WorkerDaemon:
                     if not self._ready:
                         self._start()
                     self._iteration()
-                    attempt = 0
+                    backoff.reset()
                 except Exception as e:  # noqa: BLE001 - Redis away (or a bug): back off, never die
-                    delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
-                    attempt += 1
+                    delay = backoff.next()
                     if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
-                        log.warning("worker %s: Redis unavailable (%s); retrying in %ss", self.name, e, delay)
+                        log.warning("worker %s: Redis unavailable (%s); retrying in %gs", self.name, e, delay)
                     else:
-                        log.exception("worker %s: unexpected error; retrying in %ss", self.name, delay)
+                        log.exception("worker %s: unexpected error; retrying in %gs", self.name, delay)
                     self.hard_stop.wait(delay)
                 if self.failed_steps >= self.max_failed_steps:
                     log.critical("worker %s: %d engine steps failed in a row; the engine looks broken, "

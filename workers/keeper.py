@@ -126,6 +126,8 @@ class Keeper:
                     self.heartbeat()
                     next_beat = now + self.heartbeat_seconds
             except redis.RedisError as e:  # Redis away: try again soon, never die
+                # a flat retry, not a growing Backoff: waits grown past the lease time would let
+                # the leases lapse as soon as Redis is back, and other workers take the batches
                 log.warning("worker %s: lease/heartbeat failed (%s); retrying", self.worker, e)
                 next_lease = next_beat = now + min(self.lease_interval, 1.0)
 

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from batchinfer.keys import Keys
+from batchinfer.protocol.rows import now_ms
 from batchinfer.store import queue_state
 from batchinfer.store.queue_state import JobView, QueueState, WorkerView
 
@@ -42,7 +43,7 @@ def snapshot_from_redis(r: redis.Redis, keys: Keys, *, where: str = "", heartbea
                         max_jobs: int = 50) -> Snapshot:
     """Read workers, unfinished jobs and queue depths from Redis."""
     return Snapshot(
-        taken_at=queue_state.now_ms(),
+        taken_at=now_ms(),
         workers=queue_state.live_workers(r, keys),
         jobs=queue_state.active_jobs(r, keys, limit=max_jobs),
         queues=queue_state.queue_state(r, keys),

@@ -20,7 +20,12 @@ ROW_STATUSES = ("completed", "failed", "cancelled", "expired")
 
 
 def now_ms() -> int:
-    """Milliseconds since the epoch (UTC): the protocol's one time unit."""
+    """Milliseconds since the epoch (UTC): the protocol's one time unit, and its one clock.
+
+    Integer nanoseconds floored, not ``int(time.time() * 1000)``: a float of today's epoch seconds
+    is only ~0.24 us fine, so near the end of a millisecond it rounds up and the product names the
+    next one (a timestamp later than the instant it records).
+    """
     return time.time_ns() // 1_000_000
 
 

@@ -24,6 +24,7 @@ import redis
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.ops.metrics import SchedulerMetrics
+from batchinfer.redis_conn import Backoff
 from batchinfer.scheduler.accounting import Accounting
 from batchinfer.scheduler.dispatch import Dispatcher
 from batchinfer.scheduler.intake import Admission, Intake
@@ -98,18 +99,18 @@ class Scheduler:
         """
         log.info("scheduler %s: serving prefix %s (lease %g s, max attempts %d)", self.name,
                  self.settings.prefix, self.settings.lease_seconds, self.settings.max_attempts)
-        backoff, busy = BACKOFF_START_S, False
+        backoff, busy = Backoff(BACKOFF_START_S, BACKOFF_CAP_S), False
         while not stop.is_set():
             try:
                 busy = self.run_once(block_ms=None if busy else self.block_ms) > 0
-                backoff = BACKOFF_START_S
+                backoff.reset()
                 if tick is not None:
                     tick()
             except (redis.ConnectionError, redis.TimeoutError) as e:
-                log.warning("scheduler: Redis unavailable (%s); retrying in %.1f s", e, backoff)
+                wait = backoff.next()
+                log.warning("scheduler: Redis unavailable (%s); retrying in %.1f s", e, wait)
                 self._reset()
-                stop.wait(backoff)
-                backoff = min(BACKOFF_CAP_S, backoff * 2)
+                stop.wait(wait)
             except Exception:  # a bug in one pass must not end the daemon; log it and go on
                 log.exception("scheduler: pass failed; continuing")
                 self._reset()

@@ -17,6 +17,7 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.protocol.rows import ResultRow, now_ms
+from batchinfer.redis_conn import as_text
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import ModelInfo, Registry
 from batchinfer.workers.text.tokenizer import Tokenizer
@@ -76,8 +77,8 @@ class JobCache:
             if len(self._views) + len(stale) > self.max_entries:
                 self._views.clear()  # bounded memory; a miss costs one HMGET
             for job_id, (status, model, expires, priority) in zip(stale, pipe.execute(), strict=True):
-                view = JobView(job_id, exists=status is not None, status=_text(status), model=_text(model),
-                               expires_at=int(expires) if expires else None,
+                view = JobView(job_id, exists=status is not None, status=as_text(status),
+                               model=as_text(model), expires_at=int(expires) if expires else None,
                                priority=int(priority) if priority else 0)
                 self._views[job_id] = (now, view)
                 out[job_id] = view
@@ -159,7 +160,3 @@ class RowSink:
 
         enqueue_export(self.redis, self.settings, job_id)
         log.info("job %s: every request has its row; export enqueued", job_id)
-
-
-def _text(value: bytes | str | None) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value

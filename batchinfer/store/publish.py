@@ -9,7 +9,6 @@ last row of an ended submission lands, makes the job final. Exactly one caller l
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -19,6 +18,7 @@ import redis
 from redis.exceptions import NoScriptError
 
 from batchinfer.keys import DIRECT, Keys
+from batchinfer.protocol.rows import now_ms
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -54,10 +54,6 @@ def lua_source(name: str) -> str:
     if name != "finalize" and "maybe_finalize(" in text:
         text = (lua / "finalize.lua").read_text(encoding="utf-8") + "\n" + text
     return text
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class Publisher:

@@ -7,33 +7,27 @@ those of docs/protocol.md; key names come from :class:`batchinfer.keys.Keys`.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
+from batchinfer.protocol.rows import now_ms
+from batchinfer.redis_conn import as_text
 
 ACTIVE_JOB_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 JOB_STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired",
                 "cancelling", "cancelled")
 LAG_COUNT_CAP = 1000  # when Redis cannot tell a group's lag, count at most this many entries
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+# Replies are read with as_text(..., "replace"): a view must not fail on one stray byte.
 
 
 def _int(value: Any, default: int = 0) -> int:
     try:
-        return int(_text(value))
+        return int(as_text(value, "replace"))
     except (TypeError, ValueError):
         return default
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 @dataclass(frozen=True)
@@ -59,7 +53,7 @@ class StreamState:
 
 
 def _id_ms(entry_id: Any) -> int:
-    return _int(_text(entry_id).split("-", 1)[0])
+    return _int(as_text(entry_id, "replace").split("-", 1)[0])
 
 
 def stream_state(r: redis.Redis, stream: str, group: str) -> StreamState:
@@ -71,12 +65,13 @@ def stream_state(r: redis.Redis, stream: str, group: str) -> StreamState:
         groups = r.xinfo_groups(stream)
     except redis.ResponseError:
         groups = []
-    info = next(({_text(k): v for k, v in g.items()} for g in groups if _text(g.get("name")) == group), None)
+    info = next(({as_text(k, "replace"): v for k, v in g.items()} for g in groups
+                 if as_text(g.get("name"), "replace") == group), None)
     if info is None:  # nobody consumes yet: every entry waits
         first = r.xrange(stream, count=1)
         return StreamState(length=length, undelivered=length,
                            oldest_undelivered_ms=_id_ms(first[0][0]) if first else None)
-    last = _text(info.get("last-delivered-id", "0-0"))
+    last = as_text(info.get("last-delivered-id", "0-0"), "replace")
     following = r.xrange(stream, min=f"({last}", max="+", count=1)
     lag = info.get("lag")
     if lag is None:  # Redis < 7, or tombstones in the stream: count, up to a cap
@@ -88,7 +83,7 @@ def stream_state(r: redis.Redis, stream: str, group: str) -> StreamState:
 
 def known_models(r: redis.Redis, keys: Keys) -> list[str]:
     """Registered model names (``{p}:models``), sorted."""
-    return sorted(_text(m) for m in r.smembers(keys.models))
+    return sorted(as_text(m, "replace") for m in r.smembers(keys.models))
 
 
 @dataclass(frozen=True)
@@ -126,7 +121,7 @@ class JobStatusCounter:
     def count(self, r: redis.Redis, keys: Keys) -> dict[str, int]:
         """Every status listed, 0s kept."""
         counts = dict.fromkeys(JOB_STATUSES, 0)
-        ids = [_text(j) for j in r.zrevrange(keys.jobs, 0, self.max_jobs - 1)]
+        ids = [as_text(j, "replace") for j in r.zrevrange(keys.jobs, 0, self.max_jobs - 1)]
         unknown = [j for j in ids if j not in self._terminal]
         for start in range(0, len(unknown), self.chunk):
             part = unknown[start:start + self.chunk]
@@ -136,7 +131,7 @@ class JobStatusCounter:
             for job_id, status in zip(part, pipe.execute(), strict=True):
                 if status is None:  # removed since the ZREVRANGE
                     continue
-                name = _text(status)
+                name = as_text(status, "replace")
                 counts[name] = counts.get(name, 0) + 1
                 if name in TERMINAL_JOB_STATUSES:
                     self._terminal[job_id] = name
@@ -194,7 +189,7 @@ class JobView:
 
 def job_view(job_id: str, raw: dict[Any, Any]) -> JobView:
     """A :class:`JobView` from a ``{p}:job:<id>`` hash as HGETALL returns it."""
-    h = {_text(k): _text(v) for k, v in raw.items()}
+    h = {as_text(k, "replace"): as_text(v, "replace") for k, v in raw.items()}
     return JobView(
         id=h.get("id", job_id), status=h.get("status", "?"), model=h.get("model", ""),
         submitted=_int(h.get("submitted")),
@@ -207,7 +202,7 @@ def job_view(job_id: str, raw: dict[Any, Any]) -> JobView:
 
 def active_jobs(r: redis.Redis, keys: Keys, scan: int = 500, limit: int = 50) -> list[JobView]:
     """Up to ``limit`` unfinished jobs among the ``scan`` most recent, oldest first."""
-    ids = [_text(j) for j in r.zrevrange(keys.jobs, 0, scan - 1)]
+    ids = [as_text(j, "replace") for j in r.zrevrange(keys.jobs, 0, scan - 1)]
     pipe = r.pipeline(transaction=False)
     for job_id in ids:
         pipe.hgetall(keys.job(job_id))

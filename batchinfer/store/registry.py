@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ from typing import Any
 import redis
 
 from batchinfer.keys import Keys
+from batchinfer.protocol.rows import now_ms
+from batchinfer.redis_conn import as_text
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
@@ -32,17 +33,9 @@ def read_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
     return files
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
-
-
 def _decode(raw: bytes | str) -> Any:
     """Hash values are JSON when not plain strings; plain strings come back as they are."""
-    text = _text(raw)
+    text = as_text(raw)
     try:
         return json.loads(text)
     except ValueError:
@@ -120,7 +113,7 @@ class Registry:
             raise ValueError(f"model {name!r}: capacity values must be positive, got {values}")
         eos = eos_token_ids if eos_token_ids is not None else capacity.get("eos_token_ids", [])
         mapping: dict[str, Any] = {**files, **values, "eos_token_ids": json.dumps([int(t) for t in eos]),
-                                   "fingerprint": fingerprint(files), "registered_at": _now_ms()}
+                                   "fingerprint": fingerprint(files), "registered_at": now_ms()}
         key = self.keys.model(name)
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(key)  # a re-registration replaces files that are gone
@@ -130,14 +123,14 @@ class Registry:
 
     def get_model(self, name: str) -> ModelInfo | None:
         """The registration of model ``name``, or None when no worker registered it."""
-        raw = {_text(k): v for k, v in self.redis.hgetall(self.keys.model(name)).items()}
+        raw = {as_text(k): v for k, v in self.redis.hgetall(self.keys.model(name)).items()}
         if not raw or "tokenizer.json" not in raw:
             return None
         return ModelInfo(
             name=name,
             files={f: raw[f] for f in TOKENIZER_FILES if f in raw},
             eos_token_ids=json.loads(raw.get("eos_token_ids", b"[]")),
-            fingerprint=_text(raw.get("fingerprint", b"")),
+            fingerprint=as_text(raw.get("fingerprint", b"")),
             registered_at=int(raw.get("registered_at", 0)),
             **{f: int(raw[f]) for f in CAPACITY_FIELDS},
         )
@@ -145,11 +138,11 @@ class Registry:
     def model_fingerprint(self, name: str) -> str | None:
         """The tokenizer fingerprint of model ``name`` (cheap: one field), or None if unknown."""
         value = self.redis.hget(self.keys.model(name), "fingerprint")
-        return _text(value) if value is not None else None
+        return as_text(value)
 
     def models(self) -> list[str]:
         """Names of every registered model, sorted."""
-        return sorted(_text(m) for m in self.redis.smembers(self.keys.models))
+        return sorted(as_text(m) for m in self.redis.smembers(self.keys.models))
 
     # workers
     def heartbeat_worker(self, name: str, info: dict[str, Any], ttl: float) -> None:
@@ -159,7 +152,7 @@ class Registry:
         """
         if not info.get("model"):
             raise ValueError(f"worker {name!r}: info must name its model")
-        now = _now_ms()
+        now = now_ms()
         mapping = {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}
         mapping["heartbeat_at"] = str(now)
         key = self.keys.worker(name)
@@ -181,7 +174,7 @@ class Registry:
 
         Names whose hash expired are pruned from ``{p}:workers`` on the way.
         """
-        names = [_text(n) for n in self.redis.zrange(self.keys.workers, 0, -1)]
+        names = [as_text(n) for n in self.redis.zrange(self.keys.workers, 0, -1)]
         if not names:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -192,8 +185,8 @@ class Registry:
             if not raw:
                 dead.append(name)
                 continue
-            info = {_text(k): _decode(v) for k, v in raw.items()}
-            info["model"] = _text(raw[b"model"]) if b"model" in raw else str(info.get("model", ""))
+            info = {as_text(k): _decode(v) for k, v in raw.items()}
+            info["model"] = as_text(raw[b"model"]) if b"model" in raw else str(info.get("model", ""))
             worker = WorkerInfo(name=name, model=info["model"], heartbeat_at=int(info.get("heartbeat_at", 0)),
                                 info=info)
             if model is None or worker.model == model:

@@ -258,3 +258,53 @@ def test_cuda_graph_batch_sizes():
     assert batch_sizes(8) == [1, 2, 4, 8]
     assert batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert batch_sizes(256)[-3:] == [224, 240, 256]
+
+
+def test_building_an_engine_leaves_the_global_rng_alone(tiny_llama):
+    with torch.random.fork_rng():
+        torch.manual_seed(99)
+        state = torch.random.get_rng_state()
+        Engine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8, seed=0))
+        assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_unseeded_requests_follow_the_engine_seed_not_the_global_rng(engine_factory):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def sample(seed: int, global_seed: int) -> list[int]:
+        engine = engine_factory(seed=seed)
+        with torch.random.fork_rng():
+            torch.manual_seed(global_seed)  # whatever the process did with torch's RNG meanwhile
+            engine.add_request("u", prompt_token_ids=[5, 6, 7], sampling_params=params)
+            return run(engine)["u"][-1].outputs[0].token_ids
+
+    first = sample(5, global_seed=1)
+    assert sample(5, global_seed=2) == first
+    assert sample(6, global_seed=1) != first
+
+
+def test_host_staging_copies_each_step_into_slices_of_its_buffers():
+    import numpy as np
+
+    from batchinfer.workers.engine.model_runner import HostStaging
+
+    staging = HostStaging(torch.device("cpu"), max_tokens=8, max_seqs=2, max_blocks_per_seq=3)
+    buffers = {name: buf.data_ptr() for name, buf in staging.buffers.items()}
+    with torch.inference_mode():  # as ModelRunner.execute calls it
+        out = staging.transfer({"input_ids": np.arange(6, dtype=np.int64),
+                                "block_tables": np.array([[1, 2, 3], [4, 5, 6]], np.int32)})
+        assert out["input_ids"].tolist() == list(range(6))
+        tables = out["block_tables"]
+        assert tables.dtype == torch.int32 and tables.tolist() == [[1, 2, 3], [4, 5, 6]]
+        assert out["input_ids"].data_ptr() == buffers["input_ids"]  # a slice of the buffer, no new memory
+        out = staging.transfer({"block_tables": np.array([[7], [8]], np.int32)})  # a narrower step
+        assert out["block_tables"].tolist() == [[7], [8]]
+        big = staging.transfer({"positions": np.arange(9, dtype=np.int64)})["positions"]  # past the buffer
+        assert big.tolist() == list(range(9)) and big.data_ptr() != buffers["positions"]
+        with pytest.raises(TypeError):  # a dtype other than the buffer's is a bug, not a silent cast
+            staging.transfer({"seq_lens": np.array([3, 4], np.int64)})
+    assert {name: buf.data_ptr() for name, buf in staging.buffers.items()} == buffers
+
+
+def test_the_cpu_runner_stages_nothing(engine_factory):
+    assert engine_factory().runner.staging is None

@@ -37,7 +37,9 @@ from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms
 from batchinfer.redis_conn import Backoff, ensure_group
 from batchinfer.store.publish import Publisher
-from batchinfer.store.registry import Registry, read_tokenizer_files
+from batchinfer.store.registry import Registry
+from batchinfer.workers.engine.interface import WorkerEngine
+from batchinfer.workers.engine.outputs import RequestOutput
 from batchinfer.workers.inflight import Book, Held, Quarantine, parse_batch
 from batchinfer.workers.keeper import Keeper
 from batchinfer.workers.outbox import DeadLetter, Outbox
@@ -49,9 +51,10 @@ EXIT_ENGINE_BROKEN = 3
 
 
 class WorkerDaemon:
-    """Serves ``model_name`` from ``engine`` (an ``Engine`` or ``EchoEngine``) until ``run``'s stop event."""
+    """Serves ``model_name`` from ``engine`` (a :class:`WorkerEngine`: an ``Engine`` or an ``EchoEngine``)
+    until ``run``'s stop event."""
 
-    def __init__(self, r: redis.Redis, settings: Settings, engine: Any, name: str,
+    def __init__(self, r: redis.Redis, settings: Settings, engine: WorkerEngine, name: str,
                  model_name: str | None = None, *, device: str = "cpu",
                  tokenizer_files: dict[str, bytes] | None = None, block_ms: int = 1000,
                  cancel_poll_seconds: float = 0.5, cancel_poll_steps: int = 8, max_failed_steps: int = 32,
@@ -65,9 +68,7 @@ class WorkerDaemon:
         self.publisher = Publisher(r, self.keys)
         self.capacity = dict(engine.capacity())
         self.max_seqs = int(self.capacity["max_num_seqs"])
-        if tokenizer_files is None:  # the echo engine carries its files; an Engine has its model folder
-            tokenizer_files = getattr(engine, "tokenizer_files", None)
-        self.tokenizer_files = tokenizer_files or read_tokenizer_files(engine.config.model)
+        self.tokenizer_files = tokenizer_files if tokenizer_files is not None else engine.tokenizer_files()
         self.block_ms, self.max_failed_steps = block_ms, max_failed_steps
         self.cancel_poll_seconds, self.cancel_poll_steps = cancel_poll_seconds, cancel_poll_steps
         self.hard_stop = hard_stop or threading.Event()
@@ -164,7 +165,7 @@ class WorkerDaemon:
                  self.capacity)
 
     def _register_model(self) -> None:
-        eos = list(getattr(self.engine, "eos_token_ids", []))
+        eos = list(self.engine.eos_token_ids)
         Registry(self.redis, self.keys).register_model(self.model, self.tokenizer_files, self.capacity, eos)
 
     def _ensure_group(self) -> None:
@@ -258,34 +259,37 @@ class WorkerDaemon:
         return True
 
     def _step(self) -> None:
-        engine = self.engine
-        computed_before = getattr(engine, "num_computed_tokens", None)
-        began = time.monotonic()
+        computed, began = self.engine.num_computed_tokens, time.monotonic()
         try:
-            outputs = engine.step()
+            outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - bisect instead of dying
             self._step_failed(e)
             return
-        batched = None if computed_before is None else engine.num_computed_tokens - computed_before
-        self.metrics.step_done(outputs, time.monotonic() - began, num_batched_tokens=batched)
-        # Engines without a running/waiting split (the echo engine) report all unfinished as running.
-        self.metrics.set_engine_state(getattr(engine, "num_running", None) or engine.num_unfinished(),
-                                      getattr(engine, "num_waiting", 0), getattr(engine, "kv_usage", None),
-                                      getattr(engine, "num_preemptions", None))
-        self.failed_steps = 0
-        self.steps += 1
+        self._step_done(outputs, time.monotonic() - began, self.engine.num_computed_tokens - computed)
         finished_at = now_ms()
         for out in outputs:
-            held = self.book.resolve(out.request_id) if out.finished else None
-            if held is None:
-                continue  # still running, or aborted by us
-            error = out.error
-            if error:
-                self._engine_failed(held, str(error))
-                continue
-            row = ResultRow.for_request(held.request, out, worker=self.name, started_at=held.started_at,
-                                        finished_at=finished_at)
-            self._queue(held, row)
+            if out.finished:
+                self._finished(out, finished_at)
+
+    def _step_done(self, outputs: list[RequestOutput], seconds: float, num_batched_tokens: int) -> None:
+        engine = self.engine
+        self.metrics.step_done(outputs, seconds, num_batched_tokens=num_batched_tokens)
+        self.metrics.set_engine_state(engine.num_running, engine.num_waiting, engine.kv_usage,
+                                      engine.num_preemptions)
+        self.failed_steps = 0
+        self.steps += 1
+
+    def _finished(self, out: RequestOutput, finished_at: int) -> None:
+        """A request's final output: its result row, or an engine failure when it carries an error."""
+        held = self.book.resolve(out.request_id)
+        if held is None:
+            return  # aborted by us
+        if out.error:
+            self._engine_failed(held, str(out.error))
+            return
+        row = ResultRow.for_request(held.request, out, worker=self.name, started_at=held.started_at,
+                                    finished_at=finished_at)
+        self._queue(held, row)
 
     def _step_failed(self, error: Exception) -> None:
         self.failed_steps += 1

@@ -1,8 +1,10 @@
 """``EchoEngine``: an ``Engine`` look-alike that answers without a model.
 
-It has the real engine's API (``add_request`` / ``abort`` / ``step`` / ``has_unfinished`` /
-``num_unfinished`` / ``capacity`` / ``tokenizer`` / ``model_name``), so the worker daemon, the
-queue benchmarks and the reliability tests run the whole queue at Redis speed on any machine.
+It implements what the worker daemon drives (:class:`~batchinfer.workers.engine.interface.WorkerEngine`:
+``add_request`` / ``abort`` / ``step`` / ``has_unfinished`` / ``num_unfinished`` / ``capacity`` /
+``tokenizer_files`` / ``model_name`` / ``eos_token_ids`` and the statistics), and has a
+``tokenizer``, so the worker daemon, the queue benchmarks and the reliability tests run the whole
+queue at Redis speed on any machine.
 
 "Generation" echoes the prompt: the completion is the prompt's tokens (repeated when
 ``min_tokens`` asks for more) cut at ``max_tokens``; ``finish_reason`` is ``"length"`` when
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.store.registry import read_tokenizer_files
+from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
 
@@ -83,7 +86,7 @@ class _Request:
     params: SamplingParams
 
 
-class EchoEngine:
+class EchoEngine(WorkerEngine):
     """An engine that echoes prompts; see the module docstring for its exact behaviour."""
 
     def __init__(
@@ -107,8 +110,7 @@ class EchoEngine:
         from batchinfer.workers.text.tokenizer import Tokenizer
 
         self.model_name = model_name
-        self.tokenizer_files = dict(tokenizer_files or byte_tokenizer_files())
-        files = self.tokenizer_files
+        self._tokenizer_files = files = dict(tokenizer_files or byte_tokenizer_files())
         self.tokenizer = Tokenizer.from_files(files["tokenizer.json"], files.get("tokenizer_config.json"),
                                               files.get("generation_config.json"))
         self.eos_token_ids = self.tokenizer.eos_token_ids
@@ -124,6 +126,9 @@ class EchoEngine:
         self.poison_exit = bool(poison_exit)
         self._poisoned: set[str] = set()  # ids of waiting requests whose prompt holds the marker
         self.num_generated_tokens = 0
+        # Prompt + generated tokens of the requests answered: what an engine without a prefix cache
+        # computes for them (the echo engine computes nothing).
+        self.num_computed_tokens = 0
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
         self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
 
@@ -189,14 +194,41 @@ class EchoEngine:
         return outputs
 
     def has_unfinished(self) -> bool:
+        """True while a request waits, or an abort's output is not handed out yet."""
         return bool(self._waiting or self._pending)
 
     def num_unfinished(self) -> int:
+        """Requests not answered yet."""
         return len(self._waiting)
 
     def capacity(self) -> dict[str, int]:
+        """The limits given to the constructor (``kv_tokens`` defaults to seqs x length)."""
         return {"max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "kv_tokens": self.kv_tokens}
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The files this engine tokenises with (the byte-level tokenizer's unless given)."""
+        return dict(self._tokenizer_files)
+
+    @property
+    def num_running(self) -> int:
+        """Requests not answered yet (all count as running)."""
+        return len(self._waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        """Always 0: the echo engine has no waiting queue."""
+        return 0
+
+    @property
+    def num_preemptions(self) -> int:
+        """Always 0: the echo engine never preempts."""
+        return 0
+
+    @property
+    def kv_usage(self) -> float | None:
+        """None: the echo engine has no KV cache."""
+        return None
 
     # -- echo ---------------------------------------------------------------------------------------
 
@@ -219,4 +251,5 @@ class EchoEngine:
         outputs = [CompletionOutput(index=i, text=text, token_ids=list(tokens), finish_reason=reason)
                    for i in range(p.n)]
         self.num_generated_tokens += want * p.n
+        self.num_computed_tokens += len(prompt) + want * p.n
         return RequestOutput(req.request_id, prompt, outputs, num_cached_tokens=0, finished=True)

@@ -64,7 +64,7 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
             engine = Engine(EngineConfig(model=str(model_dir), device=device, **options))
     except TypeError as e:  # an engine option the engine does not have
         raise ValueError(f"engine options {sorted(options)}: {e}") from None
-    files = read_tokenizer_files(model_dir) if model_dir else engine.tokenizer_files
+    files = read_tokenizer_files(model_dir) if model_dir else engine.tokenizer_files()
     model = model_name or engine.model_name
     name = name or f"{socket.gethostname()}-{model}-{device.replace(':', '')}"
     stop, hard = threading.Event(), threading.Event()

@@ -1,4 +1,5 @@
-"""``Engine``: continuous batching over a paged KV cache; what a worker daemon drives.
+"""``Engine``: continuous batching over a paged KV cache; what a worker daemon drives
+(it implements :class:`~batchinfer.workers.engine.interface.WorkerEngine`).
 
 ``add_request`` validates and queues; each ``step()`` is schedule -> run -> sample ->
 postprocess and returns the outputs of the requests that moved. A request whose postprocessing
@@ -18,6 +19,7 @@ import torch
 
 from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.block_manager import BlockManager
+from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.model_runner import ModelRunner
 from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput
 from batchinfer.workers.engine.sampler import Sampler, SamplingRow, make_generator
@@ -32,7 +34,7 @@ from batchinfer.workers.text.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(WorkerEngine):
     """One model, its KV cache, and the requests sharing them."""
 
     def __init__(self, config: EngineConfig, model: Decoder | None = None,
@@ -59,11 +61,14 @@ class Engine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.eos_token_ids = sorted({*mc.eos_token_ids, *self.tokenizer.eos_token_ids})
-        self.sampler = Sampler(mc.vocab_size, self.eos_token_ids)
+        # Requests that set no seed draw from this engine's own generator, not torch's global one:
+        # building an engine leaves the process's RNG alone, and its unseeded draws are still
+        # reproducible from ``config.seed``. CPU: the sampler draws its uniforms on the host.
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.sampler = Sampler(mc.vocab_size, self.eos_token_ids, generator=self.generator)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
         self._next_seq_id = 0
-        torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
         # Statistics for metrics.
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -218,10 +223,19 @@ class Engine:
     # -- state ----------------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
+        """True while a request is queued or running, or an abort's output is not handed out yet."""
         return bool(self.requests or self._pending)
 
     def num_unfinished(self) -> int:
+        """Requests queued or running."""
         return len(self.requests)
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The model folder's tokenizer files, as a worker registers them for the scheduler."""
+        # Imported here: the registry is queue-side code (Redis) that in-process ``LLM`` users never load.
+        from batchinfer.store.registry import read_tokenizer_files
+
+        return read_tokenizer_files(self.config.model)
 
     def capacity(self) -> dict[str, int]:
         """What this engine accepts: the scheduler daemon packs batches to it."""

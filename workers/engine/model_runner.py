@@ -2,8 +2,9 @@
 
 A step is flat: the scheduled sequences' new tokens are concatenated (prefill chunks and decode
 tokens alike) and described to the attention kernels by ``AttentionMetadata``. Index arrays are
-built with numpy over whole steps, not per token in Python. Only the hidden states of sequences
-that sample this step (their last token) go through the vocabulary projection.
+built with numpy over whole steps, not per token in Python. On CUDA they reach the device
+through page-locked host buffers allocated once (:class:`HostStaging`). Only the hidden states of
+sequences that sample this step (their last token) go through the vocabulary projection.
 """
 
 from __future__ import annotations
@@ -44,7 +45,14 @@ class ModelRunner:
         self.device = model.device
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        self.staging: HostStaging | None = None  # the profiling step (in _num_kv_blocks) pins afresh
         self.num_blocks = self._num_kv_blocks()
+        if self.device.type == "cuda":
+            # Sized for the largest step the scheduler hands out; the CPU path needs no copy at all.
+            longest = min(max_model_len, self.num_blocks * self.block_size)
+            self.staging = HostStaging(self.device, max_tokens=config.max_num_batched_tokens,
+                                       max_seqs=config.max_num_seqs,
+                                       max_blocks_per_seq=-(-longest // self.block_size))
         shape = (self.num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
         # [num_blocks, block_size, KVH, D] per layer, K and V apart (the flash-attn paged layout).
         self.kv_caches = [
@@ -148,17 +156,23 @@ class ModelRunner:
         sample_indices = (cu[1:] - 1)[samples]
         ids = np.fromiter((t for chunk in tokens for t in chunk), np.int64, T)
 
-        dev = self.device
+        host = {"input_ids": ids, "positions": positions, "slot_mapping": slots, "block_tables": tables,
+                "cu_seqlens_q": cu.astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
+                "sample_indices": sample_indices}
+        if self.staging is not None:
+            t = self.staging.transfer(host)
+        else:  # CPU: tensors share the arrays' memory; only the profiling step pins on CUDA
+            t = {name: _to(array, self.device) for name, array in host.items()}
         meta = AttentionMetadata(
-            slot_mapping=_to(slots, dev),
-            block_tables=_to(tables, dev),
-            cu_seqlens_q=_to(cu.astype(np.int32), dev),
-            seq_lens=_to(seq_lens.astype(np.int32), dev),
+            slot_mapping=t["slot_mapping"],
+            block_tables=t["block_tables"],
+            cu_seqlens_q=t["cu_seqlens_q"],
+            seq_lens=t["seq_lens"],
             max_seqlen_q=int(nums.max()),
             max_seqlen_k=int(seq_lens.max()),
             backend=self.config.attention_backend,
         )
-        return StepInputs(_to(ids, dev), _to(positions, dev), meta, _to(sample_indices, dev))
+        return StepInputs(t["input_ids"], t["positions"], meta, t["sample_indices"])
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
@@ -169,6 +183,52 @@ class ModelRunner:
         inputs = self.prepare(scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         return self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V]
+
+
+class HostStaging:
+    """Page-locked host buffers, allocated once, through which a step's index arrays reach the device.
+
+    Pinning each step's fresh arrays costs a page-locked allocation per array per step. Instead
+    ``transfer`` copies them into slices of buffers pinned here once (sized for ``max_tokens``
+    tokens over ``max_seqs`` sequences) and copies those to the device without blocking. A buffer
+    is written again only after the previous step's copies out of it have finished (an event
+    recorded after them is waited on first; by then the step has normally long finished). An array
+    larger than its buffer (the scheduler's budget rules it out) is pinned afresh instead.
+
+    On a CPU ``device`` (tests of the slicing) nothing is pinned and the returned tensors are views
+    of the buffers; the runner uses this class on CUDA only.
+    """
+
+    def __init__(self, device: torch.device, *, max_tokens: int, max_seqs: int,
+                 max_blocks_per_seq: int) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        sizes = {"input_ids": (max_tokens, torch.int64), "positions": (max_tokens, torch.int64),
+                 "slot_mapping": (max_tokens, torch.int64),
+                 "block_tables": (max_seqs * max_blocks_per_seq, torch.int32),
+                 "cu_seqlens_q": (max_seqs + 1, torch.int32), "seq_lens": (max_seqs, torch.int32),
+                 "sample_indices": (max_seqs, torch.int64)}
+        self.buffers = {name: torch.empty(n, dtype=dtype, pin_memory=cuda)
+                        for name, (n, dtype) in sizes.items()}
+        self._copied = torch.cuda.Event() if cuda else None  # recorded after each step's copies
+
+    def transfer(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """``arrays`` (named as the buffers, of their dtypes) on the device, each shaped as given."""
+        stream = None
+        if self._copied is not None:
+            stream = torch.cuda.current_stream(self.device)
+            self._copied.synchronize()  # never recorded yet: returns at once
+        out = {name: self._put(self.buffers[name], array) for name, array in arrays.items()}
+        if self._copied is not None:
+            self._copied.record(stream)
+        return out
+
+    def _put(self, buffer: torch.Tensor, array: np.ndarray) -> torch.Tensor:
+        if array.size > buffer.numel():
+            return _to(array, self.device)
+        host = buffer[:array.size]
+        np.copyto(host.numpy(), array.reshape(-1), casting="no")  # casting="no": dtypes must match
+        return host.view(array.shape).to(self.device, non_blocking=True)
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:

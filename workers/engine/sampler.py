@@ -37,8 +37,9 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far by this completion
-    # make_generator(seed, completion index) when params.seed is set, else None (global RNG). It
-    # draws one number per step, so a CPU generator is right even when logits are on a GPU.
+    # make_generator(seed, completion index) when params.seed is set, else None (the sampler's
+    # generator for unseeded rows). It draws one number per step, so a CPU generator is right even
+    # when logits are on a GPU.
     generator: torch.Generator | None = None
 
 
@@ -89,9 +90,12 @@ def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
 class Sampler:
     """Turns a step's logits ``[N, V]`` into one token per row (see the module docstring)."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int],
+                 generator: torch.Generator | None = None):
+        """``generator`` (a CPU one) draws for rows without their own; None = torch's global RNG."""
         self.vocab_size = vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        self.generator = generator
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
@@ -206,8 +210,7 @@ class Sampler:
 
     # -- random sampling ------------------------------------------------------------------------
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one draw per row; logits [M, V] -> ids [M]."""
         device, vocab = logits.device, logits.shape[1]
         logits = logits / _column([r.params.temperature for r in rows], device)
@@ -221,7 +224,7 @@ class Sampler:
         if sel:
             min_p = torch.tensor([rows[j].params.min_p for j in sel], device=device)
             logits[sel] = apply_min_p(logits[sel], min_p)
-        return sample_from_logits(logits, [r.generator for r in rows])
+        return sample_from_logits(logits, [r.generator for r in rows], self.generator)
 
 
 def _per_row(rows: list[SamplingRow], sel: list[int], name: str, default: float, device) -> torch.Tensor:
@@ -232,17 +235,19 @@ def _per_row(rows: list[SamplingRow], sel: list[int], name: str, default: float,
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def sample_from_logits(logits: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def sample_from_logits(logits: torch.Tensor, generators: Sequence[torch.Generator | None],
+                       default: torch.Generator | None = None) -> torch.Tensor:
     """One token per row with probability ``softmax(logits)``; logits [M, V] -> ids [M].
 
-    Inverse transform sampling: a uniform ``u`` per row (from the row's generator, else the global
-    CPU RNG) is located in the row's cumulative weights, summed in float64 so that even tokens of
-    probability 1e-9 in a 150k vocabulary keep their share. A token of weight 0 (masked) is never
-    returned: the first cumulative weight above ``u * total`` always has a weight of its own.
+    Inverse transform sampling: a uniform ``u`` per row (from the row's generator, else from
+    ``default``, a CPU generator, else the global CPU RNG) is located in the row's cumulative
+    weights, summed in float64 so that even tokens of probability 1e-9 in a 150k vocabulary keep
+    their share. A token of weight 0 (masked) is never returned: the first cumulative weight above
+    ``u * total`` always has a weight of its own.
     """
     weights = (logits - logits.max(dim=-1, keepdim=True).values).exp()  # [M, V]; masked -> 0
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [M, V]
-    u = torch.rand(len(generators), dtype=torch.float64)  # [M]
+    u = torch.rand(len(generators), dtype=torch.float64, generator=default)  # [M]
     for j, g in enumerate(generators):
         if g is not None:
             u[j] = torch.rand(1, dtype=torch.float64, generator=g, device=g.device).item()

@@ -1,0 +1,120 @@
+"""``WorkerEngine``: both engines implement it member for member, and the daemon uses nothing else."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from batchinfer.workers.config import EngineConfig
+from batchinfer.workers.echo_engine import EchoEngine
+from batchinfer.workers.engine.engine import Engine
+from batchinfer.workers.engine.interface import WorkerEngine
+
+DAEMON = Path(__file__).resolve().parents[1] / "workers" / "daemon.py"
+
+
+def protocol_members() -> set[str]:
+    """The protocol's public methods, properties and annotated attributes."""
+    defined = {name for name in vars(WorkerEngine) if not name.startswith("_")}
+    return defined | set(WorkerEngine.__annotations__)
+
+
+def test_the_protocol_holds_what_the_daemon_drives():
+    assert protocol_members() == {
+        "model_name", "eos_token_ids", "tokenizer_files", "capacity", "add_request", "abort", "step",
+        "has_unfinished", "num_unfinished", "num_running", "num_waiting", "num_preemptions", "kv_usage",
+        "num_computed_tokens"}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama) -> list[WorkerEngine]:
+    return [Engine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8)), EchoEngine()]
+
+
+def _defining_class(cls: type, name: str) -> type | None:
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
+def _check_signature(impl: inspect.Signature, proto: inspect.Signature, where: str) -> None:
+    """Every protocol parameter, by name and kind, in order; extra parameters only with defaults."""
+    impl_params, proto_params = list(impl.parameters.values()), list(proto.parameters.values())
+    assert [(p.name, p.kind) for p in impl_params[:len(proto_params)]] == \
+           [(p.name, p.kind) for p in proto_params], where
+    for mine, theirs in zip(impl_params, proto_params, strict=False):
+        if theirs.default is not inspect.Parameter.empty:
+            assert mine.default == theirs.default, f"{where}: default of {mine.name}"
+    extra = impl_params[len(proto_params):]
+    assert all(p.default is not inspect.Parameter.empty or p.kind is p.VAR_KEYWORD for p in extra), where
+
+
+def test_both_engines_implement_every_member(engines):
+    for engine in engines:
+        cls = type(engine)
+        assert WorkerEngine in cls.__mro__ and isinstance(engine, WorkerEngine)  # declared, and structural
+        for name in sorted(protocol_members()):
+            where = f"{cls.__name__}.{name}"
+            owner = _defining_class(cls, name)
+            proto_member = vars(WorkerEngine).get(name)
+            if proto_member is None:  # an annotated attribute: the constructor sets it
+                assert name in vars(engine) or (owner is not None and owner is not WorkerEngine), where
+                continue
+            # Defined by the engine itself, not the protocol's empty stub inherited by subclassing.
+            assert owner is not None and owner is not WorkerEngine, f"{where} is only the protocol's stub"
+            impl_member = vars(owner)[name]
+            if isinstance(proto_member, property):
+                assert isinstance(impl_member, property), f"{where} must be a property"
+                _check_signature(inspect.signature(impl_member.fget), inspect.signature(proto_member.fget),
+                                 where)
+            else:
+                assert callable(impl_member), where
+                _check_signature(inspect.signature(impl_member), inspect.signature(proto_member), where)
+
+
+def test_the_members_answer_with_their_types(engines):
+    for engine in engines:
+        assert isinstance(engine.model_name, str) and engine.model_name
+        assert all(isinstance(t, int) for t in engine.eos_token_ids) and list(engine.eos_token_ids)
+        assert "tokenizer.json" in engine.tokenizer_files()
+        assert set(engine.capacity()) == {"max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                                          "kv_tokens"}
+        before = engine.num_computed_tokens
+        engine.add_request("r", prompt_token_ids=[5, 6, 7], sampling_params={"max_tokens": 2,
+                                                                              "temperature": 0.0})
+        assert engine.has_unfinished() and engine.num_unfinished() == 1
+        while engine.has_unfinished():
+            engine.step()
+        # 3 prompt tokens, then the second token: the echo engine counts both of its answer's tokens
+        assert engine.num_computed_tokens - before == (4 if isinstance(engine, Engine) else 5)
+        assert (engine.num_running, engine.num_waiting, engine.num_preemptions) == (0, 0, 0)
+    engine, echo = engines
+    assert engine.kv_usage == 0.0 and echo.kv_usage is None
+
+
+def _engine_uses(tree: ast.AST) -> tuple[list[str], list[str]]:
+    """(``getattr`` calls whose object mentions the engine, attributes read off ``self.engine``)."""
+    def is_engine(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "engine") or (
+            isinstance(node, ast.Name) and node.id == "engine")
+
+    getattrs, members = [], []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and node.args and any(is_engine(n) for n in ast.walk(node.args[0]))):
+            getattrs.append(ast.unparse(node))
+        if isinstance(node, ast.Attribute) and is_engine(node.value):
+            members.append(node.attr)
+    return getattrs, members
+
+
+def test_the_usage_scan_sees_getattr_on_the_engine():
+    code = "def f(self, engine):\n    getattr(self.engine, 'kv_usage', None)\n    engine.step()\n"
+    assert _engine_uses(ast.parse(code)) == (["getattr(self.engine, 'kv_usage', None)"], ["step"])
+
+
+def test_the_daemon_drives_the_engine_through_the_protocol_only():
+    getattrs, members = _engine_uses(ast.parse(DAEMON.read_text()))
+    assert getattrs == []
+    assert members and set(members) <= protocol_members(), set(members) - protocol_members()

@@ -1,0 +1,106 @@
+"""``WorkerEngine``: the engine interface a worker daemon drives.
+
+:class:`~batchinfer.workers.engine.engine.Engine` (a model on a paged KV cache) and
+:class:`~batchinfer.workers.echo_engine.EchoEngine` (no model: echoes prompts) both implement it,
+and :class:`~batchinfer.workers.daemon.WorkerDaemon` uses nothing else of an engine. Its loop is
+nano-vllm's: ``add_request`` what fits, ``step()`` while ``has_unfinished()``, publish each
+finished output. This module imports no torch: an echo worker never loads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from batchinfer.workers.engine.outputs import RequestOutput
+from batchinfer.workers.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class WorkerEngine(Protocol):
+    """What :class:`~batchinfer.workers.daemon.WorkerDaemon` relies on; see each member."""
+
+    # Implementations subclass this class to say so; its plain attributes below are set by their
+    # constructors (the protocol declares them without values, so nothing here shadows them).
+
+    # -- identity, registered once at start ------------------------------------------------------
+
+    model_name: str
+    """The model name batches are routed by (``{p}:batches:<model_name>``) unless the daemon is
+    given one."""
+
+    eos_token_ids: Sequence[int]
+    """Token ids that end a completion; registered so the scheduler can check requests."""
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer files (``tokenizer.json`` at least) the worker registers, so that the
+        scheduler tokenises and renders chats exactly as this engine decodes."""
+        ...
+
+    def capacity(self) -> dict[str, int]:
+        """``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_tokens``: what the
+        scheduler packs batches to. Read once; ``max_num_seqs`` bounds the requests the daemon
+        puts into the engine at a time."""
+        ...
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | None = None,
+                    prompt_token_ids: Sequence[int] | None = None,
+                    sampling_params: SamplingParams | Mapping[str, Any] | None = None) -> None:
+        """Queue one request under a fresh ``request_id``. ``ValueError`` (with a message naming the
+        field) means the request itself is bad: the daemon publishes it as ``invalid_request``; any
+        other exception counts as an engine failure of that request."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its final output (``finish_reason "abort"``) comes with the next
+        ``step()``. Unknown or finished ids are ignored."""
+        ...
+
+    # -- the step loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Advance every running request by one step; return the outputs of the requests that moved.
+
+        An output with ``finished`` set is final: the daemon publishes it (or, when its ``error``
+        is set, counts an engine failure of that request). A raise means the step failed with
+        nothing finished: the daemon bisects the running requests to find the culprit.
+        """
+        ...
+
+    def has_unfinished(self) -> bool:
+        """True while a request is queued, running, or has an output (an abort) not yet handed out
+        by ``step()``: the daemon steps while this holds."""
+        ...
+
+    def num_unfinished(self) -> int:
+        """Requests in the engine (queued or running); ``max_num_seqs`` minus this is the room the
+        daemon fills."""
+        ...
+
+    # -- statistics for metrics, read after each step ---------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        """Requests being computed now (an engine without a waiting queue counts all of them)."""
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued but not running (0 for an engine without a waiting queue)."""
+        ...
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since the engine started (cumulative; 0 for an engine that never preempts)."""
+        ...
+
+    @property
+    def kv_usage(self) -> float | None:
+        """Fraction (0..1) of the KV cache held by live requests; None for an engine without one."""
+        ...
+
+    num_computed_tokens: int
+    """Tokens computed since the engine started (cumulative); its growth over a step is the step's
+    batch size in tokens."""

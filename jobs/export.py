@@ -35,6 +35,8 @@ from batchinfer.jobs.queueing import (  # noqa: F401 - re-exported: the exporter
 from batchinfer.keys import Keys
 from batchinfer.protocol.rows import now_ms
 from batchinfer.redis_conn import as_text
+from batchinfer.store import scripts
+from batchinfer.store.jobstore import TERMINAL, JobStatus, JobStore
 
 __all__ = ["RESULT_SCHEMA", "IdxSorter", "confined_output", "enqueue_export", "export_job", "iter_stream",
            "rq_job_id", "write_rows"]
@@ -46,45 +48,8 @@ BUCKET_ROWS = 100_000  # rows sorted in memory at once (more for jobs over MAX_B
 MAX_BUCKETS = 256  # spill files open at once
 _RECORD = struct.Struct("<qI")  # spill record header: idx, length of the row's JSON
 
-# KEYS: job hash, cancelled set, results stream, guard bitmap, attempts hash.
-# ARGV: output location, now ms, ttl seconds, job id. Returns the final status, or nil for no job.
-_MARK_EXPORTED = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st then return false end
-local final = st
-if st == 'finalizing' or (st == 'failed' and redis.call('HEXISTS', KEYS[1], 'export_error') == 1) then
-  final = 'completed'
-elseif st == 'cancelling' then
-  final = 'cancelled'
-end
-redis.call('HSET', KEYS[1], 'output', ARGV[1], 'exported_at', ARGV[2])
-if final ~= st then redis.call('HSET', KEYS[1], 'status', final, final .. '_at', ARGV[2]) end
-redis.call('HDEL', KEYS[1], 'export_error')
-redis.call('SREM', KEYS[2], ARGV[4])
-for i = 3, 5 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
-return final
-"""
-
-# KEYS: job hash. ARGV: message, now ms, '1' when no retry is left. Appends to `errors` (JSON list).
-_MARK_FAILED = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local errors = {}
-local raw = redis.call('HGET', KEYS[1], 'errors')
-if raw then
-  local ok, value = pcall(cjson.decode, raw)
-  if ok and type(value) == 'table' then errors = value end
-end
-table.insert(errors, ARGV[1])
-while #errors > 20 do table.remove(errors, 1) end
-redis.call('HSET', KEYS[1], 'errors', cjson.encode(errors), 'export_error', ARGV[1])
-local st = redis.call('HGET', KEYS[1], 'status')
-if ARGV[3] == '1' and (st == 'finalizing' or st == 'cancelling') then
-  redis.call('HSET', KEYS[1], 'status', 'failed', 'failed_at', ARGV[2])
-end
-return 1
-"""
-
-EXPORTABLE = ("finalizing", "cancelling", "expired", "completed", "cancelled", "failed")
+# statuses in which every request has its row: the export may run (again, for an ended job)
+EXPORTABLE = frozenset({JobStatus.FINALIZING, JobStatus.CANCELLING, *TERMINAL})
 
 
 def iter_stream(r: redis.Redis, key: str, *, count: int = STREAM_CHUNK, start: str = "-",
@@ -222,23 +187,22 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
     r = _connection(redis_url, settings)
     keys = Keys(settings.prefix)
     try:
-        record = {as_text(k): as_text(v) for k, v in r.hgetall(keys.job(job_id)).items()}
-        if not record:
+        record = JobStore(r, keys).get(job_id)
+        if record is None:
             raise LookupError(f"job {job_id!r} does not exist under prefix {settings.prefix!r}")
-        status = record.get("status")
-        if status not in EXPORTABLE:
-            raise RuntimeError(f"job {job_id} is {status}: not every request has its result yet")
-        fmt = check_format(fmt or record.get("output_format") or "parquet")
-        requested = record.get("output")
+        if record.status not in EXPORTABLE:
+            raise RuntimeError(f"job {job_id} is {record.status}: not every request has its result yet")
+        fmt = check_format(fmt or record.output_format or "parquet")
+        requested = record.output
         if output is None and requested:  # the submitter's choice, read from Redis: confine it
             requested = confined_output(requested, settings.results_root)
         dest = resolve(output or requested or f"{job_id}{EXTENSIONS[fmt]}", settings.results_root)
-        total = int(record["total"]) if record.get("total") else None
         with tempfile.TemporaryDirectory(prefix="batchinfer-export-") as spill:
-            location = write_rows(sorted_rows(r, keys.results(job_id), spill, total), dest, fmt)
-        final = r.eval(_MARK_EXPORTED, 5, keys.job(job_id), keys.cancelled, keys.results(job_id),
-                       keys.published(job_id), keys.attempts(job_id),
-                       location, now_ms(), settings.results_ttl_seconds, job_id)
+            location = write_rows(sorted_rows(r, keys.results(job_id), spill, record.total), dest, fmt)
+        final = scripts.register(r, "mark_exported")(
+            keys=[keys.job(job_id), keys.cancelled, keys.results(job_id), keys.published(job_id),
+                  keys.attempts(job_id)],
+            args=[location, now_ms(), settings.results_ttl_seconds, job_id])
         log.info("job %s exported to %s (%s)", job_id, location, as_text(final),
                  extra={"job_id": job_id})
         return location
@@ -246,7 +210,8 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
         message = f"export failed: {type(e).__name__}: {e}"
         last = _last_attempt()
         with contextlib.suppress(redis.RedisError):
-            r.eval(_MARK_FAILED, 1, keys.job(job_id), message, now_ms(), "1" if last else "0")
+            scripts.register(r, "mark_export_failed")(keys=[keys.job(job_id)],
+                                                      args=[message, now_ms(), "1" if last else "0"])
         log.error("job %s: %s%s", job_id, message, "" if last else " (will retry)", extra={"job_id": job_id})
         raise
 

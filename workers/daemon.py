@@ -36,6 +36,7 @@ from batchinfer.ops.httpserver import Readiness
 from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms
 from batchinfer.redis_conn import Backoff, ensure_group
+from batchinfer.store.jobstore import JobStatus, read_status
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
 from batchinfer.workers.engine.interface import WorkerEngine
@@ -381,8 +382,8 @@ class WorkerDaemon:
             self._end(held, *reasons[job])
 
     def _cancel_reason(self, job_id: str | None) -> tuple[str, str, str]:
-        status = self.redis.hget(self.keys.job(job_id), "status") if job_id else None
-        if status == b"expired":
+        status = read_status(self.redis, self.keys, job_id) if job_id else None
+        if status is JobStatus.EXPIRED:
             return "expired", "expired", "the job's completion window ended before this request ran"
         return "cancelled", "cancelled", "the job was cancelled"
 

@@ -24,24 +24,10 @@ from typing import Any
 import redis
 
 from batchinfer.keys import WORKERS_GROUP, Keys
+from batchinfer.store import scripts
 from batchinfer.store.registry import Registry
 
 log = logging.getLogger(__name__)
-
-# KEYS[1] batches stream. ARGV: group, consumer, entry ids. Re-claims (resetting the idle time) only
-# the entries this consumer still owns, atomically, so a lease the scheduler just took over by
-# XAUTOCLAIM is never taken back. Returns the ids kept.
-_REFRESH = """
-local kept = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    kept[#kept + 1] = ARGV[i]
-  end
-end
-return kept
-"""
 
 
 class Keeper:
@@ -67,7 +53,7 @@ class Keeper:
         self._stalled = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"keeper-{worker}", daemon=True)
-        self._refresh = r.register_script(_REFRESH)
+        self._refresh = scripts.register(r, "refresh_leases")  # see lua/refresh_leases.lua
 
     # -- called by the main loop ------------------------------------------------------------------
 

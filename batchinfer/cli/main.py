@@ -199,12 +199,13 @@ def cancel(ctx: Ctx, job: str, json_flag: bool) -> None:
 def results(ctx: Ctx, job: str, output: str, fmt: str, json_flag: bool) -> None:
     """Write a job's results (in input order) to a file."""
     from batchinfer.cli.progress import rows_progress
+    from batchinfer.store.jobstore import JobStatus
 
     client = ctx.client()
     record = client.status(job)
     with rows_progress("writing", record.total, quiet=ctx.quiet or ctx.json or json_flag) as bar:
         location = client.write_results(job, output, fmt, on_row=bar.advance)
-    if not record.terminal and record.status.value != "finalizing" and not ctx.quiet:
+    if not record.terminal and record.status is not JobStatus.FINALIZING and not ctx.quiet:
         click.echo(f"warning: job {job} is {record.status.value}: the file holds the results so far",
                    err=True)
     emit(ctx, json_flag, {"job_id": job, "output": location, "format": fmt}, lambda: click.echo(location))

@@ -6,12 +6,12 @@ import datetime as dt
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from batchinfer.store.jobstore import JobRecord
+from batchinfer.store.jobstore import JobRecord, JobStatus
 from batchinfer.store.registry import WorkerInfo
 
 _Item = TypeVar("_Item")
-_STAGES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
-           "cancelled_at")
+# the times a job entered each status after the first, in lifecycle order (``created_at`` is validating's)
+_STAGES = tuple(s.timestamp_field.value for s in JobStatus if s is not JobStatus.VALIDATING)
 
 
 def fmt_time(ms: int | None) -> str:

@@ -24,7 +24,7 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, ResultRow
 from batchinfer.redis_conn import connect
-from batchinfer.store.jobstore import JobRecord, JobStatus, JobStore
+from batchinfer.store.jobstore import JobField, JobRecord, JobStatus, JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry, WorkerInfo
 
@@ -139,13 +139,13 @@ class Client:
                 pending += 1
             idx += 1
             if pending >= SUBMIT_CHUNK:
-                pipe.hincrby(job_key, "submitted", pending)
+                pipe.hincrby(job_key, JobField.SUBMITTED, pending)
                 pipe.execute()
                 pending = 0
                 if on_progress:
                     on_progress(idx)
         if pending:
-            pipe.hincrby(job_key, "submitted", pending)
+            pipe.hincrby(job_key, JobField.SUBMITTED, pending)
             pipe.execute()
         if on_progress:
             on_progress(idx)
@@ -160,7 +160,7 @@ class Client:
         assert err is not None
         # As the scheduler's rows: the line number is the row's `line` column, not in the message.
         row = ResultRow.error(err.code, err.message, job_id=job_id, idx=idx, line=item.line)
-        self.redis.hincrby(self.keys.job(job_id), "submitted", 1)
+        self.redis.hincrby(self.keys.job(job_id), JobField.SUBMITTED, 1)
         if self.publisher.publish(row).finalizing:
             self._enqueue_export(job_id)
 

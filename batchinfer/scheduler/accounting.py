@@ -23,13 +23,14 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.protocol.rows import now_ms
 from batchinfer.scheduler.lookups import JobCache, RowSink
-from batchinfer.store.jobstore import JobStatus, JobStore
+from batchinfer.store.jobstore import JobField, JobStatus, JobStore, parse_fields
 
 log = logging.getLogger(__name__)
 
 EXPORT_GRACE_MS = 30_000  # time the finalizing process has to enqueue the export itself
-EXPORTING_STATUSES = (b"finalizing", b"cancelling", b"expired")
-FIELDS = ("status", "expires_at", "export_requested_at", "exported_at", "submitted", "total", "cancelling_at")
+EXPORTING_STATUSES = frozenset({JobStatus.FINALIZING, JobStatus.CANCELLING, JobStatus.EXPIRED})
+FIELDS = (JobField.STATUS, JobField.EXPIRES_AT, JobField.EXPORT_REQUESTED_AT, JobField.EXPORTED_AT,
+          JobField.SUBMITTED, JobField.TOTAL, JobField.CANCELLING_AT)
 ABANDONED_MS = 60_000  # a job cancelled this long ago while still validating gets total = submitted
 
 
@@ -55,17 +56,19 @@ class Accounting:
             pipe.hmget(self.keys.job(job_id), *FIELDS)
         now, acted = now_ms(), 0
         for job_id, values in zip(ids, pipe.execute(), strict=True):
-            status, expires, requested, exported, submitted, total, cancelling_at = values
-            if status in (b"validating", b"in_progress") and expires and now > int(expires):
-                self._expire(job_id, validating=status == b"validating", submitted=int(submitted or 0))
+            fields = parse_fields(FIELDS, values)  # in FIELDS' order
+            status, expires, requested, exported, submitted, total, cancelling_at = fields.values()
+            submitted = submitted or 0
+            if status in (JobStatus.VALIDATING, JobStatus.IN_PROGRESS) and expires and now > expires:
+                self._expire(job_id, validating=status is JobStatus.VALIDATING, submitted=submitted)
                 acted += 1
-            elif (status == b"cancelling" and total is None and cancelling_at
-                  and now - int(cancelling_at) > ABANDONED_MS):
+            elif (status is JobStatus.CANCELLING and total is None and cancelling_at
+                  and now - cancelling_at > ABANDONED_MS):
                 log.info("job %s: cancelled during submission; closing it at %s requests", job_id, submitted)
-                self._close(job_id, int(submitted or 0))
+                self._close(job_id, submitted)
                 acted += 1
             elif (status in EXPORTING_STATUSES and requested and not exported
-                  and now - int(requested) > self.export_grace_ms and not self._export_queued(job_id)):
+                  and now - requested > self.export_grace_ms and not self._export_queued(job_id)):
                 log.warning("job %s: all rows in but no export job found; enqueueing it", job_id)
                 self.sink.enqueue_export(job_id)
                 acted += 1

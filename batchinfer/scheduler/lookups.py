@@ -17,14 +17,15 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.protocol.rows import ResultRow, now_ms
-from batchinfer.redis_conn import as_text
+from batchinfer.store.jobstore import JobField, JobStatus, parse_fields
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import ModelInfo, Registry
 from batchinfer.workers.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-CANCELLED_STATUSES = ("cancelling", "cancelled")
+CANCELLED_STATUSES = frozenset({JobStatus.CANCELLING, JobStatus.CANCELLED})
+VIEW_FIELDS = (JobField.STATUS, JobField.MODEL, JobField.EXPIRES_AT, JobField.PRIORITY)
 
 
 @dataclass(frozen=True)
@@ -33,19 +34,20 @@ class JobView:
 
     job_id: str
     exists: bool
-    status: str | None = None
+    status: JobStatus | None = None  # None also for a status this version does not know
     model: str | None = None
     expires_at: int | None = None
     priority: int = 0
 
     def ended_as(self) -> str | None:
-        """``"cancelled"`` or ``"expired"`` when the job's pending requests must not run, else None.
+        """The row status, ``"cancelled"`` or ``"expired"``, of the job's pending requests when they
+        must not run, else None.
 
         The job's status decides; the accounting sweep moves a job past its window to ``expired``.
         """
         if self.status in CANCELLED_STATUSES:
             return "cancelled"
-        if self.status == "expired":
+        if self.status is JobStatus.EXPIRED:
             return "expired"
         return None
 
@@ -73,13 +75,13 @@ class JobCache:
         if stale:
             pipe = self.redis.pipeline(transaction=False)
             for job_id in stale:
-                pipe.hmget(self.keys.job(job_id), "status", "model", "expires_at", "priority")
+                pipe.hmget(self.keys.job(job_id), *VIEW_FIELDS)
             if len(self._views) + len(stale) > self.max_entries:
                 self._views.clear()  # bounded memory; a miss costs one HMGET
-            for job_id, (status, model, expires, priority) in zip(stale, pipe.execute(), strict=True):
-                view = JobView(job_id, exists=status is not None, status=as_text(status),
-                               model=as_text(model), expires_at=int(expires) if expires else None,
-                               priority=int(priority) if priority else 0)
+            for job_id, values in zip(stale, pipe.execute(), strict=True):
+                status, model, expires, priority = parse_fields(VIEW_FIELDS, values).values()
+                view = JobView(job_id, exists=values[0] is not None, status=status, model=model,
+                               expires_at=expires, priority=priority or 0)
                 self._views[job_id] = (now, view)
                 out[job_id] = view
         return out

@@ -30,7 +30,7 @@ from batchinfer.keys import DIRECT, Keys
 from batchinfer.protocol.batches import encode_request
 from batchinfer.protocol.rows import BatchRequest
 from batchinfer.scheduler.packing import PREFIX_SORT_TOKENS, Candidate
-from batchinfer.store.publish import lua_source
+from batchinfer.store import scripts
 
 
 def queue_key(keys: Keys, model: str, member: str) -> str:
@@ -97,7 +97,7 @@ class Staging:
     def __init__(self, redis_client: redis.Redis, keys: Keys):
         self.redis = redis_client
         self.keys = keys
-        self._prune = redis_client.register_script(lua_source("prune_queue"))
+        self._prune = scripts.register(redis_client, "prune_queue")
 
     def add(self, pipe: redis.client.Pipeline, model: str, priority: int, request: BatchRequest) -> None:
         """Queue ``request`` on ``pipe`` (the caller's MULTI, which also acks its intake entry)."""

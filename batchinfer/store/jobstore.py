@@ -1,5 +1,10 @@
 """Job records (``{bi}:job:<job>`` hashes, docs/protocol.md) and the ``{bi}:jobs`` index.
 
+This module owns the record's format: its field names (:class:`JobField`), its statuses
+(:class:`JobStatus`) and how raw hash values parse (:func:`parse_status`, :func:`parse_fields`).
+Other modules name fields and statuses through these, never as string literals; the Lua scripts
+in ``lua/`` are the one other place that spells them.
+
 The store only reads and writes records; who moves a job between states is the scheduler's and
 the publisher's business. Status changes that must not race (cancel, conditional transitions)
 are one Lua call each.
@@ -9,7 +14,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -19,6 +24,7 @@ import redis
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import valid_job_id
 from batchinfer.protocol.rows import now_ms
+from batchinfer.store import scripts
 
 
 class JobStatus(str, Enum):
@@ -37,38 +43,107 @@ class JobStatus(str, Enum):
     def terminal(self) -> bool:
         return self in TERMINAL
 
+    @property
+    def timestamp_field(self) -> JobField:
+        """The field that holds when a job entered this status: ``<status>_at``; ``created_at``
+        for ``validating``, the status a job is created in."""
+        return JobField.CREATED_AT if self is JobStatus.VALIDATING else JobField(f"{self.value}_at")
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class JobField(str, Enum):
+    """The fields of a ``{bi}:job:<job>`` hash (docs/protocol.md, "Job record").
+
+    Members are ``str``, so they go to redis-py as the field names themselves.
+    """
+
+    ID = "id"
+    STATUS = "status"
+    MODEL = "model"
+    INPUT_NAME = "input_name"
+    OUTPUT = "output"
+    OUTPUT_FORMAT = "output_format"
+    PRIORITY = "priority"
+    COMPLETION_WINDOW = "completion_window"
+    METADATA = "metadata"
+    TOTAL = "total"  # set when the submission ends
+    SUBMITTED = "submitted"
+    COMPLETED = "completed"  # rows published with status completed
+    FAILED = "failed"  # every other row (failed, cancelled, expired)
+    ERRORS = "errors"
+    CREATED_AT = "created_at"
+    IN_PROGRESS_AT = "in_progress_at"
+    FINALIZING_AT = "finalizing_at"
+    COMPLETED_AT = "completed_at"
+    FAILED_AT = "failed_at"
+    EXPIRES_AT = "expires_at"
+    EXPIRED_AT = "expired_at"
+    CANCELLING_AT = "cancelling_at"
+    CANCELLED_AT = "cancelled_at"
+    # export bookkeeping, written by the Lua scripts: every row is in (publish.lua / finalize.lua),
+    # the file is written (mark_exported.lua), the last export attempt failed (mark_export_failed.lua)
+    EXPORT_REQUESTED_AT = "export_requested_at"
+    EXPORTED_AT = "exported_at"
+    EXPORT_ERROR = "export_error"
+
     def __str__(self) -> str:
         return self.value
 
 
 TERMINAL = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED})
-TIMESTAMPS = ("created_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expires_at",
-              "expired_at", "cancelling_at", "cancelled_at")
-_INT_FIELDS = ("priority", "completion_window", "total", "submitted", "completed", "failed", *TIMESTAMPS)
-_JSON_FIELDS = ("metadata", "errors")
+TIMESTAMPS = tuple(f.value for f in JobField if f.value.endswith("_at") and not f.value.startswith("export"))
+_INT_FIELDS = frozenset({JobField.PRIORITY, JobField.COMPLETION_WINDOW, JobField.TOTAL, JobField.SUBMITTED,
+                         JobField.COMPLETED, JobField.FAILED, *map(JobField, TIMESTAMPS),
+                         JobField.EXPORT_REQUESTED_AT, JobField.EXPORTED_AT})
+_JSON_FIELDS = frozenset({JobField.METADATA, JobField.ERRORS})
 
-# KEYS[1] job hash. ARGV: new status, its timestamp field, now ms, then allowed current statuses.
-# Sets status (+ timestamp) only when the job exists and its status is one of the allowed ones.
-_TRANSITION = """
-local cur = redis.call('HGET', KEYS[1], 'status')
-if not cur then return false end
-local ok = (#ARGV == 3)
-for i = 4, #ARGV do if ARGV[i] == cur then ok = true end end
-if not ok then return cur end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], ARGV[3])
-return 'OK'
-"""
 
-# KEYS[1] job hash, KEYS[2] cancelled set. ARGV: job id, now ms.
-_CANCEL = """
-local cur = redis.call('HGET', KEYS[1], 'status')
-if not cur then return false end
-if cur == 'completed' or cur == 'failed' or cur == 'expired' or cur == 'cancelled' or cur == 'cancelling'
-then return cur end
-redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[2])
-redis.call('SADD', KEYS[2], ARGV[1])
-return 'cancelling'
-"""
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def parse_status(raw: bytes | str | None) -> JobStatus | None:
+    """The status a hash's raw ``status`` value names; None when absent or not a status.
+
+    Lenient on purpose: a record some other producer wrote must not stop a daemon's loop.
+    """
+    if raw is None:
+        return None
+    try:
+        return JobStatus(_text(raw))
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def parse_field(name: JobField, raw: bytes | str | None) -> Any:
+    """One raw hash value in its type: status -> :class:`JobStatus` (see :func:`parse_status`),
+    counters and times -> ``int``, ``metadata`` / ``errors`` -> JSON, others -> ``str``.
+    Absent or empty -> None. A counter or time that is not an integer is a ``ValueError``.
+    """
+    if raw is None:
+        return None
+    if name is JobField.STATUS:
+        return parse_status(raw)
+    text = _text(raw)
+    if text == "":
+        return None
+    if name in _INT_FIELDS:
+        return int(text)
+    if name in _JSON_FIELDS:
+        return json.loads(text)
+    return text
+
+
+def parse_fields(names: Sequence[JobField], values: Sequence[bytes | str | None]) -> dict[JobField, Any]:
+    """``HMGET <job> *names``'s reply, parsed field by field (:func:`parse_field`)."""
+    return {name: parse_field(name, raw) for name, raw in zip(names, values, strict=True)}
+
+
+def read_status(redis_client: redis.Redis, keys: Keys, job_id: str) -> JobStatus | None:
+    """Job ``job_id``'s status, None for no job (one HGET)."""
+    return parse_status(redis_client.hget(keys.job(job_id), JobField.STATUS))
 
 
 def new_job_id() -> str:
@@ -127,20 +202,15 @@ class JobRecord:
 
     @classmethod
     def from_hash(cls, raw: Mapping[bytes | str, bytes | str]) -> JobRecord:
-        d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-             for k, v in raw.items()}
+        """The record an HGETALL returned; an unknown status is a ``ValueError``."""
+        d = {_text(k): _text(v) for k, v in raw.items()}
         known = {f.name for f in fields(cls)}
         values: dict[str, Any] = {}
         for k, v in d.items():
-            if k not in known or v == "":
+            if k not in known or v == "" or k == JobField.STATUS:
                 continue
-            if k in _INT_FIELDS:
-                values[k] = int(v)
-            elif k in _JSON_FIELDS:
-                values[k] = json.loads(v)
-            else:
-                values[k] = v
-        values["status"] = JobStatus(values.get("status", "validating"))
+            values[k] = parse_field(JobField(k), v)
+        values["status"] = JobStatus(d.get(JobField.STATUS) or JobStatus.VALIDATING)
         return cls(**values)
 
 
@@ -158,8 +228,8 @@ class JobStore:
     def __init__(self, redis_client: redis.Redis, keys: Keys):
         self.redis = redis_client
         self.keys = keys
-        self._transition = redis_client.register_script(_TRANSITION)
-        self._cancel = redis_client.register_script(_CANCEL)
+        self._transition = scripts.register(redis_client, "set_status")
+        self._cancel = scripts.register(redis_client, "cancel_job")
 
     def create(self, job_id: str | None = None, *, model: str | None = None, input_name: str | None = None,
                output: str | None = None, output_format: str = "parquet", priority: int = 0,
@@ -176,10 +246,10 @@ class JobStore:
                            completion_window=completion_window, metadata=dict(metadata or {}),
                            created_at=created, expires_at=created + completion_window * 1000)
         key = self.keys.job(job_id)
-        if not self.redis.hsetnx(key, "id", job_id):
+        if not self.redis.hsetnx(key, JobField.ID, job_id):
             raise ValueError(f"job {job_id} already exists")
         mapping = {f.name: _encode(getattr(record, f.name)) for f in fields(record)
-                   if getattr(record, f.name) is not None and f.name != "total"}
+                   if getattr(record, f.name) is not None and f.name != JobField.TOTAL}
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, mapping=mapping)
         pipe.zadd(self.keys.jobs, {job_id: created})
@@ -228,8 +298,8 @@ class JobStore:
             self.update(job_id, **values)
         return moved
 
-    def incr(self, job_id: str, field_name: str, amount: int = 1) -> int:
-        return int(self.redis.hincrby(self.keys.job(job_id), field_name, amount))
+    def incr(self, job_id: str, field_name: JobField | str, amount: int = 1) -> int:
+        return int(self.redis.hincrby(self.keys.job(job_id), JobField(field_name), amount))
 
     def cancel(self, job_id: str) -> JobStatus | None:
         """Ask for cancellation: a live job goes ``cancelling`` and joins ``{bi}:cancelled``.
@@ -247,9 +317,9 @@ class JobStore:
         """Whether cancellation was asked for (``cancelling`` or ``cancelled``)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.sismember(self.keys.cancelled, job_id)
-        pipe.hget(self.keys.job(job_id), "status")
+        pipe.hget(self.keys.job(job_id), JobField.STATUS)
         member, status = pipe.execute()
-        return bool(member) or status in (b"cancelling", b"cancelled", "cancelling", "cancelled")
+        return bool(member) or parse_status(status) in (JobStatus.CANCELLING, JobStatus.CANCELLED)
 
     def cancelled_jobs(self) -> set[str]:
         """Ids in ``{bi}:cancelled`` (what workers poll every few steps)."""

@@ -10,8 +10,6 @@ last row of an ended submission lands, makes the job final. Exactly one caller l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
 from typing import TYPE_CHECKING, Protocol
 
 import redis
@@ -19,6 +17,8 @@ from redis.exceptions import NoScriptError
 
 from batchinfer.keys import DIRECT, Keys
 from batchinfer.protocol.rows import now_ms
+from batchinfer.store import scripts
+from batchinfer.store.jobstore import JobField
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -46,16 +46,6 @@ class PublishOutcome:
     finalizing: bool
 
 
-@cache
-def lua_source(name: str) -> str:
-    """The text of ``batchinfer/store/lua/<name>.lua``, after the ``finalize.lua`` prelude if it uses it."""
-    lua = resources.files("batchinfer.store") / "lua"
-    text = (lua / f"{name}.lua").read_text(encoding="utf-8")
-    if name != "finalize" and "maybe_finalize(" in text:
-        text = (lua / "finalize.lua").read_text(encoding="utf-8") + "\n" + text
-    return text
-
-
 class Publisher:
     """Publishes result rows exactly once; see docs/protocol.md for the keys it touches."""
 
@@ -64,8 +54,8 @@ class Publisher:
         self.keys = keys
         self.direct_guard_ttl = int(direct_guard_ttl)
         # redis-py Script objects use EVALSHA and reload on NOSCRIPT (e.g. after a Redis restart)
-        self._publish = redis_client.register_script(lua_source("publish"))
-        self._finish = redis_client.register_script(lua_source("finish_submission"))
+        self._publish = scripts.register(redis_client, "publish")
+        self._finish = scripts.register(redis_client, "finish_submission")
 
     def _guard(self, job_id: str | None, request_id: str) -> str:
         return self.keys.published(job_id) if job_id else self.keys.published_direct(request_id)
@@ -79,7 +69,7 @@ class Publisher:
                 self.keys.job(job_id or DIRECT)]
         if reply_to:
             keys.append(reply_to)
-        counter = "completed" if row.status == "completed" else "failed"
+        counter = (JobField.COMPLETED if row.status == "completed" else JobField.FAILED).value
         idx = row.idx if job_id is not None else -1
         return keys, [idx, row.to_json(), counter, now_ms(), self.direct_guard_ttl]
 

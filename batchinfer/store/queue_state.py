@@ -15,10 +15,10 @@ import redis
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
 from batchinfer.protocol.rows import now_ms
 from batchinfer.redis_conn import as_text
+from batchinfer.store.jobstore import JobField, JobStatus, parse_status
 
-ACTIVE_JOB_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
-JOB_STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired",
-                "cancelling", "cancelled")
+ACTIVE_JOB_STATUSES = frozenset(s for s in JobStatus if not s.terminal)
+JOB_STATUSES = tuple(s.value for s in JobStatus)
 LAG_COUNT_CAP = 1000  # when Redis cannot tell a group's lag, count at most this many entries
 # Replies are read with as_text(..., "replace"): a view must not fail on one stray byte.
 
@@ -104,9 +104,6 @@ def queue_state(r: redis.Redis, keys: Keys) -> QueueState:
     )
 
 
-TERMINAL_JOB_STATUSES = ("completed", "failed", "expired", "cancelled")
-
-
 class JobStatusCounter:
     """Counts the ``max_jobs`` most recent jobs by status, scrape after scrape.
 
@@ -127,13 +124,14 @@ class JobStatusCounter:
             part = unknown[start:start + self.chunk]
             pipe = r.pipeline(transaction=False)
             for job_id in part:
-                pipe.hget(keys.job(job_id), "status")
+                pipe.hget(keys.job(job_id), JobField.STATUS)
             for job_id, status in zip(part, pipe.execute(), strict=True):
                 if status is None:  # removed since the ZREVRANGE
                     continue
                 name = as_text(status, "replace")
                 counts[name] = counts.get(name, 0) + 1
-                if name in TERMINAL_JOB_STATUSES:
+                parsed = parse_status(status)
+                if parsed is not None and parsed.terminal:
                     self._terminal[job_id] = name
         known, fresh = set(ids), set(unknown)
         for job_id in ids:
@@ -190,13 +188,14 @@ class JobView:
 def job_view(job_id: str, raw: dict[Any, Any]) -> JobView:
     """A :class:`JobView` from a ``{p}:job:<id>`` hash as HGETALL returns it."""
     h = {as_text(k, "replace"): as_text(v, "replace") for k, v in raw.items()}
+    f = JobField
     return JobView(
-        id=h.get("id", job_id), status=h.get("status", "?"), model=h.get("model", ""),
-        submitted=_int(h.get("submitted")),
-        total=_int(h["total"]) if h.get("total", "") != "" else None,
-        completed=_int(h.get("completed")), failed=_int(h.get("failed")),
-        created_at=_int(h.get("created_at")),
-        in_progress_at=_int(h["in_progress_at"]) if h.get("in_progress_at") else None,
+        id=h.get(f.ID, job_id), status=h.get(f.STATUS, "?"), model=h.get(f.MODEL, ""),
+        submitted=_int(h.get(f.SUBMITTED)),
+        total=_int(h[f.TOTAL]) if h.get(f.TOTAL, "") != "" else None,
+        completed=_int(h.get(f.COMPLETED)), failed=_int(h.get(f.FAILED)),
+        created_at=_int(h.get(f.CREATED_AT)),
+        in_progress_at=_int(h[f.IN_PROGRESS_AT]) if h.get(f.IN_PROGRESS_AT) else None,
     )
 
 

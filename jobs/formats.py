@@ -26,7 +26,7 @@ OUTPUT_TYPE = pa.struct([
 
 #: The columns of every Parquet result file, in order. ``sampling_params`` and ``metadata`` are JSON
 #: strings so that files of requests with different fields share one schema.
-RESULT_SCHEMA = pa.schema([
+RESULT_SCHEMA = pa.schema((  # a tuple: pyarrow's stubs type a list of mixed fields as list[object]
     pa.field("job_id", pa.string()),
     pa.field("request_id", pa.string(), nullable=False),
     pa.field("idx", pa.int64()),
@@ -49,7 +49,7 @@ RESULT_SCHEMA = pa.schema([
     pa.field("worker", pa.string()),
     pa.field("sampling_params", pa.string()),
     pa.field("metadata", pa.string()),
-])
+))
 
 _JSON_COLUMNS = ("sampling_params", "metadata")
 _OUTPUT_KEYS = ("index", "text", "token_ids", "finish_reason")
@@ -117,7 +117,8 @@ def jsonl_line(row: Mapping[str, Any]) -> str:
 
 
 # OpenAI's codes for requests a batch never ran.
-_OPENAI_ERROR_CODES = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
+# keyed by a row's status, which a foreign row may lack (None)
+_OPENAI_ERROR_CODES: dict[str | None, str] = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
 
 
 def openai_line(row: Mapping[str, Any]) -> str:

@@ -13,6 +13,7 @@ from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
 from batchinfer.protocol.batches import encode, retry_batches
 from batchinfer.protocol.entries import IntakeEntry, ResultRow
 from batchinfer.protocol.rows import BatchRequest
+from batchinfer.redis_conn import ensure_group
 from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.scheduler.staging import held_key
 from batchinfer.store.jobstore import JobStore
@@ -152,6 +153,21 @@ def test_lease_expiry_redispatches_unpublished_and_dead_letters(env):
     got = rows(r, "j")
     assert got[1].error_code == "dead_lettered" and got[0].status == "completed"
     assert r.hget(KEYS.attempts("j"), "1") == b"2"
+
+
+def test_an_unreadable_batch_is_dead_lettered_whole_when_its_lease_expires(env):
+    r, registry, _ = env
+    live_worker(registry)
+    stream = KEYS.batches("tiny")
+    ensure_group(r, stream, WORKERS_GROUP)
+    entry_id = r.xadd(stream, {"requests": "not json", "model": "tiny"})
+    r.xreadgroup(WORKERS_GROUP, "w1", {stream: ">"})  # a worker took it, then died
+    time.sleep(0.25)
+    assert make_scheduler(r, lease_seconds=0.2).leases.step() == 1
+    (_, letter), = r.xrange(KEYS.deadletter)
+    assert letter[b"requests"] == b"not json" and letter[b"model"] == b"tiny"  # the entry as it was
+    assert letter[b"batch"] == entry_id and letter[b"error"].startswith(b"unreadable batch entry: ")
+    assert r.xlen(stream) == 0
 
 
 def test_restart_rereads_own_pending_entries(env):

@@ -191,6 +191,13 @@ def test_chat_template_jinja_file_and_named_templates(model_dir, tmp_path):
     assert Tokenizer.from_files(_tokenizer_json(), json.dumps(config)).chat_template == "D"
 
 
+def test_named_templates_without_default_name_the_others_even_unnamed():
+    # an entry without a name (None) once made sorting the names fail with a TypeError
+    config = {"chat_template": [{"name": "tool_use", "template": "T"}, {"template": "U"}]}
+    with pytest.raises(ValueError, match=r"no 'default' among \[None, 'tool_use'\]"):
+        Tokenizer.from_files(_tokenizer_json(), json.dumps(config))
+
+
 def _tokenizer_json() -> str:
     from batchinfer.workers.testing import build_tokenizer
 

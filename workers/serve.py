@@ -21,6 +21,7 @@ from batchinfer.ops.httpserver import serve as serve_http
 from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.store.registry import read_tokenizer_files
 from batchinfer.workers.daemon import WorkerDaemon
+from batchinfer.workers.engine.interface import WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
     options = dict(engine_options or {})
     if not echo and not model_dir:
         raise ValueError("--model: a model folder is required (or --echo)")
+    engine: WorkerEngine
     try:
         if echo:
             from batchinfer.workers.echo_engine import EchoEngine

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from tqdm import tqdm
+
+_P = TypeVar("_P", bound="Progress")  # `with JobProgress(...) as bar` gives a JobProgress (no Self in 3.10)
 
 
 def show_progress(quiet: bool = False, json_output: bool = False, stream: IO[str] | None = None) -> bool:
@@ -66,7 +68,7 @@ class Progress:
             self._bar.close()
             self._bar = None
 
-    def __enter__(self) -> Progress:
+    def __enter__(self: _P) -> _P:
         return self
 
     def __exit__(self, *exc: object) -> None:

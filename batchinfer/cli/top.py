@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -58,8 +58,8 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
     now = snapshot.taken_at
     for job, view in zip(data["jobs"], snapshot.jobs, strict=True):
         job.update(done=view.done, rate=view.rate(now), eta_seconds=view.eta_seconds(now))
-    for worker, view in zip(data["workers"], snapshot.workers, strict=True):
-        worker["load"] = view.load
+    for worker, wview in zip(data["workers"], snapshot.workers, strict=True):
+        worker["load"] = wview.load
     data["queues"]["intake"]["lag_seconds"] = snapshot.queues.intake.lag_seconds(now)
     return data
 
@@ -89,9 +89,10 @@ def _usage_cell(usage: float | None) -> RenderableType:
 
 def _workers_table(snap: Snapshot) -> Table:
     table = Table(title="workers", title_justify="left", expand=True)
-    for name, justify in (("worker", "left"), ("model", "left"), ("device", "left"), ("load", "right"),
-                          ("waiting", "right"), ("tokens/s", "right"), ("KV use", "left"),
-                          ("heartbeat", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("worker", "left"), ("model", "left"), ("device", "left"), ("load", "right"),
+        ("waiting", "right"), ("tokens/s", "right"), ("KV use", "left"), ("heartbeat", "right"))
+    for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)
     for w in snap.workers:
         age = max(0.0, (snap.taken_at - w.heartbeat_at) / 1000)
@@ -110,8 +111,10 @@ def _workers_table(snap: Snapshot) -> Table:
 
 def _jobs_table(snap: Snapshot) -> Table:
     table = Table(title="jobs in progress", title_justify="left", expand=True)
-    for name, justify in (("job", "left"), ("model", "left"), ("status", "left"), ("progress", "left"),
-                          ("done/total", "right"), ("failed", "right"), ("req/s", "right"), ("ETA", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("job", "left"), ("model", "left"), ("status", "left"), ("progress", "left"),
+        ("done/total", "right"), ("failed", "right"), ("req/s", "right"), ("ETA", "right"))
+    for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)
     for j in snap.jobs:
         total = j.known_total
@@ -154,9 +157,9 @@ def render_top(snapshot: Snapshot) -> RenderableType:
 
 def render_to_text(snapshot: Snapshot, width: int = 120) -> str:
     """The frame as plain text (for ``--once`` without a terminal, and for tests)."""
-    console = Console(width=width, file=io.StringIO(), color_system=None)
-    console.print(render_top(snapshot))
-    return console.file.getvalue()
+    out = io.StringIO()
+    Console(width=width, file=out, color_system=None).print(render_top(snapshot))
+    return out.getvalue()
 
 
 def run_top(r: redis.Redis, keys: Keys, refresh: float = 1.0, *, where: str = "",

@@ -15,7 +15,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, ResultRow
 from batchinfer.redis_conn import connect
+from batchinfer.store import replies
 from batchinfer.store.jobstore import JobField, JobRecord, JobStatus, JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry, WorkerInfo
@@ -133,6 +134,7 @@ class Client:
             if item.error is not None:
                 self._reject(job_id, idx, item)
             else:
+                assert item.body is not None  # an InputLine holds a body or an error
                 pipe.xadd(stream, {"v": PROTOCOL_VERSION, "body": item.body, "job": job_id, "idx": idx,
                                    "line": item.line})
                 duplicates.add(item.line, item.body)
@@ -218,7 +220,7 @@ class Client:
         if self.redis.exists(key):
             start = "-"
             while True:
-                entries = self.redis.xrange(key, min=start, max="+", count=READ_CHUNK)
+                entries = replies.entries(self.redis.xrange(key, min=start, max="+", count=READ_CHUNK))
                 for _, fields in entries:
                     yield json.loads(fields[b"row"])
                 if len(entries) < READ_CHUNK:
@@ -274,7 +276,7 @@ class Client:
 
     def requests(self, bodies: Iterable[Mapping[str, Any] | str], *, model: str | None = None,
                  timeout: float | None = 600.0, window: int = 1000,
-                 client_request_ids: Iterable[str] | None = None) -> Iterator[ResultRow]:
+                 client_request_ids: Iterable[str] | None = None) -> Generator[ResultRow, None, None]:
         """Send many direct requests; yield their rows as they arrive (not in input order).
 
         At most ``window`` requests are outstanding at once. ``row.custom_id`` (from the body) or
@@ -285,7 +287,7 @@ class Client:
         ids = iter(client_request_ids) if client_request_ids is not None else None
         todo = iter(bodies)
         outstanding = 0
-        last = "0-0"
+        last: bytes | str = "0-0"
         exhausted = False
         try:
             while True:
@@ -297,13 +299,13 @@ class Client:
                         break
                     entry = IntakeEntry(body=_direct_body(body, model), reply_to=reply,
                                         client_request_id=next(ids, None) if ids is not None else None)
-                    pipe.xadd(self.keys.requests, entry.to_fields())
+                    pipe.xadd(self.keys.requests, replies.xadd_fields(entry.to_fields()))
                     outstanding += 1
                 pipe.execute()
                 if outstanding == 0:
                     return
                 block_ms = 0 if timeout is None else max(1, int(timeout * 1000))
-                got = self.redis.xread({reply: last}, count=window, block=block_ms)
+                got = replies.read_streams(self.redis.xread({reply: last}, count=window, block=block_ms))
                 if not got:
                     raise TimeoutError(f"no result on {reply} within {timeout:g} s "
                                        f"({outstanding} request(s) outstanding)")

@@ -108,7 +108,7 @@ def read_jsonl(source: str | Path | IO[bytes], *,
     return _jsonl_file(f, path, max_line_bytes)
 
 
-def _jsonl_file(f: IO[bytes], path: Path, max_line_bytes: int) -> Iterator[InputLine]:
+def _jsonl_file(f: IO[bytes] | gzip.GzipFile, path: Path, max_line_bytes: int) -> Iterator[InputLine]:
     last = 0
     with f:
         try:
@@ -119,7 +119,7 @@ def _jsonl_file(f: IO[bytes], path: Path, max_line_bytes: int) -> Iterator[Input
             raise InputError(f"{path}: read failed after line {last}: {e}") from None
 
 
-def _jsonl_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[InputLine]:
+def _jsonl_lines(f: IO[bytes] | gzip.GzipFile, max_line_bytes: int) -> Iterator[InputLine]:
     number = 0
     while True:
         raw = f.readline(max_line_bytes + 1)
@@ -144,7 +144,7 @@ def _jsonl_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[InputLine]:
             yield InputLine(number, body=text)
 
 
-def _skip_to_newline(f: IO[bytes]) -> int:
+def _skip_to_newline(f: IO[bytes] | gzip.GzipFile) -> int:
     """Consume the rest of an over-long line without holding it; returns the bytes skipped."""
     skipped = 0
     while True:

@@ -211,8 +211,8 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
     except (ValueError, TypeError, OverflowError) as e:
         # SamplingParams messages start with the field's name, e.g. "stop[1] must be a string".
         first = str(e).split(" ", 1)[0]
-        name = first if first.split("[", 1)[0] in body else None
-        raise RequestError("invalid_request", str(e), field=name) from None
+        fld = first if first.split("[", 1)[0] in body else None
+        raise RequestError("invalid_request", str(e), field=fld) from None
     limit = max_tokens_limit
     if limit is not None and params.max_tokens is not None and params.max_tokens > limit:
         raise RequestError("invalid_request", f"max_tokens must be <= {limit}, got "

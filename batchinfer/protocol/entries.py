@@ -98,11 +98,11 @@ class IntakeEntry:
                 fields_[name] = v.decode() if isinstance(v, bytes) else str(v)
             except UnicodeDecodeError as e:
                 not_utf8.append(f"{name} ({e.reason} at byte {e.start})")
-        context = {k: fields_[k] for k in ("job", "idx", "line", "reply_to") if k in fields_}
+        context: dict[str, Any] = {k: fields_[k] for k in ("job", "idx", "line", "reply_to") if k in fields_}
         for k in ("idx", "line"):  # best effort, for the error row
             if k in context:
                 context[k] = _int_or_none(context[k])
-        line = context.get("line")
+        line: int | None = context.get("line")
 
         def fail(message: str, fld: str | None = None) -> RequestError:
             return RequestError("protocol_error", message, field=fld, line=line, context=context)

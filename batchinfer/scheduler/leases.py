@@ -24,6 +24,7 @@ from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
 from batchinfer.protocol.batches import SOLO_FIELD, retry_batches
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.scheduler.lookups import JobCache, RowSink
+from batchinfer.store import replies
 from batchinfer.store.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,8 @@ class Leases:
                                              "batch": entry_id, "model": model})
             dead += 1
         retries = retry_batches(again, self.max_attempts)
-        for fields in retries:
-            pipe.xadd(stream, fields)
+        for retry in retries:
+            pipe.xadd(stream, replies.xadd_fields(retry))
         pipe.xack(stream, WORKERS_GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()
@@ -113,6 +114,6 @@ class Leases:
             return [BatchRequest.from_dict(item) for item in items]
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             log.error("batch %s is unreadable, dead-lettered: %s", entry_id, e)
-            pipe.xadd(self.keys.deadletter, {**fields, b"error": f"unreadable batch entry: {e}".encode(),
-                                             b"batch": entry_id.encode()})
+            pipe.xadd(self.keys.deadletter, replies.xadd_fields(
+                {**fields, b"error": f"unreadable batch entry: {e}".encode(), b"batch": entry_id.encode()}))
             return []

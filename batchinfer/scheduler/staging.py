@@ -30,7 +30,7 @@ from batchinfer.keys import DIRECT, Keys
 from batchinfer.protocol.batches import encode_request
 from batchinfer.protocol.rows import BatchRequest
 from batchinfer.scheduler.packing import PREFIX_SORT_TOKENS, Candidate
-from batchinfer.store import scripts
+from batchinfer.store import replies, scripts
 
 
 def queue_key(keys: Keys, model: str, member: str) -> str:
@@ -108,7 +108,7 @@ class Staging:
     def members(self, model: str, limit: int = 4096) -> list[tuple[str, int]]:
         """Active ``(member, priority)`` of ``model``, highest priority first (at most ``limit``)."""
         rows = self.redis.zrevrange(queues_key(self.keys, model), 0, limit - 1, withscores=True)
-        return [(m.decode() if isinstance(m, bytes) else m, int(score)) for m, score in rows]
+        return [(m.decode() if isinstance(m, bytes) else m, int(score)) for m, score in replies.scored(rows)]
 
     def read(self, model: str, members: list[str], per_member: int, max_model_len: int) -> list[Staged]:
         """Up to ``per_member`` oldest entries of each member's stream; empty streams are pruned."""

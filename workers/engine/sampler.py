@@ -150,12 +150,16 @@ class Sampler:
         if raw is None:
             return out
         want, logprobs = raw  # [M, V]
-        top_vals, top_ids = logprobs.topk(max(rows[i].params.logprobs for i in want), dim=-1)  # [M, k]
-        sampled = logprobs.gather(1, torch.tensor([[ids[i]] for i in want], device=logprobs.device))  # [M, 1]
-        top_vals, top_ids, sampled = top_vals.tolist(), top_ids.tolist(), sampled.squeeze(1).tolist()
+        tops = [rows[i].params.logprobs or 0 for i in want]  # every one is set: that is what `want` holds
+        vals_t, ids_t = logprobs.topk(max(tops), dim=-1)  # [M, k]
+        picked = torch.tensor([[ids[i]] for i in want], device=logprobs.device)
+        sampled_t = logprobs.gather(1, picked)  # [M, 1]
+        top_vals: list[list[float]] = vals_t.tolist()
+        top_ids: list[list[int]] = ids_t.tolist()
+        sampled: list[float] = sampled_t.squeeze(1).tolist()
         for j, i in enumerate(want):
             d = {ids[i]: sampled[j]}  # the sampled token first, as vLLM lists it
-            n = rows[i].params.logprobs
+            n = tops[j]
             d.update((t, v) for t, v in zip(top_ids[j][:n], top_vals[j][:n], strict=True) if t not in d)
             out[i] = d
         return out
@@ -168,7 +172,8 @@ class Sampler:
         for i, r in enumerate(rows):
             p = r.params
             if len(r.output_token_ids) < p.min_tokens:
-                ids = [t for t in p.stop_token_ids if t < self.vocab_size]
+                # `or ()` only narrows the type: __post_init__ has made stop_token_ids a list
+                ids = [t for t in p.stop_token_ids or () if t < self.vocab_size]
                 if not p.ignore_eos:
                     ids += self.eos_token_ids
                 if ids:

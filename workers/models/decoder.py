@@ -48,11 +48,11 @@ class Attention(nn.Module):
         self.sliding_window = config.layer_sliding_window(layer)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -67,7 +67,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
         q, k = rotary_embedding(positions, q, k, cos_sin)
@@ -119,7 +119,8 @@ class Decoder(nn.Module):
     Build it with ``load_model``; a bare ``Decoder(config)`` has uninitialised weights.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         super().__init__()
         self.config = config
         # Built on the meta device then allocated uninitialised: no time spent on random init.

@@ -16,7 +16,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None 
     """The ``head_dim / 2`` inverse frequencies, with ``linear`` or ``llama3`` scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", "default")
-    if rope_type == "default":
+    if scaling is None or rope_type == "default":
         return inv_freq
     factor = float(scaling["factor"])
     if rope_type == "linear":

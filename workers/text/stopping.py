@@ -55,7 +55,8 @@ def check_stop(
 
     if may_stop and not params.ignore_eos and new_token_id in eos_token_ids:
         return StopResult("stop", None, _final_text(detok, new_token_id, params))
-    if may_stop and new_token_id in params.stop_token_ids:
+    # `or ()` only narrows the type: __post_init__ has made stop_token_ids a list
+    if may_stop and new_token_id in (params.stop_token_ids or ()):
         return StopResult("stop", new_token_id, _final_text(detok, new_token_id, params))
 
     if detok is not None:

@@ -232,9 +232,12 @@ def _pick_template(config: dict[str, Any]) -> str | None:
     """tokenizer_config's chat_template: a string, or a list of named templates (use "default")."""
     template = config.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        named: dict[str | None, Any] = {
+            t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" not in named:
-            raise ValueError(f"tokenizer_config.json: chat_template has no 'default' among {sorted(named)}")
+            # key=str: a template without a name (None) must not break the sort of the others
+            raise ValueError(f"tokenizer_config.json: chat_template has no 'default' among "
+                             f"{sorted(named, key=str)}")
         return named["default"]
     return template
 

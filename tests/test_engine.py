@@ -161,6 +161,20 @@ def test_seeded_request_gives_the_same_tokens_in_any_batch(engine_factory):
     assert run(crowded)["x"][-1].outputs[0].token_ids == ref
 
 
+def test_seeded_generators_stay_on_the_cpu_whatever_the_model_device(engine_factory, monkeypatch):
+    """The sampler draws one number per step from a seeded completion's generator: a CPU one,
+    whose draws are the same whichever device the model runs on (and cost no device sync)."""
+    from batchinfer.workers.engine.sampler import make_generator
+
+    engine = engine_factory()
+    # A device no generator can be made on: only the model may live there, never the generators.
+    monkeypatch.setattr(engine.runner, "device", torch.device("meta"))
+    req = engine.make_request("s", prompt_token_ids=[1, 2], sampling_params=SamplingParams(seed=3, n=2))
+    assert [seq.generator.device.type for seq in req.seqs] == ["cpu", "cpu"]
+    draws = [torch.rand(4, generator=seq.generator).tolist() for seq in req.seqs]
+    assert draws == [torch.rand(4, generator=make_generator(3, i)).tolist() for i in range(2)]
+
+
 def test_num_cached_tokens_reports_prefix_hits(engine_factory):
     engine = engine_factory()
     prompt = list(range(100, 140))  # 2 full blocks of 16 and a tail

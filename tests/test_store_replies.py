@@ -38,3 +38,18 @@ def test_xadd_fields_copies() -> None:
     fields = {"v": "1"}
     out = replies.xadd_fields(fields)
     assert out == {"v": "1"} and out is not fields
+
+
+def test_read_pending_gives_entries_deleted_while_pending_without_fields(redis_session) -> None:
+    r = connect(redis_session.url)
+    stream = _key("p")
+    kept, gone = r.xadd(stream, {"a": "1"}), r.xadd(stream, {"b": "2"})
+    r.xgroup_create(stream, "g", id="0")
+    r.xreadgroup("g", "c", {stream: ">"})  # both pending to consumer c now
+    r.xdel(stream, gone)
+    read = replies.read_pending(r.xreadgroup("g", "c", {stream: "0-0"}))
+    assert [name for name, _ in read] == [stream.encode()]
+    (kept_id, kept_fields), (gone_id, gone_fields) = read[0][1]
+    assert (kept_id, kept_fields) == (kept, {b"a": b"1"})
+    assert gone_id == gone and not gone_fields  # None or {}, by redis-py version
+    assert replies.read_pending(r.xreadgroup("g", "c", {stream: gone})) == [(stream.encode(), [])]

@@ -97,25 +97,6 @@ def test_bisection_blames_exactly_the_culprit(n, data):
     assert failures <= math.ceil(math.log2(n)) + 1 and not q.active
 
 
-def test_parse_batch_separates_malformed_requests():
-    import json
-
-    import pytest
-
-    from batchinfer.workers.inflight import parse_batch
-
-    good = _req(0).to_dict()
-    items = [good, {"job_id": "j", "idx": 4}, {"idx": 1}, {**good, "request_id": "j:-1", "idx": -1}]
-    requests, rejected = parse_batch({b"v": b"1", b"requests": json.dumps(items).encode()})
-    assert [q.request_id for q in requests] == ["j:0"]
-    assert [bad.route for bad in rejected] == [("j", 4), None, None]
-    assert "request 1 of the batch is malformed" in rejected[0].reason
-    with pytest.raises(ValueError, match="protocol version"):
-        parse_batch({b"v": b"2", b"requests": b"[]"})
-    with pytest.raises(ValueError, match="not a JSON list"):
-        parse_batch({b"v": b"1", b"requests": b"{}"})
-
-
 def test_solo_requests_wait_apart_and_hold_off_pulling_until_their_row_is_queued():
     book = Book()
     book.add_batch("b1", [_req(0), _req(1)], [False, False])

@@ -34,14 +34,16 @@ from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.ops.httpserver import Readiness
 from batchinfer.ops.metrics import WorkerMetrics
-from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms
-from batchinfer.redis_conn import Backoff, ensure_group
+from batchinfer.protocol import batches
+from batchinfer.protocol.rows import ResultRow, now_ms
+from batchinfer.redis_conn import Backoff, as_text, ensure_group
+from batchinfer.store import replies
 from batchinfer.store.jobstore import JobStatus, read_status
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import RequestOutput
-from batchinfer.workers.inflight import Book, Held, Quarantine, parse_batch
+from batchinfer.workers.inflight import Book, Held, Quarantine
 from batchinfer.workers.keeper import Keeper
 from batchinfer.workers.outbox import DeadLetter, Outbox
 
@@ -154,7 +156,7 @@ class WorkerDaemon:
         """Register the model, create the group, take back this worker's own pending batches."""
         self._register_model()
         self._ensure_group()
-        entries = [(b"0-0", None)]
+        entries: list[replies.Entry] = [(b"0-0", {})]
         while entries:  # XREADGROUP from an id re-reads this consumer's pending entries
             entries = self._read(entries[-1][0], count=100)
             for entry_id, fields in entries:
@@ -174,7 +176,7 @@ class WorkerDaemon:
 
     # -- batches in -------------------------------------------------------------------------------
 
-    def _read(self, from_id: bytes | str, count: int = 1, block: int | None = None) -> list:
+    def _read(self, from_id: bytes | str, count: int = 1, block: int | None = None) -> list[replies.Entry]:
         try:
             reply = self.redis.xreadgroup(WORKERS_GROUP, self.name, {self.stream: from_id}, count=count,
                                           block=block)
@@ -183,7 +185,8 @@ class WorkerDaemon:
                 raise
             self._ensure_group()
             return []
-        entries = reply[0][1] if reply else []
+        streams = replies.read_pending(reply)
+        entries = streams[0][1] if streams else []
         gone = [eid for eid, f in entries if not f]  # pending to us, but deleted from the stream
         if gone:
             self.redis.xack(self.stream, WORKERS_GROUP, *gone)
@@ -193,35 +196,39 @@ class WorkerDaemon:
         for entry_id, fields in self._read(">", block=self.block_ms if block else None):
             self._take_batch(entry_id, fields)
 
-    def _take_batch(self, entry_id: bytes | str, fields: dict[bytes, bytes]) -> None:
-        entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        requests = self._parse_batch(entry, fields)
+    def _take_batch(self, entry_id: bytes, fields: replies.Fields) -> None:
+        entry = entry_id.decode()
+        batch = self._decode_batch(entry, fields)
+        requests = batch.requests
         published = self.publisher.published_mask([(q.job_id, q.idx, q.request_id) for q in requests])
-        if self.book.add_batch(entry, requests, published, solo=fields.get(b"solo") == b"1"):
+        if self.book.add_batch(entry, requests, published, solo=batch.solo):
             self.outbox.ack([entry])  # nothing left to run (a re-delivery of finished work)
         else:
             self.keeper.hold(entry)
 
-    def _parse_batch(self, entry: str, fields: dict[bytes, bytes]) -> list[BatchRequest]:
-        """The batch's requests; malformed ones become error rows, or dead letters when unroutable."""
+    def _decode_batch(self, entry: str, fields: replies.Fields) -> batches.BatchEntry:
+        """The batch entry; malformed requests become error rows, or dead letters when unroutable.
+
+        An entry that is no batch at all is dead-lettered whole and taken as an empty batch.
+        """
         try:
-            requests, rejected = parse_batch(fields)
-        except ValueError as e:
+            batch = batches.decode(fields)
+        except ValueError as e:  # MalformedBatch: the entry is no batch at all
             self._dead_letter(entry, f"malformed batch entry: {e}", fields)
-            return []
-        for bad in rejected:
+            return batches.BatchEntry()
+        for bad in batch.rejected:
             if bad.route is not None:
                 job, idx = bad.route
                 row = ResultRow.error("protocol_error", bad.reason, job_id=job, idx=idx, worker=self.name)
                 self.outbox.add(row)
             else:
                 self._dead_letter(entry, bad.reason, {b"request": json.dumps(bad.item).encode()})
-        return requests
+        return batch
 
-    def _dead_letter(self, entry: str, error: str, fields: dict[bytes, bytes]) -> None:
+    def _dead_letter(self, entry: str, error: str, fields: replies.Fields) -> None:
         log.error("worker %s: %s", self.name, error)
-        self.redis.xadd(self.keys.deadletter, {**fields, b"error": error.encode(), b"batch": entry.encode(),
-                                               b"worker": self.name.encode()})
+        self.redis.xadd(self.keys.deadletter, replies.xadd_fields(
+            {**fields, b"error": error.encode(), b"batch": entry.encode(), b"worker": self.name.encode()}))
 
     # -- the engine -------------------------------------------------------------------------------
 
@@ -372,8 +379,8 @@ class WorkerDaemon:
         if recent and self.steps - self._polled_at_step < self.cancel_poll_steps:
             return
         self._last_poll, self._polled_at_step = now, self.steps
-        self.cancelled = {m.decode() for m in self.redis.smembers(self.keys.cancelled)}
-        reasons: dict[str, tuple[str, str, str]] = {}
+        self.cancelled = {as_text(m) for m in self.redis.smembers(self.keys.cancelled)}
+        reasons: dict[str | None, tuple[str, str, str]] = {}  # by job id (of_jobs gives job requests)
         for held in self.book.of_jobs(self.cancelled):
             job = held.request.job_id
             if job not in reasons:

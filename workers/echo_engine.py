@@ -150,9 +150,12 @@ class EchoEngine(WorkerEngine):
         """Queue a request; ``ValueError`` naming what is wrong (duplicate id, bad prompt, too long)."""
         if request_id in self._waiting:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        if (prompt is None) == (prompt_token_ids is None):
+        if prompt is not None and prompt_token_ids is None:
+            ids = self.tokenizer.encode(prompt)
+        elif prompt is None and prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+        else:
             raise ValueError("prompt: give exactly one of prompt and prompt_token_ids")
-        ids = list(prompt_token_ids) if prompt is None else self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
         if isinstance(sampling_params, Mapping):

@@ -16,18 +16,10 @@ Pure bookkeeping for the worker daemon (no Redis, no engine), so its rules are u
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from batchinfer.protocol.batches import Rejected, decode
 from batchinfer.protocol.rows import BatchRequest
-
-
-def parse_batch(fields: Mapping[bytes, bytes]) -> tuple[list[BatchRequest], list[Rejected]]:
-    """A batch entry's requests and its malformed elements (:func:`batchinfer.protocol.batches.decode`);
-    ValueError (:class:`~batchinfer.protocol.batches.MalformedBatch`) for an entry that is no batch."""
-    entry = decode(fields)
-    return entry.requests, entry.rejected
 
 
 @dataclass

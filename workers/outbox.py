@@ -31,6 +31,7 @@ import redis
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
 from batchinfer.protocol.batches import retry_batches
 from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.store import replies
 from batchinfer.store.publish import Publisher
 from batchinfer.workers.inflight import Book
 
@@ -125,7 +126,7 @@ class Outbox:
         if self.dead_letters:
             pipe = self.redis.pipeline(transaction=True)
             for dead in self.dead_letters:
-                pipe.xadd(self.keys.deadletter, dead.fields())
+                pipe.xadd(self.keys.deadletter, replies.xadd_fields(dead.fields()))
                 job, field = attempts_field(dead.request)
                 pipe.hset(self.keys.attempts(job), field, dead.attempts)
             pipe.execute()
@@ -148,7 +149,7 @@ class Outbox:
         requests = list(self.retries)
         pipe = self.redis.pipeline(transaction=True)
         for fields in retry_batches(requests, self.max_attempts):
-            pipe.xadd(self.stream, fields)
+            pipe.xadd(self.stream, replies.xadd_fields(fields))
         for q in requests:
             job, field = attempts_field(q)
             pipe.hset(self.keys.attempts(job), field, q.attempts)

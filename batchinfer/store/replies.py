@@ -39,6 +39,15 @@ def read_streams(reply: object) -> list[tuple[bytes, list[Entry]]]:
     return [(name, got) for name, got in cast("list[list[Any]]", reply or [])]
 
 
+def read_pending(reply: object) -> list[tuple[bytes, list[tuple[bytes, Fields | None]]]]:
+    """An XREADGROUP reply read from an id rather than ``>`` (the consumer's own pending entries).
+
+    As :func:`read_streams`, but an entry deleted from the stream while it was pending comes back
+    without its fields: ``None``, or ``{}`` from the redis-py versions that parse it so.
+    """
+    return [(name, got) for name, got in cast("list[list[Any]]", reply or [])]
+
+
 def xadd_fields(fields: Mapping[str, str] | Mapping[bytes, bytes]) -> dict[FieldT, EncodableT]:
     """``fields`` (a shallow copy) typed as ``xadd`` declares its field map."""
     return {k: v for k, v in fields.items()}

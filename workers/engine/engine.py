@@ -117,7 +117,9 @@ class Engine(WorkerEngine):
         self._next_seq_id += params.n
         for seq in req.seqs:
             if params.seed is not None:
-                seq.generator = make_generator(params.seed, seq.index, self.runner.device)
+                # On the CPU whatever the model's device (see make_generator): the sampler draws one
+                # number from it per step, and the draws are the same on every device.
+                seq.generator = make_generator(params.seed, seq.index)
             if params.logprobs is not None:
                 seq.logprobs = []
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -168,14 +170,14 @@ class Engine(WorkerEngine):
         return outputs
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        req = seq.request
+        req = _request_of(seq)
         return SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator)
 
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int],
                      logprobs: list[dict[int, float] | None]) -> list[RequestOutput]:
         moved: dict[str, Request] = {}
         for seq, token, lp in zip(seqs, token_ids, logprobs, strict=True):
-            req = seq.request
+            req = _request_of(seq)
             if seq.is_finished:  # a sibling's failure aborted the whole request
                 continue
             moved[req.request_id] = req
@@ -191,9 +193,11 @@ class Engine(WorkerEngine):
         """Add a sampled token, grow the text, and finish the sequence if it stops here."""
         seq.append_token(token)
         self.num_generated_tokens += 1
-        if seq.logprobs is not None:
+        # The sampler gives logprobs to exactly the rows whose params ask for them, the sequences
+        # whose ``logprobs`` list make_request created.
+        if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
-        params = seq.request.params
+        params = _request_of(seq).params
         stop = check_stop(seq.output_token_ids, token, params, self.eos_token_ids, seq.detokenizer,
                           max_len_reached=seq.num_tokens >= self.max_model_len)
         if stop is not None:
@@ -274,3 +278,11 @@ def _token_ids(ids: Any, vocab_size: int) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise ValueError(f"prompt_token_ids[{i}] must be a token id in [0, {vocab_size}), got {t!r}")
     return list(ids)
+
+
+def _request_of(seq: Sequence) -> Request:
+    """The request that owns ``seq``: every sequence the engine schedules came from make_request
+    (only unit tests of the block manager and the step scheduler build sequences of no request)."""
+    if seq.request is None:
+        raise RuntimeError(f"{seq!r} belongs to no request")
+    return seq.request

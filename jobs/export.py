@@ -35,7 +35,7 @@ from batchinfer.jobs.queueing import (  # noqa: F401 - re-exported: the exporter
 from batchinfer.keys import Keys
 from batchinfer.protocol.rows import now_ms
 from batchinfer.redis_conn import as_text
-from batchinfer.store import scripts
+from batchinfer.store import replies, scripts
 from batchinfer.store.jobstore import TERMINAL, JobStatus, JobStore
 
 __all__ = ["RESULT_SCHEMA", "IdxSorter", "confined_output", "enqueue_export", "export_job", "iter_stream",
@@ -56,12 +56,11 @@ def iter_stream(r: redis.Redis, key: str, *, count: int = STREAM_CHUNK, start: s
                 end: str = "+") -> Iterator[tuple[bytes, dict[bytes, bytes]]]:
     """Every entry of stream ``key`` between ``start`` and ``end``, read ``count`` at a time."""
     while True:
-        entries = r.xrange(key, min=start, max=end, count=count)
+        entries = replies.entries(r.xrange(key, min=start, max=end, count=count))
         yield from entries
         if len(entries) < count:
             return
-        last = entries[-1][0]
-        start = "(" + (last.decode() if isinstance(last, bytes) else last)
+        start = "(" + as_text(entries[-1][0])
 
 
 class IdxSorter:

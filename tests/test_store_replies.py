@@ -53,3 +53,15 @@ def test_read_pending_gives_entries_deleted_while_pending_without_fields(redis_s
     assert (kept_id, kept_fields) == (kept, {b"a": b"1"})
     assert gone_id == gone and not gone_fields  # None or {}, by redis-py version
     assert replies.read_pending(r.xreadgroup("g", "c", {stream: gone})) == [(stream.encode(), [])]
+
+
+def test_members_and_hash_fields_are_bytes(redis_session) -> None:
+    r = connect(redis_session.url)
+    z, h = _key("zm"), _key("h")
+    r.zadd(z, {"b": 2, "a": 1})
+    assert replies.members(r.zrange(z, 0, -1)) == [b"a", b"b"]
+    assert replies.members(r.zrevrange(z, 0, -1)) == [b"b", b"a"]
+    assert replies.members(r.zrange(_key("missing"), 0, -1)) == []
+    r.hset(h, mapping={"f": "1", "g": b"\xff"})
+    assert replies.hash_fields(r.hgetall(h)) == {b"f": b"1", b"g": b"\xff"}
+    assert replies.hash_fields(r.hgetall(_key("missing"))) == {}

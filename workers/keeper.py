@@ -24,6 +24,7 @@ from typing import Any
 import redis
 
 from batchinfer.keys import WORKERS_GROUP, Keys
+from batchinfer.redis_conn import as_text
 from batchinfer.store import scripts
 from batchinfer.store.registry import Registry
 
@@ -124,7 +125,7 @@ class Keeper:
         if not entries:
             return
         claimed = self._refresh(keys=[self.stream], args=[WORKERS_GROUP, self.worker, *entries])
-        kept = {c.decode() if isinstance(c, bytes) else c for c in claimed}
+        kept = {as_text(c) for c in claimed}
         with self._lock:
             # Entries released while XCLAIM ran were acked by us, not lost.
             lost = {e for e in entries if e not in kept and e in self._entries}

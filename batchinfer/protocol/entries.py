@@ -84,7 +84,7 @@ class IntakeEntry:
         return out
 
     @classmethod
-    def from_fields(cls, raw: Mapping[bytes | str, bytes | str]) -> IntakeEntry:
+    def from_fields(cls, raw: Mapping[bytes, bytes] | Mapping[str, str]) -> IntakeEntry:
         """Parse an XREADGROUP entry; a foreign or malformed entry is a ``protocol_error``."""
         fields_: dict[str, str] = {}
         not_utf8: list[str] = []  # each field decoded alone, so a bad body still leaves job / idx readable

@@ -148,7 +148,7 @@ class ResultRow:
                     started_at: int | None = None, finished_at: int | None = None,
                     status: str = "completed") -> ResultRow:
         """The row of a request the engine finished (``status="cancelled"`` for an aborted one)."""
-        outs = [
+        outs: list[dict[str, Any]] = [
             {"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
              # JSON object keys are strings: token id -> logprob
@@ -156,7 +156,7 @@ class ResultRow:
                                                            for step in o.logprobs]}
             for o in output.outputs
         ]
-        first = outs[0] if outs else {"text": None, "token_ids": None, "finish_reason": None}
+        first: dict[str, Any] = outs[0] if outs else {"text": None, "token_ids": None, "finish_reason": None}
         return cls(
             job_id=request.job_id, request_id=request.request_id, status=status, idx=request.idx,
             custom_id=request.custom_id, model=request.model, finish_reason=first["finish_reason"],

@@ -23,6 +23,7 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.protocol.rows import now_ms
 from batchinfer.scheduler.lookups import JobCache, RowSink
+from batchinfer.store import replies
 from batchinfer.store.jobstore import JobField, JobStatus, JobStore, parse_fields
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class Accounting:
 
     def step(self) -> int:
         """Sweep the next chunk of jobs; returns how many were acted on."""
-        raw = self.redis.zrange(self.keys.jobs, self.cursor, self.cursor + self.chunk - 1)
+        raw = replies.members(self.redis.zrange(self.keys.jobs, self.cursor, self.cursor + self.chunk - 1))
         ids = [j.decode() for j in raw]
         self.cursor = 0 if len(ids) < self.chunk else self.cursor + self.chunk
         if not ids:

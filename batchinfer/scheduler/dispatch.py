@@ -17,10 +17,11 @@ from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.protocol.batches import encode_raw
 from batchinfer.protocol.rows import ResultRow
-from batchinfer.redis_conn import ensure_group
+from batchinfer.redis_conn import as_text, ensure_group
 from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
 from batchinfer.scheduler.packing import Budget, Packer
 from batchinfer.scheduler.staging import Staging, parse_member
+from batchinfer.store import replies
 from batchinfer.store.registry import Registry, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -38,15 +39,13 @@ def undelivered(r: redis.Redis, stream: str, cap: int) -> int:
     except redis.ResponseError:
         return 0  # no stream yet
     for g in groups:
-        info = {(k.decode() if isinstance(k, bytes) else k): v for k, v in g.items()}
-        name = info.get("name")
-        if (name.decode() if isinstance(name, bytes) else name) != WORKERS_GROUP:
+        info = {as_text(k): v for k, v in g.items()}
+        if as_text(info.get("name")) != WORKERS_GROUP:
             continue
         if info.get("lag") is not None:
             return int(info["lag"])
-        last = info.get("last-delivered-id", b"0-0")  # Redis < 7, or deleted entries hide the lag
-        last = last.decode() if isinstance(last, bytes) else last
-        return len(r.xrange(stream, min=f"({last}", max="+", count=cap))
+        last = as_text(info.get("last-delivered-id", b"0-0"))  # Redis < 7, or deleted entries hide the lag
+        return len(replies.entries(r.xrange(stream, min=f"({last}", max="+", count=cap)))
     return r.xlen(stream)
 
 
@@ -103,7 +102,7 @@ class Dispatcher:
         pipe = self.redis.pipeline(transaction=True)
         for batch in batches:
             chosen_staged = [by_key[c.key] for c in batch]
-            pipe.xadd(stream, encode_raw([s.raw for s in chosen_staged]))
+            pipe.xadd(stream, replies.xadd_fields(encode_raw([s.raw for s in chosen_staged])))
             self.staging.remove(pipe, chosen_staged)
         pipe.execute()
         if self.metrics is not None:

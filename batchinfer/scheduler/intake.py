@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, TypedDict, cast
 
 import redis
 
@@ -19,10 +20,13 @@ from batchinfer.keys import SCHEDULER_GROUP, Keys
 from batchinfer.protocol.bodies import RequestSpec, parse_body
 from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
 from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms, request_id_for
-from batchinfer.redis_conn import ensure_group
-from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
+from batchinfer.redis_conn import as_text, ensure_group
+from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, RowSink
 from batchinfer.scheduler.staging import Staging, held_key
+from batchinfer.store import replies
+from batchinfer.store.replies import Fields
 from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,26 @@ class Duplicate:
 Outcome = Stage | Reject | Hold | Duplicate
 
 
-def params_dict(params: SamplingParams) -> dict:
+class _RowIds(TypedDict):
+    """What every error row of an entry names (keyword arguments of ``ResultRow.error``)."""
+
+    job_id: str | None
+    idx: int | None
+    request_id: str
+    line: int | None
+    created_at: int
+
+
+class _RowBase(_RowIds, total=False):
+    """Plus what is known once the job and the body have been read."""
+
+    model: str
+    custom_id: str | None
+    metadata: dict[str, str]
+    url: str | None
+
+
+def params_dict(params: SamplingParams) -> dict[str, Any]:
     """``params.to_dict()`` without its deep copy (values are JSON-encoded right away)."""
     return {name: getattr(params, name) for name in SamplingParams.FIELDS}
 
@@ -75,15 +98,15 @@ class Admission:
         self.jobs, self.models, self.direct_hold_s = jobs, models, direct_hold_s
         self.duplicates = 0
 
-    def admit(self, entry_id: str, fields: dict[bytes, bytes], held_until: int | None = None) -> Outcome:
+    def admit(self, entry_id: str, fields: Fields, held_until: int | None = None) -> Outcome:
         """The outcome of entry ``entry_id`` (the original intake id, also for held entries)."""
         try:
             entry = IntakeEntry.from_fields(fields)
         except RequestError as e:
             return self._malformed(entry_id, e)
         request_id = request_id_for(entry.job_id, entry.idx, entry_id)
-        base = {"job_id": entry.job_id, "idx": entry.idx, "request_id": request_id, "line": entry.line,
-                "created_at": entry_ms(entry_id)}
+        base: _RowBase = {"job_id": entry.job_id, "idx": entry.idx, "request_id": request_id,
+                          "line": entry.line, "created_at": entry_ms(entry_id)}
         if entry.client_request_id and self._duplicate(entry.client_request_id, request_id):
             return Duplicate()
         now = now_ms()
@@ -99,7 +122,7 @@ class Admission:
             spec = parse_body(entry.body, line=entry.line, max_tokens_limit=self.settings.max_tokens_limit)
         except RequestError as e:
             return Reject(self._error(e.at_line(entry.line), base), entry.reply_to)
-        base.update(custom_id=spec.custom_id, metadata=spec.metadata, url=spec.url)
+        base["custom_id"], base["metadata"], base["url"] = spec.custom_id, spec.metadata, spec.url
         model = spec.model or (view.model if view else None)
         if not model:
             return Reject(ResultRow.error("invalid_request", "no model: give 'model' in the body or the job",
@@ -128,17 +151,18 @@ class Admission:
         ctx = e.context
         job, idx = ctx.get("job"), ctx.get("idx")
         routable = isinstance(job, str) and valid_job_id(job) and isinstance(idx, int) and idx >= 0
-        base = {"job_id": job if routable else None, "idx": idx if routable else None,
-                "request_id": request_id_for(job, idx) if routable else entry_id,
-                "line": ctx.get("line"), "created_at": entry_ms(entry_id)}
+        base: _RowBase = {"job_id": job if routable else None, "idx": idx if routable else None,
+                          "request_id": request_id_for(job, idx) if routable else entry_id,
+                          "line": ctx.get("line"), "created_at": entry_ms(entry_id)}
         return Reject(self._error(e, base), ctx.get("reply_to"))
 
     @staticmethod
-    def _error(e: RequestError, base: dict) -> ResultRow:
+    def _error(e: RequestError, base: _RowBase) -> ResultRow:
         message = f"{e.field}: {e.message}" if e.field and e.field not in e.message else e.message
-        custom_id = base.get("custom_id") or e.context.get("custom_id")
-        return ResultRow.error(e.code, message,
-                               **{**base, "line": e.line or base.get("line"), "custom_id": custom_id})
+        row = base.copy()
+        row["line"] = e.line or base["line"]
+        row["custom_id"] = base.get("custom_id") or e.context.get("custom_id")
+        return ResultRow.error(e.code, message, **row)
 
     def _check_size(self, body: str) -> None:
         """Producers other than the submitter may XADD any size: the line limit holds for them too."""
@@ -155,21 +179,21 @@ class Admission:
         key = self.keys.idempotency(client_request_id)
         if self.redis.set(key, request_id, nx=True, ex=IDEMPOTENCY_TTL_S):
             return False
-        first = self.redis.get(key)
-        if first is None or first.decode() == request_id:
+        first = as_text(self.redis.get(key))
+        if first is None or first == request_id:
             return False
         self.duplicates += 1
         log.info("dropped request %s: client_request_id %r was already accepted for %s",
-                 request_id, client_request_id, first.decode())
+                 request_id, client_request_id, first)
         return True
 
-    def _deadline(self, view, now: int) -> int:
+    def _deadline(self, view: JobView | None, now: int) -> int:
         if view is None:
             return now + int(self.direct_hold_s * 1000)
         return view.expires_at or now + DEFAULT_WINDOW_S * 1000
 
     @staticmethod
-    def _tokens(spec: RequestSpec, tokenizer) -> list[int]:
+    def _tokens(spec: RequestSpec, tokenizer: Tokenizer) -> list[int]:
         if spec.prompt_token_ids is not None:
             vocab = tokenizer.vocab_size
             for i, t in enumerate(spec.prompt_token_ids):
@@ -177,14 +201,18 @@ class Admission:
                     raise RequestError("invalid_request", f"token id {t} is outside the model's vocabulary "
                                        f"of {vocab} tokens", field=f"prompt_token_ids[{i}]")
             return list(spec.prompt_token_ids)
+        ids: list[int]
         if spec.messages is not None:
             try:
-                ids = tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True, tokenize=True)
+                rendered = tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True,
+                                                         tokenize=True)
+                ids = cast("list[int]", rendered)  # tokenize=True: ids, not text
             except Exception as e:  # noqa: BLE001 - the template is the model's code: its failure is ours
                 why = e if isinstance(e, ValueError) else repr(e)  # e.g. OverflowError of a too-big range()
                 raise RequestError("invalid_request", f"cannot render the chat template: {why}",
                                    field="messages") from None
         else:
+            assert spec.prompt is not None  # a RequestSpec holds exactly one of the three
             try:
                 ids = tokenizer.encode(spec.prompt)
             except (TypeError, ValueError) as e:  # the tokenizers library refuses some strings
@@ -226,7 +254,7 @@ class Intake:
 
     def step(self, block_ms: int | None = None) -> int:
         """Read and settle one chunk of entries (own pending ones first); returns how many were read."""
-        entries = []
+        entries: list[tuple[bytes, Fields | None]] = []
         if not self.recovered:
             entries = self._read("0", None)
             self.recovered = len(entries) < self.chunk  # the last chunk of own pending entries
@@ -241,7 +269,9 @@ class Intake:
             self.sink.metrics.intake_read(len(entries))
         return len(entries)
 
-    def _read(self, start: str, block_ms: int | None) -> list:
+    def _read(self, start: str, block_ms: int | None) -> list[tuple[bytes, Fields | None]]:
+        """One chunk of entries from ``start`` (``"0"``: own pending ones, which may have lost their
+        fields; ``">"``: new ones)."""
         try:
             reply = self.redis.xreadgroup(SCHEDULER_GROUP, self.consumer, {self.keys.requests: start},
                                           count=self.chunk, block=block_ms)
@@ -250,14 +280,16 @@ class Intake:
                 raise
             self.ensure_group()
             return []
-        return reply[0][1] if reply else []
+        streams = replies.read_pending(reply)
+        return streams[0][1] if streams else []
 
     def sweep_held(self, count: int = 500) -> int:
         """Re-decide up to ``count`` held entries (model now served? waited too long?)."""
         held = held_key(self.keys)
-        entries = self.redis.xrange(held, min=self.held_cursor, count=count)
+        entries = replies.entries(self.redis.xrange(held, min=self.held_cursor, count=count))
         self.held_cursor = "-" if len(entries) < count else "(" + entries[-1][0].decode()
-        decided, done = [], []
+        decided: list[tuple[str, Outcome, Fields]] = []
+        done: list[str] = []
         for eid, fields in entries:
             fields = dict(fields)
             origin = fields.pop(b"held_from", eid).decode()
@@ -269,7 +301,7 @@ class Intake:
         self._settle(decided, done, source=held)
         return len(done)
 
-    def _admit(self, entry_id: str, fields: dict, held_until: int | None = None) -> Outcome:
+    def _admit(self, entry_id: str, fields: Fields, held_until: int | None = None) -> Outcome:
         try:
             return self.admission.admit(entry_id, fields, held_until=held_until)
         except (redis.ConnectionError, redis.TimeoutError):
@@ -301,14 +333,15 @@ class Intake:
                                    request_id=row.request_id, line=row.line, created_at=row.created_at)
             self.sink.publish(bare, outcome.reply_to)
 
-    def _settle(self, decided: list[tuple[str, Outcome, dict]], done: list[str], source: str) -> None:
+    def _settle(self, decided: list[tuple[str, Outcome, Fields]], done: list[str], source: str) -> None:
         """Publish rejections, then one MULTI: stage / hold, and XACK + XDEL ``done`` from ``source``."""
         held = held_key(self.keys)
         room = self.held_limit - self.redis.xlen(held) if source != held else 0
         pipe = self.redis.pipeline(transaction=True)
         for entry_id, outcome, fields in decided:
             if isinstance(outcome, Hold) and room <= 0:
-                outcome.row.error_message += " (and the holding area for unknown models is full)"
+                outcome.row.error_message = ((outcome.row.error_message or "")
+                                             + " (and the holding area for unknown models is full)")
                 outcome = Reject(outcome.row, outcome.reply_to)
             if isinstance(outcome, Reject):
                 self._publish(entry_id, outcome)
@@ -316,7 +349,9 @@ class Intake:
                 self.staging.add(pipe, outcome.model, outcome.priority, outcome.request)
             elif isinstance(outcome, Hold):
                 room -= 1
-                pipe.xadd(held, {**fields, b"held_from": entry_id, b"held_until": str(outcome.until)})
+                # str values as redis-py would encode them (UTF-8), so the map is all bytes
+                pipe.xadd(held, replies.xadd_fields({**fields, b"held_from": entry_id.encode(),
+                                                     b"held_until": str(outcome.until).encode()}))
         if done:
             if source == self.keys.requests:
                 pipe.xack(source, SCHEDULER_GROUP, *done)

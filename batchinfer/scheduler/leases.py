@@ -23,6 +23,7 @@ from batchinfer.config import Settings
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
 from batchinfer.protocol.batches import SOLO_FIELD, retry_batches
 from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.redis_conn import as_text
 from batchinfer.scheduler.lookups import JobCache, RowSink
 from batchinfer.store import replies
 from batchinfer.store.registry import Registry
@@ -59,8 +60,7 @@ class Leases:
                 raise
             start, claimed = reply[0], reply[1]
             for entry_id, fields in claimed:
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                self._take_back(model, eid, fields)
+                self._take_back(model, as_text(entry_id), fields)
                 taken += 1
             if start in (b"0-0", "0-0"):
                 break

@@ -29,6 +29,7 @@ import redis
 from batchinfer.keys import DIRECT, Keys
 from batchinfer.protocol.batches import encode_request
 from batchinfer.protocol.rows import BatchRequest
+from batchinfer.redis_conn import as_text
 from batchinfer.scheduler.packing import PREFIX_SORT_TOKENS, Candidate
 from batchinfer.store import replies, scripts
 
@@ -108,7 +109,7 @@ class Staging:
     def members(self, model: str, limit: int = 4096) -> list[tuple[str, int]]:
         """Active ``(member, priority)`` of ``model``, highest priority first (at most ``limit``)."""
         rows = self.redis.zrevrange(queues_key(self.keys, model), 0, limit - 1, withscores=True)
-        return [(m.decode() if isinstance(m, bytes) else m, int(score)) for m, score in replies.scored(rows)]
+        return [(as_text(m), int(score)) for m, score in replies.scored(rows)]
 
     def read(self, model: str, members: list[str], per_member: int, max_model_len: int) -> list[Staged]:
         """Up to ``per_member`` oldest entries of each member's stream; empty streams are pruned."""
@@ -126,7 +127,7 @@ class Staging:
             priority, _ = parse_member(member)
             for entry_id, entry in entries:
                 raw = entry[b"req"].decode()
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                eid = as_text(entry_id)
                 out.append(Staged(model, member, eid, raw, json.loads(raw), priority, max_model_len))
         return out
 

@@ -17,14 +17,18 @@ import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import valid_job_id
 from batchinfer.protocol.rows import now_ms
-from batchinfer.store import scripts
+from batchinfer.redis_conn import as_text
+from batchinfer.store import replies, scripts
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
 
 
 class JobStatus(str, Enum):
@@ -100,10 +104,6 @@ _INT_FIELDS = frozenset({JobField.PRIORITY, JobField.COMPLETION_WINDOW, JobField
 _JSON_FIELDS = frozenset({JobField.METADATA, JobField.ERRORS})
 
 
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
 def parse_status(raw: bytes | str | None) -> JobStatus | None:
     """The status a hash's raw ``status`` value names; None when absent or not a status.
 
@@ -112,7 +112,7 @@ def parse_status(raw: bytes | str | None) -> JobStatus | None:
     if raw is None:
         return None
     try:
-        return JobStatus(_text(raw))
+        return JobStatus(as_text(raw))
     except (ValueError, UnicodeDecodeError):
         return None
 
@@ -126,7 +126,7 @@ def parse_field(name: JobField, raw: bytes | str | None) -> Any:
         return None
     if name is JobField.STATUS:
         return parse_status(raw)
-    text = _text(raw)
+    text = as_text(raw)
     if text == "":
         return None
     if name in _INT_FIELDS:
@@ -203,7 +203,7 @@ class JobRecord:
     @classmethod
     def from_hash(cls, raw: Mapping[bytes | str, bytes | str]) -> JobRecord:
         """The record an HGETALL returned; an unknown status is a ``ValueError``."""
-        d = {_text(k): _text(v) for k, v in raw.items()}
+        d = {as_text(k): as_text(v) for k, v in raw.items()}
         known = {f.name for f in fields(cls)}
         values: dict[str, Any] = {}
         for k, v in d.items():
@@ -248,8 +248,9 @@ class JobStore:
         key = self.keys.job(job_id)
         if not self.redis.hsetnx(key, JobField.ID, job_id):
             raise ValueError(f"job {job_id} already exists")
-        mapping = {f.name: _encode(getattr(record, f.name)) for f in fields(record)
-                   if getattr(record, f.name) is not None and f.name != JobField.TOTAL}
+        mapping: dict[FieldT, EncodableT] = {
+            f.name: _encode(getattr(record, f.name)) for f in fields(record)
+            if getattr(record, f.name) is not None and f.name != JobField.TOTAL}
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, mapping=mapping)
         pipe.zadd(self.keys.jobs, {job_id: created})
@@ -262,16 +263,16 @@ class JobStore:
 
     def list(self, limit: int = 100, offset: int = 0) -> list[JobRecord]:
         """The newest ``limit`` jobs first."""
-        ids = self.redis.zrevrange(self.keys.jobs, offset, offset + limit - 1)
+        ids = replies.members(self.redis.zrevrange(self.keys.jobs, offset, offset + limit - 1))
         pipe = self.redis.pipeline(transaction=False)
         for job_id in ids:
-            pipe.hgetall(self.keys.job(job_id.decode() if isinstance(job_id, bytes) else job_id))
+            pipe.hgetall(self.keys.job(as_text(job_id)))
         return [JobRecord.from_hash(raw) for raw in pipe.execute() if raw]
 
     def update(self, job_id: str, **values: Any) -> None:
         """Set plain fields (not the status); ``None`` values are removed."""
         key = self.keys.job(job_id)
-        present = {k: _encode(v) for k, v in values.items() if v is not None}
+        present: dict[FieldT, EncodableT] = {k: _encode(v) for k, v in values.items() if v is not None}
         absent = [k for k, v in values.items() if v is None]
         pipe = self.redis.pipeline(transaction=True)
         if present:
@@ -311,7 +312,7 @@ class JobStore:
         result = self._cancel(keys=[self.keys.job(job_id), self.keys.cancelled], args=[job_id, now_ms()])
         if result is None:
             return None
-        return JobStatus(result.decode() if isinstance(result, bytes) else result)
+        return JobStatus(as_text(result))
 
     def is_cancelled(self, job_id: str) -> bool:
         """Whether cancellation was asked for (``cancelling`` or ``cancelled``)."""
@@ -323,4 +324,4 @@ class JobStore:
 
     def cancelled_jobs(self) -> set[str]:
         """Ids in ``{bi}:cancelled`` (what workers poll every few steps)."""
-        return {m.decode() if isinstance(m, bytes) else m for m in self.redis.smembers(self.keys.cancelled)}
+        return {as_text(m) for m in self.redis.smembers(self.keys.cancelled)}

@@ -15,6 +15,7 @@ import redis
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
 from batchinfer.protocol.rows import now_ms
 from batchinfer.redis_conn import as_text
+from batchinfer.store import replies
 from batchinfer.store.jobstore import JobField, JobStatus, parse_status
 
 ACTIVE_JOB_STATUSES = frozenset(s for s in JobStatus if not s.terminal)
@@ -75,7 +76,9 @@ def stream_state(r: redis.Redis, stream: str, group: str) -> StreamState:
     following = r.xrange(stream, min=f"({last}", max="+", count=1)
     lag = info.get("lag")
     if lag is None:  # Redis < 7, or tombstones in the stream: count, up to a cap
-        lag = len(r.xrange(stream, min=f"({last}", max="+", count=LAG_COUNT_CAP)) if following else 0
+        lag = 0
+        if following:
+            lag = len(replies.entries(r.xrange(stream, min=f"({last}", max="+", count=LAG_COUNT_CAP)))
     return StreamState(length=length, undelivered=_int(lag), unacked=_int(info.get("pending")),
                        oldest_undelivered_ms=_id_ms(following[0][0]) if following else None,
                        group_exists=True)
@@ -118,7 +121,7 @@ class JobStatusCounter:
     def count(self, r: redis.Redis, keys: Keys) -> dict[str, int]:
         """Every status listed, 0s kept."""
         counts = dict.fromkeys(JOB_STATUSES, 0)
-        ids = [as_text(j, "replace") for j in r.zrevrange(keys.jobs, 0, self.max_jobs - 1)]
+        ids = [as_text(j, "replace") for j in replies.members(r.zrevrange(keys.jobs, 0, self.max_jobs - 1))]
         unknown = [j for j in ids if j not in self._terminal]
         for start in range(0, len(unknown), self.chunk):
             part = unknown[start:start + self.chunk]
@@ -201,7 +204,7 @@ def job_view(job_id: str, raw: dict[Any, Any]) -> JobView:
 
 def active_jobs(r: redis.Redis, keys: Keys, scan: int = 500, limit: int = 50) -> list[JobView]:
     """Up to ``limit`` unfinished jobs among the ``scan`` most recent, oldest first."""
-    ids = [as_text(j, "replace") for j in r.zrevrange(keys.jobs, 0, scan - 1)]
+    ids = [as_text(j, "replace") for j in replies.members(r.zrevrange(keys.jobs, 0, scan - 1))]
     pipe = r.pipeline(transaction=False)
     for job_id in ids:
         pipe.hgetall(keys.job(job_id))

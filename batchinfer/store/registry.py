@@ -11,13 +11,17 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from batchinfer.keys import Keys
 from batchinfer.protocol.rows import now_ms
 from batchinfer.redis_conn import as_text
+from batchinfer.store import replies
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
@@ -112,8 +116,11 @@ class Registry:
         if min(values.values()) <= 0:
             raise ValueError(f"model {name!r}: capacity values must be positive, got {values}")
         eos = eos_token_ids if eos_token_ids is not None else capacity.get("eos_token_ids", [])
-        mapping: dict[str, Any] = {**files, **values, "eos_token_ids": json.dumps([int(t) for t in eos]),
-                                   "fingerprint": fingerprint(files), "registered_at": now_ms()}
+        extra: dict[str, str | int] = {"eos_token_ids": json.dumps([int(t) for t in eos]),
+                                       "fingerprint": fingerprint(files), "registered_at": now_ms()}
+        # joined as pairs: hset's field map is keyed by redis-py's key union, which no dict[str, ...]
+        # is (dict keys are invariant); a (str, bytes) pair is a (FieldT, EncodableT) one
+        mapping: dict[FieldT, EncodableT] = dict([*files.items(), *values.items(), *extra.items()])
         key = self.keys.model(name)
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(key)  # a re-registration replaces files that are gone
@@ -123,7 +130,8 @@ class Registry:
 
     def get_model(self, name: str) -> ModelInfo | None:
         """The registration of model ``name``, or None when no worker registered it."""
-        raw = {as_text(k): v for k, v in self.redis.hgetall(self.keys.model(name)).items()}
+        reply = replies.hash_fields(self.redis.hgetall(self.keys.model(name)))
+        raw = {as_text(k): v for k, v in reply.items()}
         if not raw or "tokenizer.json" not in raw:
             return None
         return ModelInfo(
@@ -153,7 +161,8 @@ class Registry:
         if not info.get("model"):
             raise ValueError(f"worker {name!r}: info must name its model")
         now = now_ms()
-        mapping = {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}
+        mapping: dict[FieldT, EncodableT] = {k: v if isinstance(v, str) else json.dumps(v)
+                                             for k, v in info.items()}
         mapping["heartbeat_at"] = str(now)
         key = self.keys.worker(name)
         pipe = self.redis.pipeline(transaction=True)
@@ -174,7 +183,7 @@ class Registry:
 
         Names whose hash expired are pruned from ``{p}:workers`` on the way.
         """
-        names = [as_text(n) for n in self.redis.zrange(self.keys.workers, 0, -1)]
+        names = [as_text(n) for n in replies.members(self.redis.zrange(self.keys.workers, 0, -1))]
         if not names:
             return []
         pipe = self.redis.pipeline(transaction=False)

@@ -56,3 +56,13 @@ def xadd_fields(fields: Mapping[str, str] | Mapping[bytes, bytes]) -> dict[Field
 def scored(reply: object) -> list[tuple[bytes, float]]:
     """A ZRANGE / ZREVRANGE ``withscores=True`` reply: ``(member, score)`` pairs."""
     return cast("list[tuple[bytes, float]]", reply)
+
+
+def members(reply: object) -> list[bytes]:
+    """A ZRANGE / ZREVRANGE reply without scores: the members, in order."""
+    return cast("list[bytes]", reply)
+
+
+def hash_fields(reply: object) -> Fields:
+    """An HGETALL reply: field -> value (``{}`` for a missing key)."""
+    return cast("Fields", reply)

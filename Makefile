@@ -38,10 +38,10 @@ bench: setup-dev
 	$(BIN)/python bench/engine_cpu.py
 	$(BIN)/python bench/queue_bench.py
 
-# mypy through tools/typecheck.py: it lays out .typecheck/ like the installed package first.
+# mypy through .ci/typecheck.py: it lays out .typecheck/ like the installed package first.
 lint: setup-dev
 	$(BIN)/ruff check .
-	$(BIN)/python tools/typecheck.py
+	$(BIN)/python .ci/typecheck.py
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .ruff_cache .mypy_cache .typecheck

@@ -1,4 +1,4 @@
-"""tools/typecheck.py: mypy sees the package as installed (folders mapped by package-dir)."""
+""".ci/typecheck.py: mypy sees the package as installed (folders mapped by package-dir)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("typecheck", ROOT / "tools" / "typecheck.py")
+_spec = importlib.util.spec_from_file_location("typecheck", ROOT / ".ci" / "typecheck.py")
 assert _spec is not None and _spec.loader is not None
 typecheck = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(typecheck)

@@ -7,7 +7,7 @@ laid out like the installed package, runs ``mypy -p batchinfer`` over it (``mypy
 ``[tool.mypy]`` points there), and prints mypy's messages with the real file paths
 (``workers/llm.py``, not ``.typecheck/batchinfer/workers/llm.py``). Exits with mypy's status.
 
-Usage: ``python tools/typecheck.py [MYPY_ARGS...]`` from anywhere; ``make lint`` runs it.
+Usage: ``python .ci/typecheck.py [MYPY_ARGS...]`` from anywhere; ``make lint`` runs it.
 """
 
 from __future__ import annotations

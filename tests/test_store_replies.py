@@ -34,12 +34,6 @@ def test_scored_members(redis_session) -> None:
     assert replies.scored(r.zrevrange(key, 0, -1, withscores=True)) == [(b"high", 5.0), (b"low", 1.0)]
 
 
-def test_xadd_fields_copies() -> None:
-    fields = {"v": "1"}
-    out = replies.xadd_fields(fields)
-    assert out == {"v": "1"} and out is not fields
-
-
 def test_read_pending_gives_entries_deleted_while_pending_without_fields(redis_session) -> None:
     r = connect(redis_session.url)
     stream = _key("p")

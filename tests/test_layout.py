@@ -18,8 +18,16 @@ MAX_MODULES_PER_FOLDER = 12
 
 
 def _package_dirs() -> dict[str, Path]:
+    """Every package of the distribution (pyproject's explicit list) -> its folder."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    return {name: ROOT / folder for name, folder in config["package-dir"].items()}
+    mapped = config["package-dir"]
+    folders = {}
+    for package in config["packages"]:
+        # The deepest package-dir entry above a package gives its folder (batchinfer.workers.engine
+        # = workers/engine; batchinfer.cli = batchinfer/cli).
+        base = max((name for name in mapped if package == name or package.startswith(name + ".")), key=len)
+        folders[package] = ROOT / mapped[base] / package[len(base):].lstrip(".").replace(".", "/")
+    return folders
 
 
 def _modules() -> dict[str, Path]:
@@ -29,6 +37,13 @@ def _modules() -> dict[str, Path]:
         for path in folder.glob("*.py"):
             modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
     return modules
+
+
+def test_every_package_and_module_is_seen():
+    modules = _modules()
+    assert {"batchinfer.cli.main", "batchinfer.store.jobstore", "batchinfer.workers.engine.engine",
+            "batchinfer.kernels.dispatch", "batchinfer.jobs.export"} <= set(modules)
+    assert all(path.is_file() for path in modules.values())
 
 
 def _is_type_checking(test: ast.expr) -> bool:

@@ -10,17 +10,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
-from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.store.jobstore import JobField, JobStatus, parse_fields
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import ModelInfo, Registry
 from batchinfer.workers.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the sink only calls the metrics it is handed
+    from batchinfer.ops.metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -79,6 +79,21 @@ def ensure_group(r: redis.Redis, stream: str, group: str) -> bool:
     return True
 
 
+def read_group(r: redis.Redis, stream: str, group: str, consumer: str, start: bytes | str, *,
+               count: int | None, block_ms: int | None) -> object:
+    """XREADGROUP ``count`` entries of one ``stream`` from ``start`` (``">"``: new ones; an id: the
+    consumer's own pending ones). A missing group (NOGROUP: the stream was deleted, or Redis
+    restarted empty) is created again and nothing is read this time; the caller reads on its next
+    pass. The reply is redis-py's, typed by :mod:`batchinfer.store.replies`."""
+    try:
+        return r.xreadgroup(group, consumer, {stream: start}, count=count, block=block_ms)
+    except redis.ResponseError as e:
+        if "NOGROUP" not in str(e):
+            raise
+        ensure_group(r, stream, group)
+        return []
+
+
 def is_permanent(error: Exception) -> bool:
     """Connection errors that no retry can mend: a wrong password or user, an untrusted certificate."""
     if isinstance(error, redis.exceptions.AuthenticationError):

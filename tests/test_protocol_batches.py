@@ -1,5 +1,5 @@
 """Batch entries (batchinfer.protocol.batches): the wire bytes, both directions, malformed entries;
-and the one consumer-group helper (batchinfer.redis_conn.ensure_group) against a real Redis."""
+and the consumer-group helpers (batchinfer.redis_conn.ensure_group, read_group) against a real Redis."""
 
 from __future__ import annotations
 
@@ -107,3 +107,21 @@ def test_ensure_group_creates_once_from_id_0_and_keeps_other_errors(redis_server
     r.set("k", "v")
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         ensure_group(r, "k", "g")
+
+
+def test_read_group_recreates_a_lost_group_and_reads_on_the_next_call(redis_server):
+    import redis
+
+    from batchinfer.redis_conn import read_group
+    from batchinfer.store import replies
+
+    r = redis_server.client()
+    r.xadd("lost", {"a": "1"})  # no group yet: as after a Redis restart that kept only the stream
+    assert read_group(r, "lost", "g", "c", ">", count=10, block_ms=None) == []
+    got = replies.read_streams(read_group(r, "lost", "g", "c", ">", count=10, block_ms=None))
+    assert [f for _, f in got[0][1]] == [{b"a": b"1"}]
+    pending = replies.read_pending(read_group(r, "lost", "g", "c", "0", count=10, block_ms=None))
+    assert [f for _, f in pending[0][1]] == [{b"a": b"1"}]  # still pending to c until acked
+    r.set("k", "v")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        read_group(r, "k", "g", "c", ">", count=1, block_ms=None)

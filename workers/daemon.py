@@ -36,7 +36,7 @@ from batchinfer.ops.httpserver import Readiness
 from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.protocol import batches
 from batchinfer.protocol.rows import ResultRow, now_ms
-from batchinfer.redis_conn import Backoff, as_text, ensure_group
+from batchinfer.redis_conn import Backoff, as_text, ensure_group, read_group
 from batchinfer.store import replies
 from batchinfer.store.jobstore import JobStatus, read_status
 from batchinfer.store.publish import Publisher
@@ -177,14 +177,8 @@ class WorkerDaemon:
     # -- batches in -------------------------------------------------------------------------------
 
     def _read(self, from_id: bytes | str, count: int = 1, block: int | None = None) -> list[replies.Entry]:
-        try:
-            reply = self.redis.xreadgroup(WORKERS_GROUP, self.name, {self.stream: from_id}, count=count,
-                                          block=block)
-        except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            self._ensure_group()
-            return []
+        reply = read_group(self.redis, self.stream, WORKERS_GROUP, self.name, from_id, count=count,
+                           block_ms=block)
         streams = replies.read_pending(reply)
         entries = streams[0][1] if streams else []
         gone = [eid for eid, f in entries if not f]  # pending to us, but deleted from the stream

@@ -20,7 +20,7 @@ from batchinfer.keys import SCHEDULER_GROUP, Keys
 from batchinfer.protocol.bodies import RequestSpec, parse_body
 from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
 from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms, request_id_for
-from batchinfer.redis_conn import as_text, ensure_group
+from batchinfer.redis_conn import as_text, ensure_group, read_group
 from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, RowSink
 from batchinfer.scheduler.staging import Staging, held_key
 from batchinfer.store import replies
@@ -272,14 +272,8 @@ class Intake:
     def _read(self, start: str, block_ms: int | None) -> list[tuple[bytes, Fields | None]]:
         """One chunk of entries from ``start`` (``"0"``: own pending ones, which may have lost their
         fields; ``">"``: new ones)."""
-        try:
-            reply = self.redis.xreadgroup(SCHEDULER_GROUP, self.consumer, {self.keys.requests: start},
-                                          count=self.chunk, block=block_ms)
-        except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            self.ensure_group()
-            return []
+        reply = read_group(self.redis, self.keys.requests, SCHEDULER_GROUP, self.consumer, start,
+                           count=self.chunk, block_ms=block_ms)
         streams = replies.read_pending(reply)
         return streams[0][1] if streams else []
 

@@ -59,7 +59,7 @@ def cli(click_ctx: click.Context, redis_url: str | None, redis_ca_file: str | No
 pass_ctx = click.make_pass_decorator(Ctx)
 
 
-# -- daemons (cli_daemons.py, which never imports this module) -------------------------------------
+# -- daemons (cli/daemons.py, which never imports this module) ------------------------------------
 
 for _daemon in (scheduler, worker, exporter):
     cli.add_command(_daemon)

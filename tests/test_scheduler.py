@@ -126,6 +126,29 @@ def test_unknown_model_is_held_then_served_or_rejected(env):
     assert ResultRow.from_json(reply[b"row"]).error_code == "unknown_model"
 
 
+def test_a_held_backlog_drains_without_waiting_for_the_sweep_timer(env):
+    # Requests that arrive before their model's worker registers are held; once it is served they
+    # must all move on at once, not 500 per 2-second sweep (a 1M-request job would trickle an hour).
+    r, registry, _ = env
+    sched = make_scheduler(r)
+    body = json.dumps({"prompt": "hi", "model": "later", "max_tokens": 2})
+    pipe = r.pipeline()
+    for _ in range(1600):
+        pipe.xadd(KEYS.requests, IntakeEntry(body=body).to_fields())
+    pipe.execute()
+    run_until_idle(sched, passes=50)
+    assert r.xlen(held_key(KEYS)) == 1600
+    registry.register_model("later", registry.get_model("tiny").files, CAP)
+    registry.heartbeat_worker("w2", {"model": "later", "capacity": CAP}, ttl=60)
+    sched.admission.models.refresh = 0
+    sched.timers["held"].last = float("-inf")  # the sweep timer fires (within 2 s in a real run)
+    began = time.monotonic()
+    for _ in range(8):
+        sched.run_once()
+    assert time.monotonic() - began < 2.0, "the test must finish inside one sweep period to mean anything"
+    assert r.xlen(held_key(KEYS)) == 0
+
+
 def test_lease_expiry_redispatches_unpublished_and_dead_letters(env):
     r, registry, _ = env
     live_worker(registry)

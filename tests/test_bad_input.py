@@ -35,7 +35,8 @@ from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.keys import RQ_QUEUE, WORKERS_GROUP
 from batchinfer.protocol.bodies import parse_body
-from batchinfer.protocol.entries import RequestError, ResultRow
+from batchinfer.protocol.entries import RequestError
+from batchinfer.protocol.rows import ResultRow
 from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.store.jobstore import JobStatus, JobStore
 from batchinfer.store.publish import Publisher

@@ -21,7 +21,7 @@ from batchinfer.cli.embedded import EmbeddedRedis, find_redis_server
 from batchinfer.cli.main import cli
 from batchinfer.client.client import Client
 from batchinfer.config import Settings
-from batchinfer.protocol.entries import ResultRow
+from batchinfer.protocol.rows import ResultRow
 from batchinfer.store.jobstore import JobStatus
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry

@@ -19,7 +19,8 @@ import pytest
 from batchinfer.client.client import Client, JobNotFound, parse_duration
 from batchinfer.config import Settings
 from batchinfer.keys import RQ_QUEUE
-from batchinfer.protocol.entries import IntakeEntry, ResultRow
+from batchinfer.protocol.entries import IntakeEntry
+from batchinfer.protocol.rows import ResultRow
 from batchinfer.store.jobstore import JobStatus
 from batchinfer.store.publish import Publisher
 

@@ -6,14 +6,8 @@ import json
 
 import pytest
 
-from batchinfer.protocol.entries import (
-    PROTOCOL_VERSION,
-    BatchRequest,
-    IntakeEntry,
-    RequestError,
-    ResultRow,
-    valid_job_id,
-)
+from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, RequestError, valid_job_id
+from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
 

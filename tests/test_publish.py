@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchinfer.keys import Keys
-from batchinfer.protocol.entries import ResultRow
+from batchinfer.protocol.rows import ResultRow
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
 

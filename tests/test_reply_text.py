@@ -11,8 +11,8 @@ import pytest
 from batchinfer.config import Settings
 from batchinfer.jobs.export import iter_stream
 from batchinfer.keys import WORKERS_GROUP, Keys
-from batchinfer.protocol.entries import IntakeEntry, ResultRow
-from batchinfer.protocol.rows import now_ms
+from batchinfer.protocol.entries import IntakeEntry
+from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.scheduler.dispatch import undelivered
 from batchinfer.scheduler.staging import held_key

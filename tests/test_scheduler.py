@@ -11,8 +11,8 @@ import pytest
 from batchinfer.config import Settings
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
 from batchinfer.protocol.batches import encode, retry_batches
-from batchinfer.protocol.entries import IntakeEntry, ResultRow
-from batchinfer.protocol.rows import BatchRequest
+from batchinfer.protocol.entries import IntakeEntry
+from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.redis_conn import ensure_group
 from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.scheduler.staging import held_key

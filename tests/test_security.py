@@ -26,7 +26,7 @@ from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.jobs.export import enqueue_export, export_job
 from batchinfer.keys import RQ_QUEUE, Keys
-from batchinfer.protocol.entries import ResultRow
+from batchinfer.protocol.rows import ResultRow
 from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.store.jobstore import JobStatus, JobStore
 from batchinfer.store.publish import Publisher

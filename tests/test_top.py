@@ -10,7 +10,8 @@ from rich.console import Console
 from batchinfer.cli.top import Snapshot, render_to_text, run_top, snapshot_from_redis, snapshot_to_dict
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
 from batchinfer.ops.metrics import WorkerMetrics
-from batchinfer.protocol.entries import IntakeEntry, ResultRow
+from batchinfer.protocol.entries import IntakeEntry
+from batchinfer.protocol.rows import ResultRow
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.queue_state import JobView, QueueState, StreamState, WorkerView

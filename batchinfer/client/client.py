@@ -22,7 +22,8 @@ from typing import IO, TYPE_CHECKING, Any
 from batchinfer.client.inputs import DuplicateIds, InputError, InputLine, input_name, open_input
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
-from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, ResultRow
+from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry
+from batchinfer.protocol.rows import ResultRow
 from batchinfer.redis_conn import connect
 from batchinfer.store import replies
 from batchinfer.store.jobstore import JobField, JobRecord, JobStatus, JobStore

@@ -1,5 +1,5 @@
 """The wire protocol, version 1 (docs/protocol.md): intake entries, the URL and field-name constants,
-job ids and :class:`RequestError`; batch requests and result rows are re-exported from
+job ids and :class:`RequestError`. Batch requests and result rows are in
 :mod:`batchinfer.protocol.rows`.
 
 Request bodies are validated in :mod:`batchinfer.protocol.bodies`. Nothing here touches Redis.
@@ -11,9 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from batchinfer.protocol.rows import BatchRequest, ResultRow
-
-__all__ = ["PROTOCOL_VERSION", "BatchRequest", "IntakeEntry", "RequestError", "ResultRow", "valid_job_id"]
+__all__ = ["PROTOCOL_VERSION", "IntakeEntry", "RequestError", "valid_job_id"]
 
 PROTOCOL_VERSION = "1"
 

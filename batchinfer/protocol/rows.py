@@ -1,7 +1,5 @@
 """What travels after validation: ``BatchRequest`` (an element of a batch entry) and ``ResultRow``
 (one result: a results-stream entry, a ``reply_to`` entry, a Parquet row). docs/protocol.md.
-
-Both are re-exported by :mod:`batchinfer.protocol.entries`.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ NOSCRIPT_RETRIES = 3  # script reloads publish_many tries (each follows a flush 
 
 
 class Row(Protocol):
-    """What publishing needs from a ``batchinfer.protocol.entries.ResultRow``."""
+    """What publishing needs from a ``batchinfer.protocol.rows.ResultRow``."""
 
     job_id: str | None
     idx: int | None

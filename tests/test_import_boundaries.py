@@ -1,4 +1,5 @@
-"""Import boundaries between roles: a worker process never loads the scheduler's code."""
+"""Import boundaries between roles: a worker never loads the scheduler, the scheduler never the client,
+and nothing but the CLI loads the CLI."""
 
 from __future__ import annotations
 
@@ -35,3 +36,26 @@ def test_no_module_under_workers_imports_the_scheduler() -> None:
             offenders += [f"{path.relative_to(WORKERS)}: {n}" for n in names
                           if n == "batchinfer.scheduler" or n.startswith("batchinfer.scheduler.")]
     assert offenders == []
+
+
+def _importers_of(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports at run time (tests/test_layout.py's graph)."""
+    from test_layout import _modules, import_graph
+
+    graph = import_graph(_modules())
+    return {m: {d for d in deps if d == package or d.startswith(package + ".")}
+            for m, deps in graph.items()}
+
+
+def test_nothing_outside_the_cli_imports_the_cli() -> None:
+    # the cli sits on top: an engine or daemon module importing it (as the weight loader once did
+    # for its progress bar) would load click and the commands into every worker
+    offenders = {m: d for m, d in _importers_of("batchinfer.cli").items()
+                 if d and not m.startswith("batchinfer.cli")}
+    assert offenders == {}
+
+
+def test_the_scheduler_imports_no_client_code() -> None:
+    offenders = {m: d for m, d in _importers_of("batchinfer.client").items()
+                 if d and m.startswith("batchinfer.scheduler")}
+    assert offenders == {}

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from batchinfer.cli.progress import (
+from batchinfer.ops.progress import (
     JobProgress,
     Progress,
     bytes_progress,

@@ -102,7 +102,7 @@ def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | No
            completion_window: str, metadata: tuple[str, ...], job_id: str | None, input_format: str | None,
            max_line_bytes: int | None, max_requests: int | None, json_flag: bool) -> None:
     """Submit FILE (JSONL: plain or OpenAI Batch lines; or Parquet) as a job; prints its id."""
-    from batchinfer.cli.progress import lines_progress
+    from batchinfer.ops.progress import lines_progress
 
     override_settings(ctx.settings, max_line_bytes=max_line_bytes, max_requests_per_job=max_requests)
     client = ctx.client()
@@ -159,7 +159,7 @@ def wait(ctx: Ctx, job: str, timeout: float | None, json_flag: bool) -> None:
 
 def _wait_and_report(ctx: Ctx, client, job: str, timeout: float | None, json_flag: bool,
                      check: Callable[[], None] | None = None) -> None:
-    from batchinfer.cli.progress import JobProgress
+    from batchinfer.ops.progress import JobProgress
     from batchinfer.store.jobstore import JobStatus
 
     with JobProgress(job, quiet=ctx.quiet or ctx.json or json_flag) as bar:
@@ -198,7 +198,7 @@ def cancel(ctx: Ctx, job: str, json_flag: bool) -> None:
 @handle_errors
 def results(ctx: Ctx, job: str, output: str, fmt: str, json_flag: bool) -> None:
     """Write a job's results (in input order) to a file."""
-    from batchinfer.cli.progress import rows_progress
+    from batchinfer.ops.progress import rows_progress
     from batchinfer.store.jobstore import JobStatus
 
     client = ctx.client()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-import re
 import stat
 import sys
 from array import array
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from batchinfer.protocol.bodies import custom_id_of
 from batchinfer.protocol.entries import REQUEST_FIELDS, RequestError
 from batchinfer.workers.sampling_params import SamplingParams
 
@@ -155,39 +155,6 @@ def _skip_to_newline(f: IO[bytes] | gzip.GzipFile) -> int:
 
 
 # -- duplicate custom_ids ----------------------------------------------------------------------------
-
-_CUSTOM_ID_FIRST = re.compile(r'\s*\{\s*"custom_id"\s*:\s*')
-_DECODER = json.JSONDecoder()
-
-
-def leading_custom_id(body: str) -> str | None:
-    """The ``custom_id`` of a JSON object whose first key it is (decodes that one string only, so it
-    is cheap whatever the body's size), else None."""
-    first = _CUSTOM_ID_FIRST.match(body)
-    if not first:
-        return None
-    try:
-        value = _DECODER.raw_decode(body, first.end())[0]
-    except ValueError:
-        return None
-    return value if isinstance(value, str) else None
-
-
-def custom_id_of(body: str) -> str | None:
-    """The top-level ``custom_id`` string of a JSON body, or None (no id, or not JSON).
-
-    Fast path for the usual line that starts with it; else a full parse.
-    """
-    if _CUSTOM_ID_FIRST.match(body):
-        return leading_custom_id(body)
-    if '"custom_id"' not in body:
-        return None
-    try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError):
-        return None  # the scheduler reports the line itself
-    value = parsed.get("custom_id") if isinstance(parsed, dict) else None
-    return value if isinstance(value, str) else None
 
 
 class DuplicateIds:
@@ -359,5 +326,5 @@ def _arrow_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[InputLine]:
             yield body if isinstance(body, InputLine) else InputLine(number, body=body)
 
 
-__all__ = ["DuplicateIds", "InputError", "InputLine", "check_columns", "custom_id_of", "input_name",
-           "leading_custom_id", "open_input", "read_dataframe", "read_jsonl", "read_parquet", "read_records"]
+__all__ = ["DuplicateIds", "InputError", "InputLine", "check_columns", "input_name", "open_input",
+           "read_dataframe", "read_jsonl", "read_parquet", "read_records"]

@@ -27,7 +27,7 @@ from batchinfer.protocol.entries import (
 )
 from batchinfer.workers.sampling_params import SamplingParams
 
-__all__ = ["RequestSpec", "parse_body"]
+__all__ = ["RequestSpec", "custom_id_of", "leading_custom_id", "parse_body"]
 
 
 @dataclass
@@ -331,3 +331,39 @@ def _kind(value: Any) -> str:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- custom_id without parsing the whole body -------------------------------------------------------
+
+_CUSTOM_ID_FIRST = re.compile(r'\s*\{\s*"custom_id"\s*:\s*')
+_DECODER = json.JSONDecoder()
+
+
+def leading_custom_id(body: str) -> str | None:
+    """The ``custom_id`` of a JSON object whose first key it is (decodes that one string only, so it
+    is cheap whatever the body's size), else None."""
+    first = _CUSTOM_ID_FIRST.match(body)
+    if not first:
+        return None
+    try:
+        value = _DECODER.raw_decode(body, first.end())[0]
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def custom_id_of(body: str) -> str | None:
+    """The top-level ``custom_id`` string of a JSON body, or None (no id, or not JSON).
+
+    Fast path for the usual line that starts with it; else a full parse.
+    """
+    if _CUSTOM_ID_FIRST.match(body):
+        return leading_custom_id(body)
+    if '"custom_id"' not in body:
+        return None
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return None  # the scheduler reports the line itself
+    value = parsed.get("custom_id") if isinstance(parsed, dict) else None
+    return value if isinstance(value, str) else None

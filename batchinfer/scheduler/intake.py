@@ -14,10 +14,9 @@ from typing import Any, TypedDict, cast
 
 import redis
 
-from batchinfer.client.inputs import leading_custom_id
 from batchinfer.config import Settings
 from batchinfer.keys import SCHEDULER_GROUP, Keys
-from batchinfer.protocol.bodies import RequestSpec, parse_body
+from batchinfer.protocol.bodies import RequestSpec, leading_custom_id, parse_body
 from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
 from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms, request_id_for
 from batchinfer.redis_conn import as_text, ensure_group, read_group

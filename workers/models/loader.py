@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from batchinfer.cli.progress import bytes_progress
+from batchinfer.ops.progress import bytes_progress
 from batchinfer.workers.models.config import ModelConfig
 from batchinfer.workers.models.decoder import Decoder
 

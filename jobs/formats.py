@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -17,11 +18,22 @@ FORMATS = ("parquet", "jsonl", "openai")
 EXTENSIONS = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
 
 _TS = pa.timestamp("ms", tz="UTC")
+#: One token with its logprob: a top_logprobs element (``bytes``: the token's bytes, see docs/results.md).
+TOKEN_LOGPROB_TYPE = pa.struct([
+    pa.field("token_id", pa.int32()),
+    pa.field("token", pa.string()),
+    pa.field("bytes", pa.binary()),
+    pa.field("logprob", pa.float32()),
+])
+#: One generated token's logprobs: the sampled token and the top-k of the step, best first.
+LOGPROB_TYPE = pa.struct([*TOKEN_LOGPROB_TYPE, pa.field("top_logprobs", pa.list_(TOKEN_LOGPROB_TYPE))])
 OUTPUT_TYPE = pa.struct([
     pa.field("index", pa.int32()),
     pa.field("text", pa.string()),
     pa.field("token_ids", pa.list_(pa.int32())),
     pa.field("finish_reason", pa.string()),
+    pa.field("logprobs", pa.list_(LOGPROB_TYPE)),  # null when the request did not ask for logprobs
+    pa.field("cumulative_logprob", pa.float64()),
 ])
 
 #: The columns of every Parquet result file, in order. ``sampling_params`` and ``metadata`` are JSON
@@ -52,7 +64,8 @@ RESULT_SCHEMA = pa.schema((  # a tuple: pyarrow's stubs type a list of mixed fie
 ))
 
 _JSON_COLUMNS = ("sampling_params", "metadata")
-_OUTPUT_KEYS = ("index", "text", "token_ids", "finish_reason")
+_OUTPUT_KEYS = ("index", "text", "token_ids", "finish_reason", "cumulative_logprob")
+_TOKEN_KEYS = ("token_id", "token", "logprob")
 
 
 def check_format(fmt: str) -> str:
@@ -91,8 +104,23 @@ def arrow_record(row: Mapping[str, Any]) -> dict[str, Any]:
         rec[name] = _json_text(rec[name])
     outs = rec["outputs"]
     if outs is not None:
-        rec["outputs"] = [{k: o.get(k) for k in _OUTPUT_KEYS} for o in outs]
+        rec["outputs"] = [{**{k: o.get(k) for k in _OUTPUT_KEYS},
+                           "logprobs": _arrow_logprobs(o.get("logprobs"))} for o in outs]
     return rec
+
+
+def _arrow_token(entry: Mapping[str, Any]) -> dict[str, Any]:
+    raw = entry.get("bytes")
+    return {**{k: entry.get(k) for k in _TOKEN_KEYS}, "bytes": None if raw is None else bytes(raw)}
+
+
+def _arrow_logprobs(steps: Any) -> list[dict[str, Any]] | None:
+    """A completion's logprobs for :data:`LOGPROB_TYPE`; None when absent or in the earlier row form
+    (``{"<token id>": logprob}`` per token, which holds no token text)."""
+    if not steps or not all(isinstance(s, Mapping) and "logprob" in s for s in steps):
+        return None
+    return [{**_arrow_token(s), "top_logprobs": [_arrow_token(t) for t in s.get("top_logprobs") or ()]}
+            for s in steps]
 
 
 def arrow_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
@@ -136,8 +164,32 @@ def openai_line(row: Mapping[str, Any]) -> str:
         out["response"] = {"status_code": 200, "request_id": request_id, "body": _openai_body(row)}
     else:
         code = _OPENAI_ERROR_CODES.get(status) or row.get("error_code") or status
-        out["error"] = {"code": code, "message": row.get("error_message") or f"request {status}"}
+        out["error"] = {"code": code, "message": _error_message(row), "line": row.get("line")}
     return json.dumps(out, ensure_ascii=False, separators=(",", ":"))
+
+
+# Python's json position suffix, which counts lines and columns of the body text, not of the file.
+_JSON_POSITION = re.compile(r": line (\d+) column (\d+) \(char \d+\)")
+
+
+def _error_message(row: Mapping[str, Any]) -> str:
+    """A failed row's message as a person fixing the input file reads it: "line 7: invalid JSON:
+    Expecting ',' delimiter (column 44)" (the file's line from the row's ``line``; the body's own
+    line only when the body spans several)."""
+    status = row.get("status")
+    message = row.get("error_message") or f"request {status}"
+
+    def position(m: re.Match[str]) -> str:
+        body_line, column = m.group(1), m.group(2)
+        if body_line == "1":
+            return f" (column {column})"
+        return f" (line {body_line} of the body, column {column})"
+
+    message = _JSON_POSITION.sub(position, message)
+    line = row.get("line")
+    if status == "failed" and isinstance(line, int) and not message.startswith("line "):
+        message = f"line {line}: {message}"
+    return message
 
 
 def _openai_body(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -151,7 +203,7 @@ def _openai_body(row: Mapping[str, Any]) -> dict[str, Any]:
             choice["message"] = {"role": "assistant", "content": o.get("text") or ""}
         else:
             choice["text"] = o.get("text") or ""
-        choice["logprobs"] = None
+        choice["logprobs"] = _openai_logprobs(o.get("logprobs"), chat)
         choice["finish_reason"] = o.get("finish_reason") or row.get("finish_reason")
         choices.append(choice)
     prompt, completion = row.get("prompt_tokens") or 0, row.get("completion_tokens") or 0
@@ -166,3 +218,31 @@ def _openai_body(row: Mapping[str, Any]) -> dict[str, Any]:
                   "total_tokens": prompt + completion,
                   "prompt_tokens_details": {"cached_tokens": row.get("cached_tokens") or 0}},
     }
+
+
+def _openai_logprobs(steps: Any, chat: bool) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` in OpenAI's shape: chat ``{content: [...], refusal}``, completions
+    ``{tokens, token_logprobs, top_logprobs, text_offset}``; None when not asked for (or rows of the
+    earlier ``{"<token id>": logprob}`` form, which hold no token text)."""
+    if steps is None or not all(isinstance(s, Mapping) and "logprob" in s for s in steps):
+        return None
+    if chat:
+        def token(e: Mapping[str, Any]) -> dict[str, Any]:
+            return {"token": e.get("token"), "logprob": e.get("logprob"), "bytes": e.get("bytes")}
+
+        return {"content": [{**token(s), "top_logprobs": [token(t) for t in s.get("top_logprobs") or ()]}
+                            for s in steps], "refusal": None}
+    tokens = [s.get("token") or "" for s in steps]
+    offsets, at = [], 0
+    for t in tokens:  # offsets into the completion's text, as vLLM counts them (no echo of the prompt)
+        offsets.append(at)
+        at += len(t)
+    tops = []
+    for s in steps:
+        # OpenAI: the top `logprobs` tokens and always the sampled one (so up to logprobs + 1)
+        top: dict[str, float] = {}
+        for e in [*(s.get("top_logprobs") or ()), s]:
+            top.setdefault(e.get("token") or "", e.get("logprob"))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [s.get("logprob") for s in steps], "top_logprobs": tops,
+            "text_offset": offsets}

@@ -10,6 +10,10 @@ The dataset is its own watermark: the largest ``to`` among its file names is whe
 starts, so a run that failed half-way is simply repeated (same file names, atomic renames: no
 duplicates) and nothing needs remembering in Redis. Each run schedules the next night first, so
 the chain survives a failed run; :func:`schedule_nightly` is idempotent (one rq job id per night).
+
+``date`` is a DATE partition (:data:`PARTITIONING`, date32): DuckDB and polars infer that type from
+``date=YYYY-MM-DD``, while pyarrow's own Hive discovery infers a string, so read the dataset with
+:func:`direct_dataset` / :func:`read_direct` (or pass ``partitioning=PARTITIONING`` to pyarrow).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ import json
 import logging
 import re
 
+import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import redis
 
 from batchinfer.config import Settings
-from batchinfer.jobs.export import RETRY_INTERVALS, _connection, iter_stream, rq_job_id
+from batchinfer.jobs.export import RESULT_SCHEMA, RETRY_INTERVALS, _connection, iter_stream, rq_job_id
 from batchinfer.jobs.output import Destination, resolve, write_rows
 from batchinfer.keys import DIRECT, RQ_QUEUE, Keys
 
@@ -35,10 +41,44 @@ NIGHTLY_AT = dt.time(0, 10)  # UTC: a few minutes after midnight, when yesterday
 DAY_MS = 24 * 3600 * 1000
 _PART = re.compile(r"^part-(\d+)-(\d+)\.parquet$")
 
+#: The dataset's Hive partitioning: ``date=YYYY-MM-DD`` directories holding a DATE (date32) value.
+PARTITIONING = pads.partitioning(pa.schema([pa.field("date", pa.date32())]), flavor="hive")
+#: The columns of a direct dataset read back: the job files' columns, then the partition's ``date``.
+DIRECT_SCHEMA = RESULT_SCHEMA.append(pa.field("date", pa.date32()))
 
-def _day(entry_id: bytes) -> str:
+
+def _day(entry_id: bytes) -> dt.date:
     ms = int(entry_id.split(b"-", 1)[0])
-    return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).date().isoformat()
+    return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).date()
+
+
+def partition_dir(day: dt.date) -> str:
+    """The folder of ``day``'s rows (``date=2025-01-31``), as :data:`PARTITIONING` writes and reads it."""
+    folder, _ = PARTITIONING.format(pads.field("date") == pa.scalar(day, pa.date32()))
+    return folder
+
+
+def direct_dataset(root: str | None = None, *, prefix: str | None = None) -> pads.Dataset:
+    """The nightly dataset at ``root`` (default ``<results_root>/direct``) with ``date`` a DATE.
+
+    Files being written (hidden temporary names) are not part of it.
+    """
+    settings = Settings.from_env(prefix=prefix)
+    base = resolve(root or "direct", settings.results_root)
+    return pads.dataset(base.path, filesystem=base.fs, format="parquet", partitioning=PARTITIONING,
+                        schema=DIRECT_SCHEMA)
+
+
+def read_direct(root: str | None = None, *, prefix: str | None = None, columns: list[str] | None = None,
+                filter: pads.Expression | None = None) -> pa.Table:
+    """The rows of the nightly dataset (see :func:`direct_dataset`) as a table; ``filter`` on
+    ``date`` reads only those days, e.g. ``pyarrow.dataset.field("date") >= datetime.date(2025, 1, 1)``.
+    An empty or missing dataset gives an empty table of :data:`DIRECT_SCHEMA`."""
+    try:
+        dataset = direct_dataset(root, prefix=prefix)
+    except FileNotFoundError:
+        return DIRECT_SCHEMA.empty_table().select(columns or DIRECT_SCHEMA.names)
+    return dataset.to_table(columns=columns, filter=filter)
 
 
 def watermark(root: Destination) -> int:
@@ -76,7 +116,7 @@ def export_direct(*, prefix: str | None = None, root: str | None = None, until_m
         entries = iter_stream(r, stream, start=f"{start}-0", end=f"({cutoff}-0")
         for day, group in itertools.groupby(entries, key=lambda e: _day(e[0])):
             # An empty range writes nothing and the next run starts from the same place.
-            rel = f"/date={day}/part-{start}-{cutoff}.parquet"
+            rel = f"/{partition_dir(day)}/part-{start}-{cutoff}.parquet"
             dest = Destination(base.fs, base.path.rstrip("/") + rel, base.location.rstrip("/") + rel)
             written.append(write_rows((json.loads(fields[b"row"]) for _, fields in group), dest, "parquet"))
         keep_from = cutoff - settings.results_ttl_seconds * 1000

@@ -109,8 +109,23 @@ def test_logprobs_hold_the_sampled_token_and_the_top_k(engine_factory):
         temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))
     out = run(engine)["l"][-1].outputs[0]
     assert len(out.logprobs) == 4
+    tok = engine.tokenizer
     for token, lp in zip(out.token_ids, out.logprobs, strict=True):
-        assert token in lp and len(lp) == 3 and lp[token] == max(lp.values())  # greedy: the top one
+        assert token in lp and len(lp) == 3 and lp[token].rank == 1  # greedy: the top one
+        assert lp[token].logprob == max(v.logprob for v in lp.values())
+        assert sorted(v.rank for v in lp.values()) == [1, 2, 3]
+        for t, v in lp.items():  # each token decoded alone, special tokens kept (vLLM's decoded_token)
+            assert v.decoded_token == tok.decode([t], skip_special_tokens=False)
+            assert v.token_bytes is not None
+    sampled = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+    assert out.cumulative_logprob == pytest.approx(sum(sampled))
+
+
+def test_no_logprobs_asked_means_none(engine_factory):
+    engine = engine_factory()
+    engine.add_request("p", prompt_token_ids=[1, 2, 3], sampling_params=GREEDY)
+    out = run(engine)["p"][-1].outputs[0]
+    assert out.logprobs is None and out.cumulative_logprob is None
 
 
 def test_abort_finishes_one_request_and_frees_its_blocks(engine_factory):

@@ -278,10 +278,18 @@ def test_nightly_export_writes_a_hive_dataset_once(redis_server, tmp_path, monke
     assert [os.path.basename(os.path.dirname(f)) for f in first] == ["date=2024-05-01", "date=2024-05-02"]
     assert run(day2 + nightly.DAY_MS // 2) == []  # the dataset is its own watermark
     run(day2 + 2 * nightly.DAY_MS)
-    table = pads.dataset(str(tmp_path / "direct"), format="parquet", partitioning="hive").to_table()
+    table = nightly.read_direct(prefix=PREFIX)  # our reader: `date` is a DATE, as DuckDB / polars see it
     assert sorted(table.column("request_id").to_pylist()) == ["d0", "d1", "d2", "d3", "d4"]
-    dates = sorted(set(map(str, table.column("date").to_pylist())))
-    assert dates == ["2024-05-01", "2024-05-02", "2024-05-03"]
+    assert table.schema.field("date").type == pa.date32()
+    days = [dt.date(2024, 5, 1), dt.date(2024, 5, 2), dt.date(2024, 5, 3)]
+    assert sorted(set(table.column("date").to_pylist())) == days
+    assert table.schema.field("outputs").type == RESULT_SCHEMA.field("outputs").type  # the job files' types
+    late = nightly.read_direct(prefix=PREFIX, filter=pads.field("date") >= dt.date(2024, 5, 2),
+                               columns=["request_id", "date"])
+    assert sorted(late.column("request_id").to_pylist()) == ["d2", "d3", "d4"]
+    plain = pads.dataset(str(tmp_path / "direct"), format="parquet", partitioning=nightly.PARTITIONING)
+    assert plain.schema.field("date").type == pa.date32()  # pyarrow itself, given the partitioning
+    assert nightly.read_direct(str(tmp_path / "none")).num_rows == 0
     assert r.xlen(stream) == 1  # rows older than the TTL before the last cutoff are trimmed
 
 

@@ -78,9 +78,10 @@ def test_greedy_matches_transformers(model_and_refs, prefix_caching):
             ref = torch.log_softmax(ref_logits[step], dim=-1)
             lp = completion.logprobs[step]
             ids = list(lp)
-            got = torch.tensor([lp[t] for t in ids])
+            got = torch.tensor([lp[t].logprob for t in ids])
             assert torch.allclose(got, ref[ids], atol=ATOL, rtol=0), f"prompt {i}, step {step}"
             assert set(ids[1:]) <= set(ref.topk(5).indices.tolist()) | {ids[0]}
+            assert lp[ids[0]].rank == 1  # greedy: the sampled token is the argmax
 
 
 def test_final_step_logits_within_tolerance(model_and_refs):
@@ -156,3 +157,41 @@ def test_generate_validates_every_prompt_before_running_any(llama):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):
             SamplingParams.from_dict(bad)
+
+
+def test_sampled_logprobs_ranks_and_cumulative_logprob_match_transformers(llama):
+    """Sampled (not greedy) completions: every reported logprob is transformers' log_softmax of the
+    logits at that position, ranks are 1-based ranks in that distribution, the top-k are its top-k,
+    and cumulative_logprob sums the sampled tokens' logprobs."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    llm = LLM(llama, num_kv_blocks=64)
+    k = 4
+    prompts = [list(range(5, 40)), [7, 8, 9], list(range(100, 180))]
+    params = SamplingParams(n=2, temperature=1.3, top_p=0.9, seed=5, max_tokens=10, ignore_eos=True,
+                            logprobs=k)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    checked_outside = 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        for completion in out.outputs:
+            ids = torch.tensor([prompt + completion.token_ids])
+            with torch.no_grad():  # teacher forcing: position p's logits predict token p + 1
+                logits = hf(ids).logits[0, len(prompt) - 1:-1].float()
+            ref = torch.log_softmax(logits, dim=-1)  # [steps, V]
+            assert len(completion.logprobs) == len(completion.token_ids) == 10
+            total = 0.0
+            for step, (token, lp) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+                row = ref[step]
+                for t, v in lp.items():
+                    assert v.logprob == pytest.approx(row[t].item(), abs=ATOL), (step, t)
+                    # rank = 1 + tokens more likely (within tolerance where logprobs nearly tie)
+                    lo, hi = int((row > row[t] + ATOL).sum()) + 1, int((row > row[t] - ATOL).sum()) + 1
+                    assert lo <= v.rank <= hi or (t == token and v.rank == k + 1), (step, t, v.rank)
+                    assert v.decoded_token == llm.get_tokenizer().decode([t], skip_special_tokens=False)
+                top = sorted((v.rank, t) for t, v in lp.items() if v.rank <= k)
+                assert [r for r, _ in top] == list(range(1, k + 1))
+                assert torch.allclose(torch.tensor([lp[t].logprob for _, t in top]), row.topk(k).values,
+                                      atol=ATOL, rtol=0)
+                checked_outside += lp[token].rank > k
+                total += row[token].item()
+            assert completion.cumulative_logprob == pytest.approx(total, abs=10 * ATOL)
+    assert checked_outside > 0, "some sampled token was meant to fall outside the top k"

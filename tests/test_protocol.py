@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, RequestError, valid_job_id
 from batchinfer.protocol.rows import BatchRequest, ResultRow
-from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput
+from batchinfer.workers.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
 
 # -- intake entries --------------------------------------------------------------------------------
@@ -90,14 +91,28 @@ def test_batch_request_round_trip():
 def test_result_row_for_request():
     out = RequestOutput(request_id="j:3", prompt_token_ids=[1, 2, 3], num_cached_tokens=2, outputs=[
         CompletionOutput(index=0, text="ab", token_ids=[7, 8], finish_reason="length",
-                         logprobs=[{7: -0.1}, {8: -0.2}]),
+                         logprobs=[{7: Logprob(-0.1, 1, "a", b"a")},
+                                   {8: Logprob(-2.5, 3, "\ufffd", b"\xe2"), 5: Logprob(-0.2, 1, "x"),
+                                    6: Logprob(-0.3, 2, "y")}],
+                         cumulative_logprob=-2.6),
         CompletionOutput(index=1, text="c", token_ids=[9], finish_reason="stop")], finished=True)
     row = ResultRow.for_request(batch_request(), out, worker="w1", started_at=1500, finished_at=2000)
     assert (row.status, row.output_text, row.output_token_ids, row.finish_reason) == ("completed", "ab",
                                                                                       [7, 8], "length")
     assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (3, 3, 2)
     assert (row.line, row.custom_id, row.worker, row.url) == (4, "c", "w1", "/v1/chat/completions")
-    assert row.outputs[0]["logprobs"] == [{"7": -0.1}, {"8": -0.2}]
+    # batch_request() asks for no logprobs: top_logprobs then hold every entry of rank 1..len(step)
+    first, second = row.outputs[0]["logprobs"]
+    assert first == {"token_id": 7, "token": "a", "bytes": [97], "logprob": -0.1,
+                     "top_logprobs": [{"token_id": 7, "token": "a", "bytes": [97], "logprob": -0.1}]}
+    assert (second["token_id"], second["token"], second["bytes"]) == (8, "\ufffd", [0xE2])  # raw bytes
+    assert [t["token_id"] for t in second["top_logprobs"]] == [5, 6, 8]  # best first, by rank
+    assert row.outputs[0]["cumulative_logprob"] == -2.6
+    assert row.outputs[1]["logprobs"] is None and row.outputs[1]["cumulative_logprob"] is None
+    asked = SamplingParams(max_tokens=2, logprobs=2).to_dict()
+    two = ResultRow.for_request(dataclasses.replace(batch_request(), sampling_params=asked), out)
+    # the sampled token 8 has rank 3: not among the top 2
+    assert [t["token_id"] for t in two.outputs[0]["logprobs"][1]["top_logprobs"]] == [5, 6]
     again = ResultRow.from_json(row.to_json())
     assert again == row
 

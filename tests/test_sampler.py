@@ -344,7 +344,35 @@ def test_logprobs_come_from_the_raw_distribution():
     assert set(lp0) == set(top5) | {out.token_ids[0]}
     assert list(lp0)[0] == out.token_ids[0]  # the sampled token comes first
     for t, v in lp0.items():
-        assert v == pytest.approx(raw[0, t].item(), abs=1e-6)
-    assert out.logprobs[1] == {out.token_ids[1]: pytest.approx(raw[1, out.token_ids[1]].item(), abs=1e-6)}
+        assert v.logprob == pytest.approx(raw[0, t].item(), abs=1e-6)
+        assert v.rank == int((raw[0] > raw[0, t]).sum()) + 1  # 1-based rank in the raw distribution
+    (only,) = out.logprobs[1].items()
+    assert only[0] == out.token_ids[1] and only[1].logprob == pytest.approx(raw[1, only[0]].item(), abs=1e-6)
+    assert only[1].rank == 1  # greedy: the argmax of the unprocessed logits
     assert out.logprobs[2] is None
     assert Sampler(30, [EOS])(logits, [row(), row(), row()]).logprobs == [None, None, None]
+
+
+def test_logprob_ranks_of_a_sampled_token_outside_the_top_k():
+    # a flat distribution (temperature 5): some seed samples a token below the top 2
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    for seed in range(40):
+        out = Sampler(6, [EOS])(logits, [row(logprobs=2, temperature=5.0, seed=seed,
+                                             generator=make_generator(seed, 0))])
+        token = out.token_ids[0]
+        lp = out.logprobs[0]
+        assert [lp[t].rank for t in (0, 1)] == [1, 2]
+        assert lp[token].rank == token + 1  # the logits are in descending order: rank = id + 1
+        if token > 1:
+            assert list(lp) == [token, 0, 1] and len(lp) == 3
+            break
+    else:
+        raise AssertionError("no seed sampled a token outside the top 2")
+
+
+def test_logprob_ranks_with_ties_keep_the_top_k_at_1_to_k():
+    logits = torch.tensor([[2.0, 2.0, 2.0, -9.0]])
+    out = Sampler(4, [EOS])(logits, [row(logprobs=1, temperature=0)])
+    lp = out.logprobs[0]
+    ranks = sorted(v.rank for v in lp.values())
+    assert ranks[0] == 1 and (len(lp) == 1 or ranks == [1, 2])  # a tied token outside the top 1 ranks 2

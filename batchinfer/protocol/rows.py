@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from batchinfer.workers.engine.outputs import RequestOutput
+    from batchinfer.workers.engine.outputs import Logprob, RequestOutput, SampleLogprobs
     from batchinfer.workers.sampling_params import SamplingParams
 
 ROW_STATUSES = ("completed", "failed", "cancelled", "expired")
@@ -49,6 +49,29 @@ def _from_mapping(cls, d: Mapping[str, Any]):
     """Build a dataclass from a mapping, ignoring keys a newer writer may have added."""
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _token_fields(token_id: int, lp: Logprob) -> dict[str, Any]:
+    token, raw = lp.decoded_token, lp.token_bytes
+    if raw is None and token is not None:
+        raw = token.encode("utf-8")
+    return {"token_id": token_id, "token": token, "bytes": None if raw is None else list(raw),
+            "logprob": lp.logprob}
+
+
+def logprob_entry(token_id: int, step: SampleLogprobs, top_k: int | None = None) -> dict[str, Any]:
+    """A row's logprobs of one generated token (docs/protocol.md "Result row"):
+    ``{token_id, token, bytes, logprob, top_logprobs: [{token_id, token, bytes, logprob}]}``.
+
+    ``top_logprobs`` are the ``top_k`` most likely tokens (the request's ``logprobs``), best first:
+    the engine's entries of rank 1..k, which hold the sampled token only when it is one of them.
+    """
+    k = len(step) if top_k is None else top_k
+    top = sorted((item for item in step.items() if item[1].rank is not None and item[1].rank <= k),
+                 key=lambda item: item[1].rank or 0)
+    entry = _token_fields(token_id, step[token_id])
+    entry["top_logprobs"] = [_token_fields(t, lp) for t, lp in top]
+    return entry
 
 
 @dataclass
@@ -146,12 +169,13 @@ class ResultRow:
                     started_at: int | None = None, finished_at: int | None = None,
                     status: str = "completed") -> ResultRow:
         """The row of a request the engine finished (``status="cancelled"`` for an aborted one)."""
+        top_k = request.sampling_params.get("logprobs")
         outs: list[dict[str, Any]] = [
             {"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-             # JSON object keys are strings: token id -> logprob
-             "logprobs": None if o.logprobs is None else [{str(t): lp for t, lp in step.items()}
-                                                           for step in o.logprobs]}
+             "logprobs": None if o.logprobs is None else [
+                 logprob_entry(t, step, top_k) for t, step in zip(o.token_ids, o.logprobs, strict=False)],
+             "cumulative_logprob": o.cumulative_logprob}
             for o in output.outputs
         ]
         first: dict[str, Any] = outs[0] if outs else {"text": None, "token_ids": None, "finish_reason": None}

@@ -21,7 +21,7 @@ from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.block_manager import BlockManager
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.model_runner import ModelRunner
-from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput
+from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from batchinfer.workers.engine.sampler import Sampler, SamplingRow, make_generator
 from batchinfer.workers.engine.scheduler import Scheduler
 from batchinfer.workers.engine.sequence import Request, Sequence
@@ -121,7 +121,7 @@ class Engine(WorkerEngine):
                 # number from it per step, and the draws are the same on every device.
                 seq.generator = make_generator(params.seed, seq.index)
             if params.logprobs is not None:
-                seq.logprobs = []
+                seq.logprobs, seq.cumulative_logprob = [], 0.0
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return req
 
@@ -174,7 +174,7 @@ class Engine(WorkerEngine):
         return SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator)
 
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int],
-                     logprobs: list[dict[int, float] | None]) -> list[RequestOutput]:
+                     logprobs: list[SampleLogprobs | None]) -> list[RequestOutput]:
         moved: dict[str, Request] = {}
         for seq, token, lp in zip(seqs, token_ids, logprobs, strict=True):
             req = _request_of(seq)
@@ -189,14 +189,17 @@ class Engine(WorkerEngine):
                 self._finish_request(req, "abort")
         return [self._output(req) for req in moved.values()]
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprobs: SampleLogprobs | None) -> None:
         """Add a sampled token, grow the text, and finish the sequence if it stops here."""
         seq.append_token(token)
         self.num_generated_tokens += 1
         # The sampler gives logprobs to exactly the rows whose params ask for them, the sequences
         # whose ``logprobs`` list make_request created.
         if seq.logprobs is not None and logprobs is not None:
+            for token_id, lp in logprobs.items():  # decoded here: only requests that asked pay for it
+                lp.decoded_token, lp.token_bytes = self.tokenizer.decode_token(token_id)
             seq.logprobs.append(logprobs)
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + logprobs[token].logprob
         params = _request_of(seq).params
         stop = check_stop(seq.output_token_ids, token, params, self.eos_token_ids, seq.detokenizer,
                           max_len_reached=seq.num_tokens >= self.max_model_len)
@@ -218,7 +221,8 @@ class Engine(WorkerEngine):
         outputs = [
             CompletionOutput(index=s.index, text=s.detokenizer.text, token_ids=list(s.output_token_ids),
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                             logprobs=list(s.logprobs) if s.logprobs is not None else None)
+                             logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                             cumulative_logprob=s.cumulative_logprob)
             for s in req.seqs
         ]
         return RequestOutput(req.request_id, req.prompt_token_ids, outputs, req.num_cached_tokens,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchinfer.workers.engine.outputs import Logprob, SampleLogprobs
 from batchinfer.workers.sampling_params import SamplingParams
 
 _MASK64 = 2**64 - 1
@@ -48,8 +49,9 @@ class SamplerOutput:
     """One sampled token per row and, where asked for, its logprobs."""
 
     token_ids: list[int]
-    # Per row: {sampled token and the top-`logprobs` tokens: logprob} of the raw distribution.
-    logprobs: list[dict[int, float] | None]
+    # Per row: {sampled token and the top-`logprobs` tokens: Logprob} of the raw distribution
+    # (logprob and rank; the engine adds the decoded tokens).
+    logprobs: list[SampleLogprobs | None]
 
 
 def _splitmix64(x: int) -> int:
@@ -145,8 +147,14 @@ class Sampler:
     @staticmethod
     def _gather_logprobs(
         raw: tuple[list[int], torch.Tensor] | None, ids: list[int], rows: list[SamplingRow]
-    ) -> list[dict[int, float] | None]:
-        out: list[dict[int, float] | None] = [None] * len(rows)
+    ) -> list[SampleLogprobs | None]:
+        """Per row asking for them: the sampled token's and the top-k tokens' ``Logprob`` (with rank).
+
+        The top-k hold ranks 1..k in ``topk``'s order; a sampled token outside them gets vLLM's
+        rank (1 + tokens strictly more likely), at least k + 1: where it ties with a top-k token,
+        that token keeps its rank, so ranks 1..k always name exactly the top k.
+        """
+        out: list[SampleLogprobs | None] = [None] * len(rows)
         if raw is None:
             return out
         want, logprobs = raw  # [M, V]
@@ -154,13 +162,19 @@ class Sampler:
         vals_t, ids_t = logprobs.topk(max(tops), dim=-1)  # [M, k]
         picked = torch.tensor([[ids[i]] for i in want], device=logprobs.device)
         sampled_t = logprobs.gather(1, picked)  # [M, 1]
+        above_t = (logprobs > sampled_t).sum(dim=-1)  # [M]: tokens more likely than the sampled one
         top_vals: list[list[float]] = vals_t.tolist()
         top_ids: list[list[int]] = ids_t.tolist()
         sampled: list[float] = sampled_t.squeeze(1).tolist()
+        above: list[int] = above_t.tolist()
         for j, i in enumerate(want):
-            d = {ids[i]: sampled[j]}  # the sampled token first, as vLLM lists it
             n = tops[j]
-            d.update((t, v) for t, v in zip(top_ids[j][:n], top_vals[j][:n], strict=True) if t not in d)
+            top = top_ids[j][:n]
+            rank = top.index(ids[i]) + 1 if ids[i] in top else max(above[j] + 1, n + 1)
+            d = {ids[i]: Logprob(sampled[j], rank)}  # the sampled token first, as vLLM lists it
+            for r, (t, v) in enumerate(zip(top, top_vals[j][:n], strict=True), start=1):
+                if t not in d:
+                    d[t] = Logprob(v, r)
             out[i] = d
         return out
 

@@ -15,6 +15,7 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from batchinfer.workers.engine.outputs import SampleLogprobs
     from batchinfer.workers.sampling_params import SamplingParams
 
 
@@ -31,7 +32,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "output_token_ids", "num_prompt_tokens",
         "num_computed_tokens", "block_table", "block_hashes", "num_hashed_blocks", "status",
         "num_cached_tokens", "num_preemptions", "sort_key", "generator", "detokenizer",
-        "logprobs", "finish_reason", "stop_reason",
+        "logprobs", "cumulative_logprob", "finish_reason", "stop_reason",
     )
 
     def __init__(self, seq_id: int, request: Request | None, index: int, prompt_token_ids: list[int],
@@ -54,7 +55,9 @@ class Sequence:
         self.sort_key = (arrival_time, seq_id)  # oldest first; the newest is preempted first
         self.generator: Any = None  # torch.Generator of a seeded request
         self.detokenizer: Any = None
-        self.logprobs: list[dict[int, float]] | None = None
+        # Set (to [] and 0.0) by the engine for a request that asks for logprobs.
+        self.logprobs: list[SampleLogprobs] | None = None
+        self.cumulative_logprob: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 

@@ -24,6 +24,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+from batchinfer.workers.text.token_bytes import TokenDecoder
+
 _Text = bytes | str
 
 
@@ -150,25 +152,36 @@ class Tokenizer:
         """Text of ``ids`` (ids outside the vocabulary are skipped)."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @cached_property
+    def _token_decoder(self) -> TokenDecoder:
+        return TokenDecoder(self.backend)
+
+    def decode_token(self, token_id: int) -> tuple[str, bytes]:
+        """One token decoded alone (special tokens kept, as vLLM's ``decoded_token``) and its bytes:
+        the text's UTF-8, or the token's raw bytes where it holds part of a character (cached)."""
+        return self._token_decoder.decode(token_id)
+
     # --- chat ------------------------------------------------------------------------------
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render ``messages`` with the model's chat template (extra ``kwargs`` reach the template,
-        e.g. ``tools`` or ``enable_thinking``). ``tokenize=True`` returns ids, encoded without
-        adding special tokens again (the template writes them)."""
-        if not self.chat_template:
+        """Render ``messages`` with the model's chat template, or ``chat_template`` when given (extra
+        ``kwargs`` reach the template, e.g. ``tools`` or ``enable_thinking``). ``tokenize=True``
+        returns ids, encoded without adding special tokens again (the template writes them)."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if not template:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json chat_template "
                              "or chat_template.jinja)")
         messages = validate_messages(messages)
         special = {name: _token_text(self.config.get(name))
                    for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
         try:
-            text = _compile(self.chat_template).render(
+            text = _compile(template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs)
         except jinja2.exceptions.SecurityError as e:
             raise ChatTemplateError(f"chat template tried an unsafe operation and was stopped: {e}") from None

@@ -168,6 +168,26 @@ def test_cancellation_aborts_running_and_waiting_requests(redis_server):
     assert r.xpending(KEYS.batches("echo"), WORKERS_GROUP)["pending"] == 0
 
 
+def test_requests_cancelled_while_running_keep_their_started_at(redis_server):
+    r = redis_server.client()
+    _job(r, "jc", 8, per_batch=8)
+    engine = EchoEngine(requests_per_step=1, step_delay=0.3, max_num_seqs=2)
+    worker = Running(r, engine, cancel_poll_seconds=0.02)
+    _wait(lambda: len(_rows(r, "jc")) >= 1 and len(worker.daemon.book.running) == 2, what="two running")
+    running = set(worker.daemon.book.running)
+    JobStore(r, KEYS).cancel("jc")
+    _wait(lambda: len(_rows(r, "jc")) == 8)
+    assert worker.stop() == 0
+    rows = {x["request_id"]: x for x in _rows(r, "jc")}
+    aborted = [rows[rid] for rid in running if rows[rid]["status"] == "cancelled"]
+    assert aborted, "a request running at the cancel was aborted"
+    for row in aborted:  # it ran: when it entered the engine is known; no completion, no finish_reason
+        assert row["created_at"] <= row["started_at"] <= row["finished_at"]
+        assert row["finish_reason"] is None and row["error_code"] == "cancelled"
+    never = [x for x in rows.values() if x["status"] == "cancelled" and x["request_id"] not in running]
+    assert never and all(x["started_at"] is None for x in never)  # waiting ones never started
+
+
 def test_engine_errors_become_error_rows_and_the_worker_goes_on(redis_server):
     r = redis_server.client()
     JobStore(r, KEYS).create("j5", model="echo")

@@ -1,32 +1,35 @@
-"""``EngineConfig``: everything that sizes and shapes one engine, validated in one place.
+"""``EngineConfig`` (what sizes and shapes one engine) and ``WorkerConfig`` (how a worker daemon
+presents itself: its name and served model names), each validated in one place.
 
-Every error is a ``ValueError`` whose message starts with the field's name.
+Every error is a ``ValueError`` whose message starts with the field's name. torch is imported
+only where an engine setting needs it: an echo worker builds a ``WorkerConfig`` without it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+import os
+import socket
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+               "half": "float16"}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``; anything else is a ValueError."""
+    import torch
+
+    dtypes = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}
     if isinstance(dtype, torch.dtype):
-        if dtype in DTYPES.values():
+        if dtype in dtypes.values():
             return dtype
-    elif isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    elif isinstance(dtype, str) and dtype in dtypes:
+        return dtypes[dtype]
+    raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
 
 
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -58,6 +61,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
 
     def __post_init__(self) -> None:
+        import torch
+
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a model directory path, got {self.model!r}")
         self.dtype = resolve_dtype(self.dtype)
@@ -89,6 +94,8 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device)
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,3 +103,55 @@ class EngineConfig:
         d = asdict(self)
         d["dtype"] = str(self.dtype).removeprefix("torch.")
         return d
+
+
+def _served_name(what: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise ValueError(f"{what} must be a non-empty name without spaces, got {value!r}")
+    return value
+
+
+@dataclass
+class WorkerConfig:
+    """How one worker daemon presents itself: its name and the model names it serves.
+
+    ``served_model_names`` are vLLM's ``--served-model-name``: the first is the canonical name
+    (the worker registers under it and pulls ``{p}:batches:<canonical>``), the others are aliases
+    a request's ``model`` may name as well. Empty: ``[model_name]`` when that is given (the single
+    ``--model-name`` of earlier versions), else ``[model]``, the model folder's (the engine's)
+    name. ``name`` defaults to ``<host>-<canonical>-<device>-<pid>``: unique per process on a host,
+    and stable across restarts of a container (same hostname, same pid 1).
+    """
+
+    model: str  # the engine's model name: the model folder's name (``echo`` for a bare echo engine)
+    served_model_names: list[str] = field(default_factory=list)
+    model_name: str | None = None
+    name: str | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.served_model_names, str):  # one name passed bare: not a list of letters
+            self.served_model_names = [self.served_model_names]
+        names = [_served_name("served_model_names", n) for n in self.served_model_names]
+        if self.model_name is not None:
+            _served_name("model_name", self.model_name)
+            if names and names[0] != self.model_name:
+                raise ValueError(f"model_name {self.model_name!r} and served_model_names {names} disagree: "
+                                 "give the names once, as served_model_names (the first is canonical)")
+        if not names:
+            names = [self.model_name or _served_name("model", self.model)]
+        self.served_model_names = list(dict.fromkeys(names))  # a name given twice is served once
+        if self.name is None:
+            device = self.device.replace(":", "")
+            self.name = f"{socket.gethostname()}-{self.canonical}-{device}-{os.getpid()}"
+        _served_name("name", self.name)
+
+    @property
+    def canonical(self) -> str:
+        """The name the worker registers its model under."""
+        return self.served_model_names[0]
+
+    @property
+    def aliases(self) -> list[str]:
+        """The other served names: requests naming them go to the canonical model's batches."""
+        return self.served_model_names[1:]

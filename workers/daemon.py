@@ -15,6 +15,11 @@ step fails (``max_failed_steps`` in a row) ends the daemon, with exit code 3: it
 to the queue through their leases. SIGTERM drains: no more pulling, everything held finishes,
 exit 0; a second SIGTERM / SIGINT stops at once (exit 1; leases return the batches). The process
 around the loop (engine, signals, ``/metrics``) is :mod:`batchinfer.workers.serve`.
+
+At start the worker claims its name (a live worker holding it ends ``run`` with
+:class:`~batchinfer.store.registry.WorkerNameTaken`) and its served model names (a live worker of
+another model serving one: :class:`~batchinfer.store.registry.ServedNameTaken`); see
+:meth:`WorkerDaemon._claim_name`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from typing import Any
 
 import redis
@@ -40,7 +46,8 @@ from batchinfer.redis_conn import Backoff, as_text, ensure_group, read_group
 from batchinfer.store import replies
 from batchinfer.store.jobstore import JobStatus, read_status
 from batchinfer.store.publish import Publisher
-from batchinfer.store.registry import Registry
+from batchinfer.store.registry import NameConflict, Registry, ServedNameTaken, WorkerNameTaken
+from batchinfer.workers.config import WorkerConfig
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import RequestOutput
 from batchinfer.workers.inflight import Book, Held, Quarantine
@@ -54,21 +61,32 @@ EXIT_ENGINE_BROKEN = 3
 
 
 class WorkerDaemon:
-    """Serves ``model_name`` from ``engine`` (a :class:`WorkerEngine`: an ``Engine`` or an ``EchoEngine``)
-    until ``run``'s stop event."""
+    """Serves ``engine`` (a :class:`WorkerEngine`: an ``Engine`` or an ``EchoEngine``) under its
+    served model names until ``run``'s stop event.
 
-    def __init__(self, r: redis.Redis, settings: Settings, engine: WorkerEngine, name: str,
-                 model_name: str | None = None, *, device: str = "cpu",
+    ``name``, ``model_name``, ``served_model_names`` and ``device`` are those of
+    :class:`~batchinfer.workers.config.WorkerConfig` (``name`` None: the default, unique per process).
+    """
+
+    def __init__(self, r: redis.Redis, settings: Settings, engine: WorkerEngine, name: str | None = None,
+                 model_name: str | None = None, *, served_model_names: list[str] | None = None,
+                 device: str = "cpu",
                  tokenizer_files: dict[str, bytes] | None = None, block_ms: int = 1000,
                  cancel_poll_seconds: float = 0.5, cancel_poll_steps: int = 8, max_failed_steps: int = 32,
                  stall_seconds: float | None = None, hard_stop: threading.Event | None = None,
                  metrics: WorkerMetrics | None = None, readiness: Readiness | None = None):
-        self.redis, self.settings, self.engine, self.name = r, settings, engine, name
-        self.model = model_name or engine.model_name
+        config = WorkerConfig(model=engine.model_name, served_model_names=list(served_model_names or []),
+                              model_name=model_name, name=name, device=device)
+        assert config.name is not None  # WorkerConfig fills in the default
+        self.redis, self.settings, self.engine, self.name = r, settings, engine, config.name
+        self.config = config
+        self.model = config.canonical  # the batch stream's model; requests may name an alias
         self.device = device
+        self.instance = uuid.uuid4().hex  # tells this process's registration from another's
+        self._claimed = False
         self.keys = Keys(settings.prefix)
         self.stream = self.keys.batches(self.model)
-        self.publisher = Publisher(r, self.keys)
+        self.publisher = Publisher(r, self.keys, direct_retention_s=settings.direct_results_retention_seconds)
         self.capacity = dict(engine.capacity())
         self.max_seqs = int(self.capacity["max_num_seqs"])
         self.tokenizer_files = tokenizer_files if tokenizer_files is not None else engine.tokenizer_files()
@@ -81,9 +99,10 @@ class WorkerDaemon:
         self.draining = False
         self._ready = False
         self._last_poll, self._polled_at_step = 0.0, 0
-        self.metrics = metrics or WorkerMetrics(self.model, worker=name, device=device)
+        self.metrics = metrics or WorkerMetrics(self.model, worker=self.name, device=device)
+        self.publisher.metrics = self.metrics  # counts reply streams skipped for their type
         self.readiness = readiness or Readiness()
-        self.keeper = Keeper(r, self.keys, worker=name, model=self.model, status=self.status,
+        self.keeper = Keeper(r, self.keys, worker=self.name, model=self.model, status=self.status,
                              register=self._register_model,
                              lease_seconds=settings.lease_seconds, stall_seconds=stall_seconds,
                              heartbeat_seconds=settings.heartbeat_seconds)
@@ -94,7 +113,11 @@ class WorkerDaemon:
     # -- the loop ---------------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> int:
-        """Serve until ``stop`` is set and everything held is published; returns the exit code."""
+        """Serve until ``stop`` is set and everything held is published; returns the exit code.
+
+        Raises :class:`~batchinfer.store.registry.NameConflict` when the worker's name or a served
+        model name is a live worker's (nothing was pulled then).
+        """
         backoff = Backoff(BACKOFF_START_S, BACKOFF_CAP_S)
         try:
             while not self.hard_stop.is_set():
@@ -106,8 +129,12 @@ class WorkerDaemon:
                 try:
                     if not self._ready:
                         self._start()
+                        if not self._ready:
+                            continue  # stopped while waiting for the name
                     self._iteration()
                     backoff.reset()
+                except NameConflict:
+                    raise
                 except Exception as e:  # noqa: BLE001 - Redis away (or a bug): back off, never die
                     delay = backoff.next()
                     if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
@@ -123,8 +150,9 @@ class WorkerDaemon:
             return 1
         finally:
             self.keeper.stop()
-            with contextlib.suppress(redis.RedisError):  # else the registration expires by itself
-                Registry(self.redis, self.keys).unregister_worker(self.name)
+            if self._claimed:
+                with contextlib.suppress(redis.RedisError):  # else the registration expires by itself
+                    Registry(self.redis, self.keys).unregister_worker(self.name, self.instance)
 
     def _iteration(self) -> None:
         self._flush()
@@ -153,7 +181,15 @@ class WorkerDaemon:
         return self.max_seqs - self.engine.num_unfinished()
 
     def _start(self) -> None:
-        """Register the model, create the group, take back this worker's own pending batches."""
+        """Claim the names, register the model, create the group, take back this worker's own
+        pending batches."""
+        if not self._claim_name():
+            return  # hard stop while waiting for the name
+        registry = Registry(self.redis, self.keys)
+        conflicts = registry.served_name_conflicts(self.config.served_model_names, self.model, self.name)
+        if conflicts:
+            raise ServedNameTaken(f"worker {self.name}: {conflicts[0]}; give this worker other "
+                                  "--served-model-name values, or stop that worker first")
         self._register_model()
         self._ensure_group()
         entries: list[replies.Entry] = [(b"0-0", {})]
@@ -167,9 +203,47 @@ class WorkerDaemon:
         log.info("worker %s serving %s on %s (capacity %s)", self.name, self.model, self.device,
                  self.capacity)
 
+    def _claim_name(self) -> bool:
+        """Take this worker's name in ``{p}:worker:<name>``; False only on a hard stop meanwhile.
+
+        A registration held by another process is either a live worker (its heartbeat advances:
+        :class:`WorkerNameTaken`) or this worker's previous run, killed before it unregistered
+        (it does not: wait for it to expire, at most its TTL of three heartbeats, then take it).
+        The name is this worker's own after a Redis blip in ``_start`` (same ``instance``).
+        """
+        registry = Registry(self.redis, self.keys)
+        beat = self.settings.heartbeat_seconds
+        ttl = 3 * beat
+        first_beat: int | None = None
+        deadline = 0.0
+        while not self._claimed:
+            holder = registry.claim_worker(self.name, self.instance, self.status(), ttl=ttl)
+            if holder is None:
+                self._claimed = True
+                break
+            if first_beat is None:
+                first_beat = holder.heartbeat_at
+                # a live holder beats again within a third of its TTL; a dead one's expires
+                wait = max(ttl, self.redis.pttl(self.keys.worker(self.name)) / 1000)
+                deadline = time.monotonic() + wait + beat
+                log.warning("worker %s: the name is registered by another process (pid %s on %s); "
+                            "waiting up to %.0fs for its heartbeat to expire", self.name,
+                            holder.info.get("pid"), holder.info.get("host"), wait)
+            elif holder.heartbeat_at != first_beat or time.monotonic() > deadline:
+                raise WorkerNameTaken(
+                    f"worker name {self.name!r} is taken by a live worker (pid {holder.info.get('pid')} on "
+                    f"{holder.info.get('host')}, serving {holder.model!r}); give this worker another --name")
+            if self.hard_stop.wait(min(1.0, max(0.05, beat / 4))):
+                return False
+        return True
+
     def _register_model(self) -> None:
+        """Register the model under its canonical name and route its aliases to it (also the
+        keeper's re-registration after a Redis restart)."""
         eos = list(self.engine.eos_token_ids)
-        Registry(self.redis, self.keys).register_model(self.model, self.tokenizer_files, self.capacity, eos)
+        registry = Registry(self.redis, self.keys)
+        registry.register_model(self.model, self.tokenizer_files, self.capacity, eos)
+        registry.register_aliases(self.model, self.config.aliases)
 
     def _ensure_group(self) -> None:
         ensure_group(self.redis, self.stream, WORKERS_GROUP)
@@ -252,7 +326,7 @@ class WorkerDaemon:
                                     sampling_params=req.params())
             self.metrics.request_started(engine_id)
         except ValueError as e:
-            self._end(held, "failed", "invalid_request", str(e))
+            self._end(held, "failed", "invalid_request", str(e), started=False)  # it never ran
             return False
         except Exception as e:  # noqa: BLE001 - one request must not stop the worker
             log.exception("worker %s: engine refused %s", self.name, req.request_id)
@@ -321,8 +395,11 @@ class WorkerDaemon:
     # -- rows out ---------------------------------------------------------------------------------
 
     def _end(self, held: Held, status: str, code: str, message: str,
-             dead_letter: DeadLetter | None = None) -> None:
+             dead_letter: DeadLetter | None = None, started: bool = True) -> None:
+        """The request's error row (``cancelled`` / ``expired`` / ``failed``); ``started_at`` says when
+        it entered the engine, if it did (a request aborted while running)."""
         row = ResultRow.error(code, message, status=status, request=held.request, worker=self.name)
+        row.started_at = held.started_at if started else None
         self._queue(held, row, dead_letter)
 
     def _queue(self, held: Held, row: ResultRow, dead_letter: DeadLetter | None = None) -> None:
@@ -393,7 +470,9 @@ class WorkerDaemon:
     def status(self) -> dict[str, Any]:
         """What the heartbeat reports (called from the keeper thread: reads counters only)."""
         running = len(self.book.running)
-        return {"model": self.model, "device": self.device, "capacity": self.capacity, "pid": os.getpid(),
+        return {"model": self.model, "served_model_names": self.config.served_model_names,
+                "instance": self.instance,
+                "device": self.device, "capacity": self.capacity, "pid": os.getpid(),
                 "host": socket.gethostname(), "state": "draining" if self.draining else "serving",
                 "running": running, "waiting": len(self.book.held) - running,
                 "batches": len(self.book.batches),

@@ -4,12 +4,18 @@ Per model, each pass: requests of cancelled / expired jobs leave staging as rows
 a worker is live); then, if the live workers have fewer than ``BATCHES_PER_WORKER`` undelivered
 batches each, a bounded window of staged requests is read, packed (``batchinfer.scheduler.packing``) and
 moved into batches in one MULTI (XADD batch + XDEL staging). The rest stays in Redis.
+
+A request naming an alias of a model (``--served-model-name``) is staged under the canonical
+name it was tokenised for. Dispatch also reads the staging of the model's aliases as one queue
+with it (priority and fair share across them), so that requests staged under an alias before an
+upgrade (or a name that later became an alias) still reach the model's one batch stream.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import replace
 
 import redis
 
@@ -19,8 +25,8 @@ from batchinfer.protocol.batches import encode_raw
 from batchinfer.protocol.rows import ResultRow
 from batchinfer.redis_conn import as_text, ensure_group
 from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
-from batchinfer.scheduler.packing import Budget, Packer
-from batchinfer.scheduler.staging import Staging, parse_member
+from batchinfer.scheduler.packing import Budget, Candidate, Packer
+from batchinfer.scheduler.staging import Staged, Staging, parse_member
 from batchinfer.store import replies
 from batchinfer.store.registry import Registry, WorkerInfo
 
@@ -70,11 +76,17 @@ class Dispatcher:
 
     def step(self) -> int:
         """One pass over every registered model; returns the number of batches dispatched."""
-        return sum(self.dispatch(model) for model in self.registry.models())
+        aliases: dict[str, list[str]] = defaultdict(list)
+        for alias, model in sorted(self.registry.aliases().items()):
+            aliases[model].append(alias)
+        return sum(self.dispatch(model, aliases.get(model, [])) for model in self.registry.models())
 
-    def dispatch(self, model: str) -> int:
-        members = self.staging.members(model)
-        members = self._drop_ended(model, members)
+    def dispatch(self, model: str, aliases: list[str] | None = None) -> int:
+        """Batches for ``model`` from the staging of ``model`` and of its ``aliases``."""
+        names = [model, *(aliases or [])]
+        members = [(name, member, priority)
+                   for name in names for member, priority in self.staging.members(name)]
+        members = self._drop_ended(members)
         if not members:
             self.packers.pop(model, None)
             return 0
@@ -94,9 +106,12 @@ class Dispatcher:
         chosen = self._choose(model, members)
         window = want * budget.max_num_seqs * WINDOW_FACTOR
         per_member = max(1, -(-window // len(chosen)))
-        staged = self.staging.read(model, chosen, per_member, served.info.max_model_len)
-        by_key = {s.candidate.key: s for s in staged}
-        batches = self.packers[model].pack([s.candidate for s in staged], budget, want)
+        staged = [s for name in names
+                  for s in self.staging.read(name, [m for n, m in chosen if n == name], per_member,
+                                             served.info.max_model_len)]
+        candidates = [(_candidate(s, model), s) for s in staged]
+        by_key = {c.key: s for c, s in candidates}
+        batches = self.packers[model].pack([c for c, _ in candidates], budget, want)
         if not batches:
             return 0
         pipe = self.redis.pipeline(transaction=True)
@@ -113,14 +128,14 @@ class Dispatcher:
                   [len(b) for b in batches])
         return len(batches)
 
-    def _choose(self, model: str, members: list[tuple[str, int]]) -> list[str]:
-        """Up to MAX_QUEUES members, highest priority first, rotating within a priority."""
-        by_priority: dict[int, list[str]] = defaultdict(list)
-        for member, priority in members:
-            by_priority[priority].append(member)
+    def _choose(self, model: str, members: list[tuple[str, str, int]]) -> list[tuple[str, str]]:
+        """Up to MAX_QUEUES ``(name, member)``, highest priority first, rotating within a priority."""
+        by_priority: dict[int, list[tuple[str, str]]] = defaultdict(list)
+        for name, member, priority in members:
+            by_priority[priority].append((name, member))
         turn = self.rotation[model]
         self.rotation[model] = turn + 1
-        chosen: list[str] = []
+        chosen: list[tuple[str, str]] = []
         for priority in sorted(by_priority, reverse=True):
             level = by_priority[priority]
             k = turn % len(level)
@@ -129,18 +144,19 @@ class Dispatcher:
                 break
         return chosen
 
-    def _drop_ended(self, model: str, members: list[tuple[str, int]]) -> list[tuple[str, int]]:
-        """Publish ``cancelled`` / ``expired`` rows for staged requests of ended jobs; the live rest."""
-        jobs = {m: parse_member(m)[1] for m, _ in members}
+    def _drop_ended(self, members: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+        """Publish ``cancelled`` / ``expired`` rows for staged requests of ended jobs; the live rest
+        (``(name, member, priority)``: ``name`` is the model or alias the requests were staged under)."""
+        jobs = {m: parse_member(m)[1] for _, m, _ in members}
         views = self.jobs.get_many([j for j in jobs.values() if j])
         budget, live = ENDED_ROWS_PER_PASS, []
-        for member, priority in members:
+        for name, member, priority in members:
             job = jobs[member]
             ended = views[job].ended_as() if job else None
             if ended is None:
-                live.append((member, priority))
+                live.append((name, member, priority))
             elif budget > 0:
-                staged = self.staging.read(model, [member], budget, max_model_len=1)
+                staged = self.staging.read(name, [member], budget, max_model_len=1)
                 for s in staged:
                     self.sink.publish(ResultRow.error(ended, f"the job was {ended} before this request ran",
                                                       status=ended, request=s.request), s.request.reply_to)
@@ -152,3 +168,9 @@ class Dispatcher:
                     log.info("job %s: %d staged request(s) %s", job, len(staged), ended)
         return live
 
+
+def _candidate(staged: Staged, model: str) -> Candidate:
+    """The packing view of ``staged``; keys of an alias's staging name the alias (entry ids of two
+    staging streams may be equal)."""
+    c = staged.candidate
+    return c if staged.model == model else replace(c, key=f"{staged.model}/{c.key}")

@@ -3,6 +3,11 @@
 A worker registers its model once at start (tokenizer files and capacity, so the scheduler can
 tokenise and pack without a shared filesystem) and then heartbeats: its ``{p}:worker:<name>`` hash
 expires unless refreshed, and ``{p}:workers`` scores names by their last heartbeat.
+
+Names are claimed, not shared: a worker takes its name with :meth:`Registry.claim_worker` (the
+hash holds the ``instance`` token of the process that took it), and the names it serves its model
+under (canonical name, then aliases in ``{p}:model_aliases``) are checked against the live workers
+of other models (:meth:`Registry.served_name_conflicts`). A conflict is a :class:`NameConflict`.
 """
 
 from __future__ import annotations
@@ -80,6 +85,26 @@ class WorkerInfo:
         return {k: int(v) for k, v in cap.items()} if isinstance(cap, dict) else {}
 
 
+class NameConflict(RuntimeError):
+    """A worker cannot start under the names it was given (the message says which and what to do)."""
+
+
+class WorkerNameTaken(NameConflict):
+    """Another live worker holds this worker's name (``{p}:worker:<name>`` heartbeats on)."""
+
+
+class ServedNameTaken(NameConflict):
+    """A live worker of another model serves one of this worker's served model names."""
+
+
+def _worker_info(name: str, raw: dict) -> WorkerInfo:
+    """A worker hash as read (bytes -> bytes) as a :class:`WorkerInfo`."""
+    info = {as_text(k): _decode(v) for k, v in raw.items()}
+    info["model"] = as_text(raw[b"model"]) if b"model" in raw else str(info.get("model", ""))
+    return WorkerInfo(name=name, model=info["model"], heartbeat_at=int(info.get("heartbeat_at", 0)),
+                      info=info)
+
+
 def fingerprint(files: dict[str, bytes]) -> str:
     digest = hashlib.sha256()
     for name in sorted(files):
@@ -152,12 +177,86 @@ class Registry:
         """Names of every registered model, sorted."""
         return sorted(as_text(m) for m in self.redis.smembers(self.keys.models))
 
+    # served names: aliases of canonical models
+    def register_aliases(self, model: str, aliases: list[str]) -> None:
+        """Route requests naming any of ``aliases`` to registered model ``model``.
+
+        Each alias is re-pointed to ``model`` (the caller checked :meth:`served_name_conflicts`); a
+        model registered under an alias's name (a stale registration: no live worker serves it) is
+        removed, and ``model`` stops being anyone's alias: a name is a model or an alias, never both.
+        """
+        for alias in aliases:
+            if not alias or any(c.isspace() for c in alias) or alias == model:
+                raise ValueError(f"model {model!r}: alias must be a name without spaces other than "
+                                 f"the model's own, got {alias!r}")
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hdel(self.keys.model_aliases, model)
+        for alias in aliases:
+            pipe.hset(self.keys.model_aliases, alias, model)
+            pipe.delete(self.keys.model(alias))
+            pipe.srem(self.keys.models, alias)
+        pipe.execute()
+
+    def aliases(self) -> dict[str, str]:
+        """Every alias -> the canonical model name it routes to."""
+        raw = replies.hash_fields(self.redis.hgetall(self.keys.model_aliases))
+        return {as_text(k): as_text(v) for k, v in raw.items()}
+
+    def resolve_alias(self, name: str) -> str | None:
+        """The canonical model alias ``name`` routes to, or None when it is no alias."""
+        return as_text(self.redis.hget(self.keys.model_aliases, name))
+
+    def served_name_conflicts(self, names: list[str], model: str, worker: str) -> list[str]:
+        """Why ``worker`` may not serve ``model`` under ``names``: one line per name that a live worker
+        of another model serves too (as its model or one of its aliases). Empty: no conflict.
+
+        Only live workers count (first come, first served while it lives): a name left behind by
+        workers that are gone is taken over by :meth:`register_aliases` / :meth:`register_model`.
+        """
+        out = []
+        for w in self.live_workers():
+            if w.name == worker or w.model == model:
+                continue
+            served = w.info.get("served_model_names")
+            theirs = {w.model, *(served if isinstance(served, list) else [])}
+            out += [f"served model name {n!r} is already served by worker {w.name!r} for model {w.model!r}"
+                    for n in names if n in theirs]
+        return out
+
     # workers
+    def claim_worker(self, name: str, instance: str, info: dict[str, Any], ttl: float) -> WorkerInfo | None:
+        """Register worker ``name`` for process ``instance``, unless another instance holds it.
+
+        Returns None when the name is now ``instance``'s (free, or already its own), else the
+        holder's registration, untouched (a holder without an ``instance`` field counts as another
+        one). Whether the holder is alive is the caller's question: its ``heartbeat_at`` advances.
+        """
+        key = self.keys.worker(name)
+        with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    raw = pipe.hgetall(key)
+                    if raw and as_text(raw.get(b"instance")) != instance:
+                        pipe.unwatch()
+                        return _worker_info(name, raw)
+                    pipe.multi()
+                    self._write_worker(pipe, name, {**info, "instance": instance}, ttl)
+                    pipe.execute()
+                    return None
+                except redis.WatchError:  # the hash changed between WATCH and EXEC: look again
+                    continue
+
     def heartbeat_worker(self, name: str, info: dict[str, Any], ttl: float) -> None:
         """Create or refresh worker ``name`` (``info`` must hold its ``model``); expires after ``ttl`` s.
 
         String values are stored as they are, anything else as JSON (e.g. ``capacity``, ``load``).
         """
+        pipe = self.redis.pipeline(transaction=True)
+        self._write_worker(pipe, name, info, ttl)
+        pipe.execute()
+
+    def _write_worker(self, pipe: redis.client.Pipeline, name: str, info: dict[str, Any], ttl: float) -> None:
         if not info.get("model"):
             raise ValueError(f"worker {name!r}: info must name its model")
         now = now_ms()
@@ -165,18 +264,33 @@ class Registry:
                                              for k, v in info.items()}
         mapping["heartbeat_at"] = str(now)
         key = self.keys.worker(name)
-        pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, mapping=mapping)
         pipe.pexpire(key, max(1, int(ttl * 1000)))
         pipe.zadd(self.keys.workers, {name: now})
-        pipe.execute()
 
-    def unregister_worker(self, name: str) -> None:
-        """Remove worker ``name`` at once (a clean shutdown), instead of waiting for its TTL."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.keys.worker(name))
-        pipe.zrem(self.keys.workers, name)
-        pipe.execute()
+    def unregister_worker(self, name: str, instance: str | None = None) -> None:
+        """Remove worker ``name`` at once (a clean shutdown), instead of waiting for its TTL.
+
+        With ``instance``, only that process's registration: a name another process has taken
+        since (after this one stalled) stays its.
+        """
+        key = self.keys.worker(name)
+        with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    if instance is not None:
+                        pipe.watch(key)
+                        held = as_text(pipe.hget(key, "instance"))
+                        if held is not None and held != instance:
+                            pipe.unwatch()
+                            return
+                        pipe.multi()
+                    pipe.delete(key)
+                    pipe.zrem(self.keys.workers, name)
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
 
     def live_workers(self, model: str | None = None) -> list[WorkerInfo]:
         """Workers whose registration has not expired (all, or those serving ``model``), by name.
@@ -194,10 +308,7 @@ class Registry:
             if not raw:
                 dead.append(name)
                 continue
-            info = {as_text(k): _decode(v) for k, v in raw.items()}
-            info["model"] = as_text(raw[b"model"]) if b"model" in raw else str(info.get("model", ""))
-            worker = WorkerInfo(name=name, model=info["model"], heartbeat_at=int(info.get("heartbeat_at", 0)),
-                                info=info)
+            worker = _worker_info(name, raw)
             if model is None or worker.model == model:
                 live.append(worker)
         if dead:

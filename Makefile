@@ -30,7 +30,7 @@ test: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
-	$(BIN)/batchinfer run examples/prompts.jsonl -o demo-out/results.parquet --model demo
+	$(BIN)/batchinfer run examples/prompts.jsonl -o demo-out/results.parquet --model demo --force
 	$(BIN)/python -c "import pandas as pd; df = pd.read_parquet('demo-out/results.parquet').convert_dtypes(); \
 	print(df[['custom_id', 'status', 'finish_reason', 'completion_tokens', 'error_code']].to_string(index=False))"
 

@@ -32,6 +32,27 @@ BACKOFF_START_S, BACKOFF_CAP_S = 1.0, 30.0  # waits before a rebuild: 1, 2, 4, 8
 # export retry due 10 s after a Redis blip would wait up to 10 minutes. These bound it to ~15 s.
 WORKER_TTL_S = 20  # idle dequeues last worker_ttl - 15 s
 MAINTENANCE_S = 10  # maintenance (restarting a dead scheduler, cleaning registries) at most this often
+# rq logs each maintenance pass at INFO: with MAINTENANCE_S that was a third of the exporter's log
+MAINTENANCE_MESSAGES = ("Worker %s: cleaning registries", "Worker %s: cleaning group registries")
+
+
+class QuietMaintenance(logging.Filter):
+    """Drop rq's "cleaning registries" lines below WARNING; every other rq line is kept.
+
+    Shown again with ``--log-level DEBUG`` (as DEBUG-worthy as they are).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING or logging.getLogger().isEnabledFor(logging.DEBUG):
+            return True
+        return not (isinstance(record.msg, str) and record.msg.startswith(MAINTENANCE_MESSAGES))
+
+
+def quiet_rq_maintenance() -> None:
+    """Install :class:`QuietMaintenance` on rq's worker logger (once)."""
+    rq_log = logging.getLogger("rq.worker")
+    if not any(isinstance(f, QuietMaintenance) for f in rq_log.filters):
+        rq_log.addFilter(QuietMaintenance())
 
 
 def build_worker(r: redis.Redis, name: str | None = None):
@@ -59,6 +80,7 @@ def build_worker(r: redis.Redis, name: str | None = None):
 def main(settings: Settings, *, name: str | None = None, burst: bool = False) -> int:
     """Run the exporter until SIGTERM / SIGINT (or, with ``burst``, until the queue is empty)."""
     name = name or f"exporter-{socket.gethostname()}-{os.getpid()}"
+    quiet_rq_maintenance()
     server = _serve_health(settings)
     try:
         return _run(settings, name, burst)

@@ -69,7 +69,9 @@ def test_status_human_and_json(env, tmp_path):
     for variant in (["status", job, "--json"], ["--json", "status", job]):
         data = json.loads(invoke(args, *variant).output)
         assert data["id"] == job and data["status"] == "in_progress"
-        assert data["request_counts"] == {"total": 3, "completed": 0, "failed": 0}
+        assert data["request_counts"] == {"total": 3, "completed": 0, "failed": 0, "cancelled": 0,
+                                          "expired": 0, "held": 0}
+        assert data["held"] == {"requests": 0, "model": "tiny", "served": [], "by_model": {}}
         assert data["created_at"] and data["output"] is None
 
 
@@ -118,7 +120,7 @@ def test_results_writes_the_file(env, tmp_path):
         publisher.publish(ResultRow(job_id=job, request_id=f"{job}:{idx}", idx=idx, status="completed",
                                     custom_id=f"c{idx}", output_text=f"o{idx}", finished_at=1))
     out = tmp_path / "res.parquet"
-    data = json.loads(invoke(args, "results", job, "-o", str(out), "--json").output)
+    data = json.loads(invoke(args, "results", job, "-o", str(out), "--json").stdout)
     assert data == {"job_id": job, "output": str(out), "format": "parquet"}
     assert pq.read_table(out).column("custom_id").to_pylist() == ["c0", "c1"]
     lines = tmp_path / "res.jsonl"

@@ -104,6 +104,21 @@ def test_a_broken_model_folder_names_each_problem(tiny_llama, tmp_path):
     assert check_model_dir(tmp_path / "missing")[0].status == "FAIL"
 
 
+def test_a_template_in_chat_template_jinja_is_found(tiny_llama, tmp_path):
+    # newer transformers write the template to chat_template.jinja, which the tokenizer reads
+    folder = tmp_path / "jinja"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template", None) or "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").write_text(template)
+    check = by_name(check_model_dir(folder))["model chat template"]
+    assert check.status == "PASS" and "chat_template.jinja" in check.detail, check
+    (folder / "chat_template.jinja").unlink()
+    check = by_name(check_model_dir(folder))["model chat template"]
+    assert check.status == "WARN" and "chat_template.jinja" in check.detail
+
+
 def test_devices_and_backends():
     assert check_device().ok and "torch" in check_device().detail
     assert check_device("cpu").ok

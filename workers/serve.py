@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import socket
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from batchinfer.config import Settings
 from batchinfer.ops.httpserver import Readiness
 from batchinfer.ops.httpserver import serve as serve_http
 from batchinfer.ops.metrics import WorkerMetrics
+from batchinfer.ops.startup import StartupError
 from batchinfer.store.registry import read_tokenizer_files
 from batchinfer.workers.daemon import WorkerDaemon
 from batchinfer.workers.engine.interface import WorkerEngine
@@ -44,31 +44,76 @@ def parse_engine_options(pairs: Iterable[str]) -> dict[str, Any]:
     return options
 
 
-def main(settings: Settings, model_dir: str | None, name: str | None = None, device: str = "cpu",
-         echo: bool = False, *, model_name: str | None = None,
-         engine_options: dict[str, Any] | None = None) -> int:
-    """``batchinfer worker``: build the engine (or the echo engine), then serve until SIGTERM."""
-    from batchinfer.redis_conn import connect
+def check_device(device: str) -> None:
+    """``StartupError`` (with what to do) for a device this machine cannot run on; cheap for ``cpu``."""
+    if device == "cpu":
+        return
+    import torch
 
-    options = dict(engine_options or {})
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise StartupError(f"--device {device!r} is not a device: use --device cpu or cuda:N") from None
+    if dev.type != "cuda":
+        raise StartupError(f"--device {device!r}: only cpu and cuda:N are supported")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else f"torch {torch.__version__}"
+        raise StartupError(f"--device {device}: CUDA is not available on this machine ({build}); use "
+                           "--device cpu, or check the NVIDIA driver and CUDA_VISIBLE_DEVICES "
+                           f"(`batchinfer doctor --device {device}`)")
+    count = torch.cuda.device_count()
+    if (dev.index or 0) >= count:
+        raise StartupError(f"--device {device}: this machine has {count} CUDA device(s), "
+                           f"cuda:0 to cuda:{count - 1}; check CUDA_VISIBLE_DEVICES")
+
+
+def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[str, Any]) -> WorkerEngine:
+    """The engine (or the echo engine) for ``model_dir``; ``StartupError`` saying what to fix."""
     if not echo and not model_dir:
-        raise ValueError("--model: a model folder is required (or --echo)")
-    engine: WorkerEngine
+        raise StartupError("--model: a model folder is required (or --echo)")
+    doctor = f"`batchinfer doctor --model {model_dir}` checks the folder" if model_dir else ""
     try:
         if echo:
             from batchinfer.workers.echo_engine import EchoEngine
 
-            engine = EchoEngine.from_model_dir(model_dir, **options) if model_dir else EchoEngine(**options)
-        else:
-            from batchinfer.workers.config import EngineConfig
-            from batchinfer.workers.engine.engine import Engine
+            return EchoEngine.from_model_dir(model_dir, **options) if model_dir else EchoEngine(**options)
+        check_device(device)
+        from batchinfer.workers.config import EngineConfig
+        from batchinfer.workers.engine.engine import Engine
 
-            engine = Engine(EngineConfig(model=str(model_dir), device=device, **options))
+        return Engine(EngineConfig(model=str(model_dir), device=device, **options))
     except TypeError as e:  # an engine option the engine does not have
-        raise ValueError(f"engine options {sorted(options)}: {e}") from None
+        raise StartupError(f"--engine-option {sorted(options)}: {e}") from e
+    except FileNotFoundError as e:
+        raise StartupError(f"{e}: --model needs a Hugging Face model folder (config.json, *.safetensors, "
+                           f"tokenizer.json); {doctor}") from e
+    except ValueError as e:  # an unsupported architecture, a bad config or option value
+        raise StartupError(f"{e}; {doctor or 'check --engine-option'}") from e
+
+
+def main(settings: Settings, model_dir: str | None, name: str | None = None, device: str = "cpu",
+         echo: bool = False, *, model_name: str | None = None, served_model_names: Sequence[str] = (),
+         engine_options: dict[str, Any] | None = None) -> int:
+    """``batchinfer worker``: build the engine (or the echo engine), then serve until SIGTERM.
+
+    ``served_model_names`` (``--served-model-name``, repeatable): the first is the name the worker
+    registers under, the others aliases; without it ``model_name`` or the model folder's name.
+    What the operator must fix first raises :class:`~batchinfer.ops.startup.StartupError`.
+    """
+    from batchinfer.redis_conn import connect
+
+    options = dict(engine_options or {})
+    engine = build_engine(model_dir, device, echo, options)
     files = read_tokenizer_files(model_dir) if model_dir else engine.tokenizer_files()
-    model = model_name or engine.model_name
-    name = name or f"{socket.gethostname()}-{model}-{device.replace(':', '')}"
+    from batchinfer.workers.config import WorkerConfig
+
+    try:  # the names the worker serves and its own: refused now, before anything registers
+        config = WorkerConfig(model=engine.model_name, served_model_names=list(served_model_names),
+                              model_name=model_name, name=name, device=device)
+    except ValueError as e:
+        raise StartupError(f"{e} (--served-model-name, --model-name, --name)") from e
+    assert config.name is not None  # WorkerConfig fills in the default
+    name, model = config.name, config.canonical
     stop, hard = threading.Event(), threading.Event()
 
     def on_signal(signum, frame):
@@ -85,8 +130,9 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
     readiness = Readiness(stall_after=10 * settings.lease_seconds)
     readiness.mark("serving", False, "registering")
     readiness.add_probe("redis", r.ping)
-    daemon = WorkerDaemon(r, settings, engine, name, model, device=device, tokenizer_files=files,
-                          hard_stop=hard, metrics=metrics, readiness=readiness)
+    daemon = WorkerDaemon(r, settings, engine, name, served_model_names=config.served_model_names,
+                          device=device, tokenizer_files=files, hard_stop=hard, metrics=metrics,
+                          readiness=readiness)
     server = serve_http(settings.metrics_port, metrics.registry, readiness)
     try:
         return daemon.run(stop)

@@ -8,17 +8,23 @@ is the exit code. :mod:`batchinfer.cli.main` adds these commands to its group; t
 
 from __future__ import annotations
 
+import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from batchinfer.cli.context import global_options
 from batchinfer.config import Settings
 
 if TYPE_CHECKING:
     from batchinfer.cli.context import Ctx
 
 POSITIVE = click.IntRange(min=1)
+PORT = click.IntRange(min=1, max=65535)
+SECONDS = click.FloatRange(min=0, min_open=True)
+log = logging.getLogger("batchinfer.cli")
 
 
 def default_device() -> str:
@@ -31,6 +37,21 @@ def default_device() -> str:
         return "cpu"
 
 
+def run_daemon(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> NoReturn:
+    """Exit with ``main(*args, **kwargs)``'s code; a start-up error is one line on stderr and exit 9
+    (EXIT_STARTUP), its traceback only in the DEBUG log."""
+    from batchinfer.cli.context import EXIT_STARTUP, fail
+    from batchinfer.ops.startup import StartupError
+    from batchinfer.store.registry import NameConflict  # a live worker holds the name (or an alias)
+
+    try:
+        code = main(*args, **kwargs)
+    except (StartupError, NameConflict) as e:
+        log.debug("start-up failed", exc_info=True)
+        fail(EXIT_STARTUP, str(e))
+    sys.exit(code or 0)
+
+
 def override_settings(settings: Settings, **values: Any) -> None:
     """Set the options the command line gave (not None) on ``settings``, over the environment's."""
     for key, value in values.items():
@@ -39,9 +60,10 @@ def override_settings(settings: Settings, **values: Any) -> None:
 
 
 @click.command()
-@click.option("--lease-seconds", type=float, help="Re-dispatch a batch not refreshed for this long [60].")
-@click.option("--max-attempts", type=int, help="Worker crashes a request survives [3].")
-@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
+@global_options
+@click.option("--lease-seconds", type=SECONDS, help="Re-dispatch a batch not refreshed for this long [60].")
+@click.option("--max-attempts", type=POSITIVE, help="Worker crashes a request survives [3].")
+@click.option("--metrics-port", type=PORT, help="Serve /metrics, /healthz, /readyz on this port.")
 @click.option("--max-line-bytes", type=POSITIVE,
               help="Refuse request bodies longer than this [10 MiB, BATCHINFER_MAX_LINE_BYTES].")
 @click.option("--max-tokens-limit", type=POSITIVE,
@@ -58,23 +80,28 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, m
     override_settings(ctx.settings, lease_seconds=lease_seconds, max_attempts=max_attempts,
                       metrics_port=metrics_port, max_line_bytes=max_line_bytes,
                       max_tokens_limit=max_tokens_limit, max_prompt_tokens=max_prompt_tokens)
-    sys.exit(main(ctx.settings) or 0)
+    run_daemon(main, ctx.settings)
 
 
 @click.command()
+@global_options
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
               help="Hugging Face model folder (optional with --echo).")
 @click.option("--name", help="Worker name [host-model-device].")
-@click.option("--model-name", help="Served model name [the model folder's name].")
+@click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
+              help="Model name to serve, repeatable: the first is the name the worker registers under, "
+                   "the others aliases (as vLLM's flag) [the model folder's name].")
+@click.option("--model-name", help="One served model name (the first --served-model-name wins).")
 @click.option("--device", default=None, help="cpu or cuda:N [cuda:0 when CUDA is available, else cpu].")
 @click.option("--echo", is_flag=True, help="Echo engine: answers without a model (tests, benchmarks).")
-@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
+@click.option("--metrics-port", type=PORT, help="Serve /metrics, /healthz, /readyz on this port.")
 @click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
               help="Engine (or echo engine) setting, repeatable; VALUE is JSON or a string, e.g. "
                    "max_num_seqs=8, or step_delay=0.05 / poison=MARKER with --echo.")
 @click.pass_obj
-def worker(ctx: Ctx, model_dir: str | None, name: str | None, model_name: str | None, device: str | None,
-           echo: bool, metrics_port: int | None, engine_option: tuple[str, ...]) -> None:
+def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names: tuple[str, ...],
+           model_name: str | None, device: str | None, echo: bool, metrics_port: int | None,
+           engine_option: tuple[str, ...]) -> None:
     """Run a worker daemon: pull batches, run the engine, publish results."""
     from batchinfer.workers.serve import main, parse_engine_options
 
@@ -87,18 +114,19 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, model_name: str | 
         options = parse_engine_options(engine_option)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--engine-option") from None
-    sys.exit(main(ctx.settings, model_dir, name, device, echo, model_name=model_name,
-                  engine_options=options) or 0)
+    run_daemon(main, ctx.settings, model_dir, name, device, echo, model_name=model_name,
+               served_model_names=served_model_names, engine_options=options)
 
 
 @click.command()
+@global_options
 @click.option("--name", help="rq worker name [exporter-host-pid].")
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
-@click.option("--metrics-port", type=int, help="Serve /metrics, /healthz, /readyz on this port.")
+@click.option("--metrics-port", type=PORT, help="Serve /metrics, /healthz, /readyz on this port.")
 @click.pass_obj
 def exporter(ctx: Ctx, name: str | None, burst: bool, metrics_port: int | None) -> None:
     """Run the exporter: an rq worker (JSON serializer) writing result files."""
     from batchinfer.jobs.exporter import main
 
     override_settings(ctx.settings, metrics_port=metrics_port)
-    sys.exit(main(ctx.settings, name=name, burst=burst) or 0)
+    run_daemon(main, ctx.settings, name=name, burst=burst)

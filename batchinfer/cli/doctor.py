@@ -141,18 +141,28 @@ def check_model_dir(model_dir: str | Path) -> list[Check]:
                "sharded); .bin checkpoints are not read", weights),
         _guard("model tokenizer", "copy tokenizer.json from the model's Hugging Face repository", tokenizer),
     ]
-    tc_path = path / "tokenizer_config.json"
-    try:
-        has_template = bool(json.loads(tc_path.read_text(encoding="utf-8")).get("chat_template"))
-    except (OSError, ValueError, AttributeError):
-        has_template = False
-    checks.append(Check(
-        "model chat template", has_template,
-        "tokenizer_config.json has a chat_template" if has_template
-        else "no chat_template in tokenizer_config.json: requests with `messages` will be rejected",
-        "copy tokenizer_config.json (with its chat_template) from the model's repository",
-        severity="warning"))
+    checks.append(check_chat_template(path))
     return checks
+
+
+def check_chat_template(path: Path) -> Check:
+    """The chat template as the worker's tokenizer finds it: ``chat_template.jinja`` (newer
+    transformers) over ``tokenizer_config.json``'s ``chat_template`` field."""
+    from batchinfer.workers.text.tokenizer import Tokenizer
+
+    fix = ("copy chat_template.jinja, or tokenizer_config.json with its chat_template, from the model's "
+           "repository")
+    try:
+        template = Tokenizer.from_dir(path).chat_template
+    except Exception as exc:  # a broken tokenizer is the tokenizer check's finding; say why here too
+        return Check("model chat template", False, f"cannot read the tokenizer files: {exc}", fix,
+                     severity="warning")
+    if not template:
+        return Check("model chat template", False, "no chat template (neither chat_template.jinja nor a "
+                     "chat_template in tokenizer_config.json): requests with `messages` will be rejected",
+                     fix, severity="warning")
+    source = "chat_template.jinja" if (path / "chat_template.jinja").is_file() else "tokenizer_config.json"
+    return Check("model chat template", True, f"chat template from {source}")
 
 
 # --- torch and kernels ---------------------------------------------------------------------------

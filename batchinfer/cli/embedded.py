@@ -62,8 +62,9 @@ class EmbeddedRedis:
         args = [self.executable, "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700",
                 "--dir", str(self.dir), "--save", "", "--appendonly", "no", "--daemonize", "no",
                 "--logfile", str(self.dir / "redis.log")]
+        # own session: the terminal's Ctrl-C must not stop it before `run` has read the partial results
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
         atexit.register(self.stop)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

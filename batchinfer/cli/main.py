@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 from collections.abc import Callable
 
@@ -20,40 +21,32 @@ from batchinfer.cli.context import (
     EXIT_JOB_FAILED,
     Ctx,
     emit,
+    global_option_decorators,
+    global_options,
     handle_errors,
     json_option,
 )
 from batchinfer.cli.daemons import POSITIVE, default_device, exporter, override_settings, scheduler, worker
-from batchinfer.config import Settings
 
 log = logging.getLogger("batchinfer.cli")
 
 # -- the group -------------------------------------------------------------------------------------
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--redis-url", envvar=None, help="redis://, rediss:// or unix:// URL [BATCHINFER_REDIS_URL]; "
-              "prefer the variable for URLs with a password (argv shows in `ps`).")
-@click.option("--redis-ca-file", type=click.Path(exists=True, dir_okay=False),
-              help="CA bundle that signed the server's certificate (rediss://) [BATCHINFER_REDIS_CA_FILE].")
-@click.option("--prefix", help="Key prefix with its hash tag [BATCHINFER_PREFIX, default {bi}].")
-@click.option("--json", "json_output", is_flag=True, help="Machine-readable output on stdout.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars or chatter.")
-@click.option("--log-format", type=click.Choice(["human", "json"]), help="Log lines on stderr.")
-@click.option("--log-level", help="DEBUG, INFO, WARNING, ERROR [default INFO].")
-@click.pass_context
-def cli(click_ctx: click.Context, redis_url: str | None, redis_ca_file: str | None, prefix: str | None,
-        json_output: bool, quiet: bool, log_format: str | None, log_level: str | None) -> None:
-    """batchinfer: batch LLM inference on a Redis job queue."""
-    from batchinfer.ops.logs import setup_logging
+def _group(fn: Callable[..., None]) -> click.Group:
+    """The group with the global options (context.global_option_decorators, also after each command)."""
+    for decorate in reversed(global_option_decorators()):
+        fn = decorate(fn)
+    return click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})(
+        click.pass_context(fn))
 
-    try:
-        settings = Settings.from_env(redis_url=redis_url, redis_ca_file=redis_ca_file, prefix=prefix,
-                                     log_format=log_format, log_level=log_level)
-        setup_logging(settings.log_format, "WARNING" if quiet and not log_level else settings.log_level)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    click_ctx.obj = Ctx(settings, json_output, quiet)
+
+@_group
+def cli(click_ctx: click.Context, **given: object) -> None:
+    """batchinfer: batch LLM inference on a Redis job queue.
+
+    The global options are accepted before the command's name and after it."""
+    click_ctx.obj = Ctx.create(**given)
 
 
 pass_ctx = click.make_pass_decorator(Ctx)
@@ -79,8 +72,10 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
 
 
 @cli.command()
+@global_options
 @click.argument("file", type=click.Path(allow_dash=True, readable=False))  # unreadable: exit 7 (InputError)
-@click.option("--model", help="Model for lines without a 'model' field.")
+@click.option("--model", help="The job's model: it answers every line (a line's own 'model' is overridden "
+                               "and counted); without it, each line's 'model'.")
 @click.option("--wait", "wait_", is_flag=True, help="Wait for the job to end (exit code says how).")
 @click.option("--output", help="Result file: path or pyarrow URI [<results_root>/<job>.parquet].")
 @click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
@@ -124,29 +119,54 @@ def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | No
 
 
 @cli.command()
+@global_options
 @click.argument("job")
 @json_option
+@click.option("--format", "fmt", type=click.Choice(["record", "openai"]), default="record", show_default=True,
+              help="With --json: our job record, or the OpenAI Batch object (openai implies --json).")
 @pass_ctx
 @handle_errors
-def status(ctx: Ctx, job: str, json_flag: bool) -> None:
+def status(ctx: Ctx, job: str, json_flag: bool, fmt: str) -> None:
     """Show a job's status, request counts and output."""
-    record = ctx.client().status(job)
-    emit(ctx, json_flag, record.to_dict(), lambda: click.echo(render.record_text(record)))
+    client = ctx.client()
+    record = client.status(job)
+    if fmt == "openai":
+        from batchinfer.store.jobstore import openai_batch
+
+        click.echo(json.dumps(openai_batch(record), ensure_ascii=False))
+        return
+    held, served = _held_state(client)
+    payload = record.to_dict()
+    payload["held"] = {"requests": record.held, "model": record.model, "served": served,
+                       "by_model": held}
+    emit(ctx, json_flag, payload, lambda: click.echo(render.record_text(record, served)))
 
 
 @cli.command()
+@global_options
 @click.option("--limit", type=int, default=20, show_default=True)
 @json_option
 @pass_ctx
 @handle_errors
 def jobs(ctx: Ctx, limit: int, json_flag: bool) -> None:
     """List the newest jobs."""
-    records = ctx.client().jobs(limit)
+    client = ctx.client()
+    records = client.jobs(limit)
+    held, served = _held_state(client) if any(r.held for r in records) else ({}, [])
+    emit(ctx, json_flag, [r.to_dict() for r in records],
+         lambda: click.echo(render.jobs_text(records, held, served)))
 
-    emit(ctx, json_flag, [r.to_dict() for r in records], lambda: click.echo(render.jobs_text(records)))
+
+def _held_state(client) -> tuple[dict[str, int], list[str]]:
+    """Requests held per model now (job and direct ones) and the names live workers serve."""
+    from batchinfer.store import queue_state
+
+    return (queue_state.held_models(client.redis, client.keys),
+            queue_state.served_models(client.redis, client.keys))
 
 
 @cli.command()
+@global_options
 @click.argument("job")
 @click.option("--timeout", type=float, help="Give up after this many seconds (exit 6).")
 @json_option
@@ -162,22 +182,51 @@ def _wait_and_report(ctx: Ctx, client, job: str, timeout: float | None, json_fla
     from batchinfer.ops.progress import JobProgress
     from batchinfer.store.jobstore import JobStatus
 
-    with JobProgress(job, quiet=ctx.quiet or ctx.json or json_flag) as bar:
-        def progress(record) -> None:
-            # tokens/s of the workers serving the job's model (they may serve other jobs too)
-            rate = sum(float(w.info.get("tokens_per_s") or 0) for w in client.workers(record.model)) \
-                if bar.enabled and record.model else None
-            bar.update(record.completed, record.failed, record.total, tokens_per_s=rate)
-            if check:
-                check()
+    quiet = ctx.quiet or ctx.json or json_flag
+    shown_held = [""]  # the held line last logged (without a bar), to log each change once
 
-        record = client.wait(job, timeout=timeout, progress=progress)
+    def held_line(record) -> str | None:
+        if not record.held:
+            return None
+        return render.held_text(record.held, record.model, _held_state(client)[1])
+
+    try:
+        with JobProgress(job, quiet=quiet) as bar:
+            def progress(record) -> None:
+                # tokens/s of the workers serving the job's model (they may serve other jobs too)
+                rate = sum(float(w.info.get("tokens_per_s") or 0) for w in client.workers(record.model)) \
+                    if bar.enabled and record.model else None
+                held = held_line(record)
+                bar.update(record.completed, record.failed + record.cancelled + record.expired,
+                           record.total, tokens_per_s=rate, held=held)
+                if held and held != shown_held[0] and not bar.enabled and not ctx.quiet:
+                    click.echo(f"job {job}: {held}", err=True)  # no bar (a pipe): a log line per change
+                shown_held[0] = held or ""
+                if check:
+                    check()
+
+            record = client.wait(job, timeout=timeout, progress=progress)
+    finally:
+        _note_overridden(ctx, client, job)
     emit(ctx, json_flag, record.to_dict(), lambda: click.echo(render.record_text(record)))
     if record.status != JobStatus.COMPLETED:
         sys.exit(EXIT_JOB_FAILED)
 
 
+def _note_overridden(ctx: Ctx, client, job: str) -> None:
+    """One note on stderr when lines named another model than the job's (which answered them)."""
+    import contextlib
+
+    import redis
+
+    with contextlib.suppress(redis.RedisError, OSError, KeyError):
+        record = client.status(job)
+        if record.models_overridden and not ctx.quiet:
+            click.echo(f"note: {render.overridden_text(record)}", err=True)
+
+
 @cli.command()
+@global_options
 @click.argument("job")
 @json_option
 @pass_ctx
@@ -189,18 +238,23 @@ def cancel(ctx: Ctx, job: str, json_flag: bool) -> None:
 
 
 @cli.command()
+@global_options
 @click.argument("job")
 @click.option("-o", "--output", required=True, help="File to write: path or pyarrow URI.")
-@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
-              show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]),
+              help="[from OUTPUT's name: .parquet, .jsonl]; openai: OpenAI batch output lines.")
+@click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @json_option
 @pass_ctx
 @handle_errors
-def results(ctx: Ctx, job: str, output: str, fmt: str, json_flag: bool) -> None:
+def results(ctx: Ctx, job: str, output: str, fmt: str | None, force: bool, json_flag: bool) -> None:
     """Write a job's results (in input order) to a file."""
+    from batchinfer.cli.outfile import output_format, refuse_overwrite
     from batchinfer.ops.progress import rows_progress
     from batchinfer.store.jobstore import JobStatus
 
+    fmt = output_format(output, fmt)
+    refuse_overwrite(output, force)
     client = ctx.client()
     record = client.status(job)
     with rows_progress("writing", record.total, quiet=ctx.quiet or ctx.json or json_flag) as bar:
@@ -212,6 +266,7 @@ def results(ctx: Ctx, job: str, output: str, fmt: str, json_flag: bool) -> None:
 
 
 @cli.command()
+@global_options
 @click.option("--model", help="Only workers serving this model.")
 @json_option
 @pass_ctx
@@ -227,6 +282,7 @@ def workers(ctx: Ctx, model: str | None, json_flag: bool) -> None:
 
 
 @cli.command()
+@global_options
 @click.option("--refresh", type=float, default=1.0, show_default=True, help="Seconds between frames.")
 @click.option("--once", is_flag=True, help="Print one frame and exit (with --json: the snapshot as JSON).")
 @json_option
@@ -242,12 +298,16 @@ def top(ctx: Ctx, refresh: float, once: bool, json_flag: bool) -> None:
     keys, where = Keys(ctx.settings.prefix), describe(ctx.settings.redis_url)
     if once or json_flag or ctx.json:
         snap = snapshot_from_redis(r, keys, where=where, heartbeat_seconds=ctx.settings.heartbeat_seconds)
-        click.echo(json.dumps(snapshot_to_dict(snap)) if (json_flag or ctx.json) else render_to_text(snap))
+        if json_flag or ctx.json:
+            click.echo(json.dumps(snapshot_to_dict(snap)))
+        else:  # the terminal's width (COLUMNS), 120 without one
+            click.echo(render_to_text(snap, width=shutil.get_terminal_size((120, 24)).columns), nl=False)
         return
     sys.exit(run_top(r, keys, refresh, where=where, heartbeat_seconds=ctx.settings.heartbeat_seconds))
 
 
 @cli.command()
+@global_options
 @click.option("--model", "model_dir", type=click.Path(), help="Also check this model folder.")
 @click.option("--device", help="Check this torch device.")
 @json_option
@@ -265,33 +325,46 @@ def doctor(ctx: Ctx, model_dir: str | None, device: str | None, json_flag: bool)
 
 
 @cli.command()
+@global_options
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@click.option("-o", "--output", required=True, help="Result file (Parquet unless --format).")
+@click.option("-o", "--output", required=True, help="Result file: .parquet or .jsonl (or --format).")
 @click.option("--model", "model", default="demo", show_default=True,
-              help="Model folder, or 'demo' for a tiny random demo model built on the fly.")
-@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
-              show_default=True)
+              help="Model folder, or 'demo' for a tiny random demo model built on the fly. It answers "
+                   "every line of FILE, whatever model the line names.")
+@click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
+              help="Name(s) the workers serve the model under, repeatable; the first is the job's model "
+                   "[the model folder's name].")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]),
+              help="[from OUTPUT's name: .parquet, .jsonl]; openai: OpenAI batch output lines.")
+@click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("--device", help="[cuda:0 when available, else cpu]")
 @click.option("--workers", "num_workers", type=int, default=1, show_default=True, help="Worker processes.")
 @click.option("--echo", is_flag=True, help="Echo engine instead of the model (no generation).")
 @click.option("--timeout", type=float, help="Give up after this many seconds (exit 6).")
+@click.option("--no-partial", is_flag=True,
+              help="On Ctrl-C or --timeout, do not write the results so far to OUTPUT.")
 @click.option("--logs", "log_dir", type=click.Path(file_okay=False), help="Keep the daemons' logs here.")
 @json_option
 @pass_ctx
 @handle_errors
-def run(ctx: Ctx, file: str, output: str, model: str, fmt: str, device: str | None, num_workers: int,
-        echo: bool, timeout: float | None, log_dir: str | None, json_flag: bool) -> None:
+def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[str, ...], fmt: str | None,
+        force: bool, device: str | None, num_workers: int, echo: bool, timeout: float | None,
+        no_partial: bool, log_dir: str | None, json_flag: bool) -> None:
     """All in one: Redis (embedded unless --redis-url), scheduler, worker(s), exporter; submit FILE,
     wait with a progress bar, write OUTPUT, stop everything."""
     from pathlib import Path
 
+    from batchinfer.cli.outfile import output_format, refuse_overwrite
     from batchinfer.cli.runner import RunOptions, run_all
 
+    fmt = output_format(output, fmt)
+    refuse_overwrite(output, force)  # before anything starts
     # The exporter `run` starts is the caller's own: a local path is the explicit file:// URI, which
     # the results-root confinement of shared exporters lets through.
     output = output if "://" in output else Path(output).resolve().as_uri()
     options = RunOptions(file=file, output=output, model=model, fmt=fmt, device=device or default_device(),
-                         num_workers=num_workers, echo=echo, timeout=timeout, log_dir=log_dir)
+                         num_workers=num_workers, echo=echo, timeout=timeout, log_dir=log_dir,
+                         served_model_names=served_model_names, partial=not no_partial)
     sys.exit(run_all(ctx, options, lambda client, job, check: _wait_and_report(
         ctx, client, job, timeout, json_flag, check)))
 

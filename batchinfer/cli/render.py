@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from batchinfer.store.jobstore import JobRecord, JobStatus
@@ -21,15 +21,30 @@ def fmt_time(ms: int | None) -> str:
     return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def record_text(record: JobRecord) -> str:
-    """``batchinfer status``: one ``key  value`` line per fact, stages in order."""
-    counts = record.request_counts
-    total = counts["total"] if record.total is not None else f"{counts['total']}+ (submitting)"
+def held_text(count: int, model: str | None, served: Sequence[str]) -> str:
+    """``3 held: model 'SmolLM2' is not served; served: hf, qwen`` (``model`` None: the model unknown)."""
+    what = f"model {model!r} is not served" if model else "their model is not served"
+    return f"{count} held: {what}; served: {', '.join(served) if served else 'none (no live worker)'}"
+
+
+def _counts_text(record: JobRecord) -> str:
+    c = record.request_counts
+    total = c["total"] if record.total is not None else f"{c['total']}+ (submitting)"
+    parts = [f"{record.done} of {total} done", f"{c['completed']} completed", f"{c['failed']} failed"]
+    parts += [f"{c[k]} {k}" for k in ("cancelled", "expired") if c.get(k)]
+    return ", ".join(parts)
+
+
+def record_text(record: JobRecord, served: Sequence[str] | None = None) -> str:
+    """``batchinfer status``: one ``key  value`` line per fact, stages in order; with ``served``
+    (the names live workers serve), a ``held`` line when requests wait for an unserved model."""
     rows = [("job", record.id), ("status", record.status.value), ("model", record.model or "-"),
-            ("input", record.input_name or "-"),
-            ("requests", f"{counts['completed'] + counts['failed']} of {total} done, "
-                         f"{counts['completed']} completed, {counts['failed']} failed"),
-            ("created", fmt_time(record.created_at)), ("expires", fmt_time(record.expires_at))]
+            ("input", record.input_name or "-"), ("requests", _counts_text(record))]
+    if record.held:
+        rows.append(("held", held_text(record.held, record.model, served or [])))
+    if record.models_overridden:
+        rows.append(("model overridden", overridden_text(record)))
+    rows += [("created", fmt_time(record.created_at)), ("expires", fmt_time(record.expires_at))]
     for name in _STAGES:
         if getattr(record, name) is not None:
             rows.append((name.removesuffix("_at").replace("_", " "), fmt_time(getattr(record, name))))
@@ -39,9 +54,21 @@ def record_text(record: JobRecord) -> str:
     return "\n".join(f"{key:<{width}}  {value}" for key, value in rows)
 
 
-def jobs_text(records: Sequence[JobRecord]) -> str:
-    """``batchinfer jobs``: one line per job, newest first."""
-    return _listing(records, "no jobs", _job_line)
+def overridden_text(record: JobRecord) -> str:
+    """``400 lines named another model ('gpt-4o-mini'); the job's model 'SmolLM2' answered them``."""
+    n = record.models_overridden
+    names = ", ".join(repr(m) for m in record.overridden_models) or "?"
+    return (f"{n} line{'s' if n != 1 else ''} named another model ({names}); the job's model "
+            f"{record.model!r} answered {'them' if n != 1 else 'it'}")
+
+
+def jobs_text(records: Sequence[JobRecord], held: Mapping[str, int] | None = None,
+              served: Sequence[str] = ()) -> str:
+    """``batchinfer jobs``: one line per job, newest first; then one line per model requests are
+    held for (``held``: model -> requests, job and direct ones)."""
+    text = _listing(records, "no jobs", _job_line)
+    notes = [held_text(n, model, served) for model, n in (held or {}).items() if n > 0]
+    return "\n".join([text, *notes])
 
 
 def workers_text(workers: Sequence[WorkerInfo]) -> str:
@@ -58,8 +85,9 @@ def _listing(items: Sequence[_Item], empty: str, line: Callable[[_Item], str]) -
 
 def _job_line(r: JobRecord) -> str:
     c = r.request_counts
-    return (f"{r.id}  {r.status.value:<11}  {c['completed'] + c['failed']}/{c['total']}  "
-            f"failed {c['failed']}  {fmt_time(r.created_at)}  {r.input_name or '-'}")
+    held = f"  held {r.held}" if r.held else ""
+    return (f"{r.id}  {r.status.value:<11}  {r.done}/{c['total']}  "
+            f"failed {c['failed']}{held}  {fmt_time(r.created_at)}  {r.input_name or '-'}")
 
 
 def _worker_line(w: WorkerInfo) -> str:

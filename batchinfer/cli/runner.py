@@ -6,6 +6,13 @@ as an exit code instead of taking the others down, and stopping them is a SIGTER
 logs go to files (a temporary folder unless ``--logs``) so they do not fight the progress bar;
 when something fails, the tails are printed. Everything started is stopped on the way out —
 normal end, error, or Ctrl-C.
+
+Ctrl-C (or SIGTERM) and ``--timeout`` say so at once, stop the daemons within a few seconds
+(SIGTERM, a short grace, SIGTERM again, which stops a worker without draining, then SIGKILL),
+write the rows the job has so far to the output file (as OpenAI does for cancelled and expired
+batches) unless ``--no-partial``, and keep the logs folder. The daemons and the embedded Redis run
+in their own sessions, so the terminal's Ctrl-C reaches ``run`` alone and Redis stays up long
+enough for the partial results to be read.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +36,8 @@ if TYPE_CHECKING:
     from batchinfer.cli.context import Ctx
 
 DEMO = "demo"
-STOP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 30.0  # after the job ended: let the daemons finish cleanly
+INTERRUPT_GRACE_S = 2.0  # after Ctrl-C / --timeout: SIGTERM, this long, SIGTERM again, 1 s, SIGKILL
 LOG_TAIL_LINES = 25
 
 
@@ -43,6 +52,8 @@ class RunOptions:
     echo: bool = False
     timeout: float | None = None
     log_dir: str | None = None
+    served_model_names: tuple[str, ...] = ()  # --served-model-name: the first is the job's model
+    partial: bool = True  # on Ctrl-C / --timeout, write the rows so far to ``output``
 
 
 class DaemonExited(RuntimeError):
@@ -98,9 +109,10 @@ class Daemons:
     def start(self, name: str, *args: str) -> None:
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "ab") as log_file:  # the child keeps its own descriptor
+            # own session: the terminal's Ctrl-C goes to `run`, which stops the daemons itself
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "batchinfer.cli", *args], env=self.env, stdin=subprocess.DEVNULL,
-                stdout=log_file, stderr=subprocess.STDOUT)
+                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         self.logs[name] = log_path
 
     def check(self) -> None:
@@ -110,18 +122,35 @@ class Daemons:
             if code is not None:
                 raise DaemonExited(f"{name} exited with code {code}")
 
-    def stop(self) -> None:
-        """SIGTERM every daemon, wait for them (workers drain), SIGKILL what is left."""
+    def stop(self, grace: float | None = None) -> None:
+        """SIGTERM every daemon and wait for them (workers drain), SIGKILL what is left.
+
+        ``grace`` (after Ctrl-C / --timeout): wait only that long, then SIGTERM again (a worker's
+        second signal stops it without draining), 1 s more, then SIGKILL: done in seconds.
+        """
+        self._signal(signal.SIGTERM)
+        if grace is None:
+            self._wait(STOP_TIMEOUT_S)
+        else:
+            self._wait(grace)
+            self._signal(signal.SIGTERM)
+            self._wait(1.0)
         for proc in self.procs.values():
             if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+
+    def _wait(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.05, deadline - time.monotonic()))
 
     def tails(self) -> str:
         parts = []
@@ -132,14 +161,22 @@ class Daemons:
         return "\n".join(parts)
 
 
+class _Stopped(Exception):
+    """SIGTERM reached ``run``: stop as on Ctrl-C."""
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped()
+
+
 def run_all(ctx: Ctx, opts: RunOptions,
             wait: Callable[[Any, str, Callable[[], None]], None]) -> int:
     """Start what is needed, submit ``opts.file``, ``wait(client, job, check)``, stop; an exit code.
 
-    ``wait`` raises ``SystemExit`` for a job that did not complete (the CLI's exit codes);
-    ``check`` raises :class:`DaemonExited` when a daemon died.
+    ``wait`` raises ``SystemExit`` for a job that did not complete (the CLI's exit codes) and
+    ``TimeoutError`` after ``--timeout``; ``check`` raises :class:`DaemonExited` when a daemon died.
     """
-    from batchinfer.cli.context import EXIT_DAEMON
+    from batchinfer.cli.context import EXIT_DAEMON, EXIT_INTERRUPTED, EXIT_TIMEOUT
     from batchinfer.cli.embedded import EmbeddedRedis
     from batchinfer.client.client import Client
 
@@ -147,7 +184,9 @@ def run_all(ctx: Ctx, opts: RunOptions,
     say = (lambda msg: None) if ctx.quiet or ctx.json else (lambda msg: click.echo(msg, err=True))
     if opts.num_workers < 1:
         raise click.BadParameter("must be >= 1", param_hint="--workers")
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_stopped)
     with contextlib.ExitStack() as stack:
+        stack.callback(signal.signal, signal.SIGTERM, previous_sigterm)
         model_dir = resolve_model(opts.model)
         if not settings.redis_url:
             embedded = stack.enter_context(EmbeddedRedis())
@@ -156,34 +195,77 @@ def run_all(ctx: Ctx, opts: RunOptions,
         if opts.log_dir:
             log_dir = Path(opts.log_dir)
             log_dir.mkdir(parents=True, exist_ok=True)
-        else:
-            log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="batchinfer-run-")))
+        else:  # removed after a run that ends normally, kept after an interrupt or a timeout
+            log_dir = Path(tempfile.mkdtemp(prefix="batchinfer-run-"))
+        keep_logs = [bool(opts.log_dir)]
+
+        def remove_logs() -> None:
+            if not keep_logs[0]:
+                shutil.rmtree(log_dir, ignore_errors=True)
+
+        stack.callback(remove_logs)
         # The URL travels in the environment, not argv, so no password shows in `ps`.
         env = {**os.environ, "BATCHINFER_REDIS_URL": settings.redis_url, "BATCHINFER_PREFIX": settings.prefix,
                "BATCHINFER_LOG_FORMAT": settings.log_format, "BATCHINFER_LOG_LEVEL": settings.log_level}
         if settings.redis_ca_file:  # given as a flag: the daemons need it too
             env["BATCHINFER_REDIS_CA_FILE"] = settings.redis_ca_file
         daemons = Daemons(log_dir, env)
-        stack.callback(daemons.stop)
-        daemons.start("scheduler", "scheduler")
-        for i in range(opts.num_workers):
-            args = ["worker", "--model", str(model_dir), "--name", f"run-{os.getpid()}-{i}",
-                    "--device", opts.device]
-            daemons.start(f"worker-{i}", *args, *(["--echo"] if opts.echo else []))
-        daemons.start("exporter", "exporter")
-        say(f"started scheduler, {opts.num_workers} worker(s) ({model_dir.name} on {opts.device}), exporter; "
-            f"logs in {log_dir}")
-        client = stack.enter_context(Client(settings=settings))
-        output = opts.output if "://" in opts.output else os.path.abspath(opts.output)
+        stop_grace: list[float | None] = [None]
+        stack.callback(lambda: daemons.stop(stop_grace[0]))
+        served = list(dict.fromkeys(opts.served_model_names)) or [model_dir.name]
+        names = [a for name in served for a in ("--served-model-name", name)]
+        job: str | None = None
         try:
-            job = client.submit(opts.file, model=model_dir.name, output=output, output_format=opts.fmt)
+            daemons.start("scheduler", "scheduler")
+            for i in range(opts.num_workers):
+                args = ["worker", "--model", str(model_dir), "--name", f"run-{os.getpid()}-{i}",
+                        "--device", opts.device, *names]
+                daemons.start(f"worker-{i}", *args, *(["--echo"] if opts.echo else []))
+            daemons.start("exporter", "exporter")
+            say(f"started scheduler, {opts.num_workers} worker(s) ({served[0]} on {opts.device}), exporter; "
+                f"logs in {log_dir}")
+            client = stack.enter_context(Client(settings=settings))
+            output = opts.output if "://" in opts.output else os.path.abspath(opts.output)
+            # the job's model (served[0]) answers every line, whatever model the line names
+            job = client.submit(opts.file, model=served[0], output=output, output_format=opts.fmt)
             say(f"job {job}")
             wait(client, job, daemons.check)
         except DaemonExited as e:
             click.echo(f"error: {e}\n{daemons.tails()}", err=True)
+            keep_logs[0] = True
             return EXIT_DAEMON
+        except (KeyboardInterrupt, _Stopped, TimeoutError) as e:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+            stack.callback(signal.signal, signal.SIGINT, signal.default_int_handler)
+            timed_out = isinstance(e, TimeoutError)
+            click.echo(f"{e}; stopping..." if timed_out else "stopping...", err=True)
+            daemons.stop(INTERRUPT_GRACE_S)
+            keep_logs[0] = True
+            if job is not None and opts.partial:
+                _write_partial(client, job, opts)
+            click.echo(f"logs kept in {log_dir}", err=True)
+            return EXIT_TIMEOUT if timed_out else EXIT_INTERRUPTED
         except SystemExit:
-            if opts.log_dir is None:  # the logs are about to go away with their folder
-                click.echo(daemons.tails(), err=True)
+            keep_logs[0] = True
+            click.echo(f"{daemons.tails()}\nlogs kept in {log_dir}", err=True)
             raise
     return 0
+
+
+def _write_partial(client: Any, job: str, opts: RunOptions) -> None:
+    """The job's rows so far to ``opts.output`` (one line on stderr says how many, and where)."""
+    import redis
+
+    count = [0]
+
+    def counted() -> None:
+        count[0] += 1
+
+    try:
+        location = client.write_results(job, opts.output, opts.fmt, on_row=counted)
+    except (redis.RedisError, OSError, ValueError) as e:
+        click.echo(f"could not write the partial results of job {job}: {e}", err=True)
+        return
+    total = client.status(job).total
+    click.echo(f"wrote the results so far ({count[0]} of {total if total is not None else '?'} rows) "
+               f"to {location}", err=True)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import io
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
+from rich import box
 from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.live import Live
 from rich.progress_bar import ProgressBar
@@ -25,6 +26,7 @@ from batchinfer.store import queue_state
 from batchinfer.store.queue_state import JobView, QueueState, WorkerView
 
 STALE_HEARTBEATS = 3  # a worker silent for this many heartbeat periods is shown in red
+WIDE = 120  # from this many columns on, the bars and every column; below, a compact layout (80 fits)
 
 
 @dataclass
@@ -37,6 +39,8 @@ class Snapshot:
     queues: QueueState
     where: str = ""
     heartbeat_seconds: float = 5.0
+    held: dict[str, int] = field(default_factory=dict)  # model -> requests held (no worker serves it)
+    served: list[str] = field(default_factory=list)  # names live workers serve
 
 
 def snapshot_from_redis(r: redis.Redis, keys: Keys, *, where: str = "", heartbeat_seconds: float = 5.0,
@@ -49,6 +53,8 @@ def snapshot_from_redis(r: redis.Redis, keys: Keys, *, where: str = "", heartbea
         queues=queue_state.queue_state(r, keys),
         where=where,
         heartbeat_seconds=heartbeat_seconds,
+        held=queue_state.held_models(r, keys),
+        served=queue_state.served_models(r, keys),
     )
 
 
@@ -79,63 +85,83 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
-def _usage_cell(usage: float | None) -> RenderableType:
+def _usage_cell(usage: float | None, wide: bool) -> RenderableType:
     if usage is None:
         return Text("-")
+    if not wide:
+        return Text(_percent(usage))
     cell = Table.grid(padding=(0, 1))
     cell.add_row(ProgressBar(total=1.0, completed=usage, width=10), _percent(usage))
     return cell
 
 
-def _workers_table(snap: Snapshot) -> Table:
-    table = Table(title="workers", title_justify="left", expand=True)
+def _table(title: str, columns: tuple[tuple[str, JustifyMethod], ...], wide: bool,
+           key_width: int = 0) -> Table:
+    """A table whose cells are never cut short ("…"): the first column (a job id) is as wide as its
+    longest value, the others fold onto a second line when they must, and the headers are short
+    enough for 80 columns."""
+    table = Table(title=title, title_justify="left", expand=True,
+                  box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD, padding=(0, 1), pad_edge=wide)
+    for i, (name, justify) in enumerate(columns):
+        table.add_column(name, justify=justify, no_wrap=i == 0 and key_width > 0, overflow="fold",
+                         min_width=max(len(name), key_width if i == 0 else 0))
+    return table
+
+
+def _workers_table(snap: Snapshot, wide: bool) -> Table:
     columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("worker", "left"), ("model", "left"), ("device", "left"), ("load", "right"),
-        ("waiting", "right"), ("tokens/s", "right"), ("KV use", "left"), ("heartbeat", "right"))
-    for name, justify in columns:
-        table.add_column(name, justify=justify, no_wrap=True)
+        ("waiting" if wide else "wait", "right"), ("tokens/s" if wide else "tok/s", "right"),
+        ("KV use" if wide else "KV", "left"), ("heartbeat" if wide else "seen", "right"))
+    table = _table("workers", columns, wide)
     for w in snap.workers:
         age = max(0.0, (snap.taken_at - w.heartbeat_at) / 1000)
         stale = age > STALE_HEARTBEATS * snap.heartbeat_seconds
         load = "-" if w.running is None else (
-            f"{w.running}/{w.max_num_seqs} ({_percent(w.load)})" if w.max_num_seqs else str(w.running))
+            f"{w.running}/{w.max_num_seqs}" + (f" ({_percent(w.load)})" if wide else "")
+            if w.max_num_seqs else str(w.running))
         table.add_row(
             w.name, w.model, w.device or "-", load, "-" if w.waiting is None else str(w.waiting),
-            "-" if w.tokens_per_s is None else f"{w.tokens_per_s:,.1f}", _usage_cell(w.kv_usage),
-            Text(f"{_duration(age)} ago", style="bold red" if stale else ""),
+            "-" if w.tokens_per_s is None else f"{w.tokens_per_s:,.1f}" if wide else f"{w.tokens_per_s:,.0f}",
+            _usage_cell(w.kv_usage, wide),
+            Text(f"{_duration(age)} ago" if wide else _duration(age), style="bold red" if stale else ""),
         )
     if not snap.workers:
         table.add_row(Text("no live workers", style="dim"), *[""] * 7)
     return table
 
 
-def _jobs_table(snap: Snapshot) -> Table:
-    table = Table(title="jobs in progress", title_justify="left", expand=True)
+def _jobs_table(snap: Snapshot, wide: bool) -> Table:
+    # compact: the model under the job id, and no bar, so that the full id and every column fit 80
     columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("job", "left"), ("model", "left"), ("status", "left"), ("progress", "left"),
-        ("done/total", "right"), ("failed", "right"), ("req/s", "right"), ("ETA", "right"))
-    for name, justify in columns:
-        table.add_column(name, justify=justify, no_wrap=True)
+        *((("job", "left"), ("model", "left")) if wide else (("job / model", "left"),)), ("status", "left"),
+        *((("progress", "left"),) if wide else ()), ("done/total" if wide else "done", "right"),
+        ("failed" if wide else "fail", "right"), ("req/s", "right"), ("ETA", "right"))
+    key_width = max((len(j.id) for j in snap.jobs), default=0)
+    table = _table("jobs in progress", columns, wide, key_width=key_width)
     for j in snap.jobs:
         total = j.known_total
         rate = j.rate(snap.taken_at)
         eta = j.eta_seconds(snap.taken_at)
-        bar = ProgressBar(total=max(total, 1), completed=j.done, width=20)
         shown_total = str(total) if j.total is not None else f"{total}+"  # still submitting
+        key = (j.id, j.model or "-") if wide else (Text.assemble(j.id, "\n", (j.model or "-", "dim")),)
+        bar = (ProgressBar(total=max(total, 1), completed=j.done, width=20),) if wide else ()
         table.add_row(
-            j.id, j.model or "-", j.status, bar, f"{j.done}/{shown_total}",
+            *key, j.status, *bar, f"{j.done}/{shown_total}",
             Text(str(j.failed), style="red" if j.failed else ""),
-            "-" if rate is None else f"{rate:,.1f}", _duration(eta),
+            "-" if rate is None else f"{rate:,.1f}",
+            Text(f"{j.held} held", style="yellow") if j.held else _duration(eta),
         )
     if not snap.jobs:
-        table.add_row(Text("no jobs in progress", style="dim"), *[""] * 7)
+        table.add_row(Text("no jobs in progress", style="dim"), *[""] * (len(columns) - 1))
     return table
 
 
-def _queues_table(snap: Snapshot) -> Table:
-    table = Table(title="queues", title_justify="left", expand=True)
-    for name in ("queue", "waiting", "taken, not done", "oldest waiting"):
-        table.add_column(name, justify="left" if name == "queue" else "right", no_wrap=True)
+def _queues_table(snap: Snapshot, wide: bool) -> Table:
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("queue", "left"), ("waiting", "right"), ("taken, not done" if wide else "taken", "right"),
+        ("oldest waiting" if wide else "oldest", "right"))
+    table = _table("queues", columns, wide)
     intake = snap.queues.intake
     table.add_row("intake (requests)", str(intake.undelivered), str(intake.unacked),
                   _duration(intake.lag_seconds(snap.taken_at)) if intake.undelivered else "-")
@@ -147,18 +173,29 @@ def _queues_table(snap: Snapshot) -> Table:
     return table
 
 
-def render_top(snapshot: Snapshot) -> RenderableType:
-    """One frame: a header line, then the workers, jobs and queues tables."""
+def _held_lines(snap: Snapshot) -> list[Text]:
+    """``3 held: model 'x' is not served; served: a, b``, one per model requests wait for."""
+    from batchinfer.cli.render import held_text
+
+    return [Text(held_text(n, model, snap.served), style="bold yellow")
+            for model, n in snap.held.items() if n]
+
+
+def render_top(snapshot: Snapshot, width: int | None = None) -> RenderableType:
+    """One frame: a header line, requests held for unserved models, then the workers, jobs and
+    queues tables; compact below :data:`WIDE` columns (``width`` None: wide)."""
+    wide = width is None or width >= WIDE
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.taken_at / 1000))
     header = Text.assemble(("batchinfer top", "bold"), f"  {snapshot.where}  {stamp}  ",
                            f"{len(snapshot.workers)} worker(s), {len(snapshot.jobs)} job(s) in progress")
-    return Group(header, _workers_table(snapshot), _jobs_table(snapshot), _queues_table(snapshot))
+    return Group(header, *_held_lines(snapshot), _workers_table(snapshot, wide), _jobs_table(snapshot, wide),
+                 _queues_table(snapshot, wide))
 
 
 def render_to_text(snapshot: Snapshot, width: int = 120) -> str:
     """The frame as plain text (for ``--once`` without a terminal, and for tests)."""
     out = io.StringIO()
-    Console(width=width, file=out, color_system=None).print(render_top(snapshot))
+    Console(width=width, file=out, color_system=None).print(render_top(snapshot, width))
     return out.getvalue()
 
 
@@ -171,9 +208,12 @@ def run_top(r: redis.Redis, keys: Keys, refresh: float = 1.0, *, where: str = ""
     if refresh <= 0:
         raise ValueError(f"refresh must be > 0 seconds, got {refresh}")
 
+    console = console or Console()
+
     def frame() -> RenderableType:
         try:
-            return render_top(snapshot_from_redis(r, keys, where=where, heartbeat_seconds=heartbeat_seconds))
+            return render_top(snapshot_from_redis(r, keys, where=where, heartbeat_seconds=heartbeat_seconds),
+                              console.width)
         except (redis.RedisError, OSError) as exc:
             return Text(f"batchinfer top  {where}: cannot read Redis ({type(exc).__name__}: {exc}); retrying",
                         style="bold red")

@@ -156,8 +156,10 @@ class HealthServer:
         try:
             self._server = _Server((self.host, self._port), self.registry, self.readiness)
         except OSError as exc:
-            raise OSError(f"metrics port {self._port} on {self.host}: cannot listen ({exc.strerror})") \
-                from exc
+            from batchinfer.ops.startup import PortInUseError
+
+            raise PortInUseError(f"metrics port {self._port} on {self.host}: cannot listen ({exc.strerror}); "
+                                 "pick a free port with --metrics-port (or BATCHINFER_METRICS_PORT)") from exc
         # A short poll interval makes stop() quick; it costs ten idle wake-ups a second.
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,),
                                         name="batchinfer-http", daemon=True)

@@ -102,10 +102,16 @@ class JobProgress(Progress):
         self._tokens: tuple[float, int] | None = None  # (time, count) of the first token observation
 
     def update(self, completed: int, failed: int = 0, total: int | None = None, *,
-               tokens: int | None = None, tokens_per_s: float | None = None) -> None:
-        """Counters of the job record; ``tokens`` (cumulative) or ``tokens_per_s`` for the rate shown."""
+               tokens: int | None = None, tokens_per_s: float | None = None, held: str | None = None) -> None:
+        """Counters of the job record; ``tokens`` (cumulative) or ``tokens_per_s`` for the rate shown.
+
+        ``held`` (e.g. ``"3 held: model 'x' is not served; served: a"``) is shown instead of an ETA:
+        requests waiting for a model no worker serves have none.
+        """
         if not self.enabled:
             return
+        assert self._bar is not None
+        self._bar.bar_format = HELD_FORMAT if held else None  # tqdm's default, with its ETA
         self.set(completed + failed, total)
         if tokens is not None:
             now = time.monotonic()
@@ -114,7 +120,11 @@ class JobProgress(Progress):
             elif now > self._tokens[0]:
                 tokens_per_s = (tokens - self._tokens[1]) / (now - self._tokens[0])
         self.note(failed=failed or None,
-                  tok_s=None if tokens_per_s is None else f"{tokens_per_s:,.0f}")
+                  tok_s=None if tokens_per_s is None else f"{tokens_per_s:,.0f}", held=held)
+
+
+# tqdm's bar without the remaining time and rate: done / total, elapsed, then the fields (held ...)
+HELD_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
 
 __all__ = ["JobProgress", "Progress", "bytes_progress", "lines_progress", "rows_progress", "show_progress"]

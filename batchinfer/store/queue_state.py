@@ -89,6 +89,22 @@ def known_models(r: redis.Redis, keys: Keys) -> list[str]:
     return sorted(as_text(m, "replace") for m in r.smembers(keys.models))
 
 
+def held_models(r: redis.Redis, keys: Keys) -> dict[str, int]:
+    """Requests held now for a model no worker serves (``{p}:held_models``), by model; counts > 0 only."""
+    counts = {as_text(m, "replace"): _int(n) for m, n in r.hgetall(keys.held_models).items()}
+    return {m: n for m, n in sorted(counts.items()) if n > 0}
+
+
+def served_models(r: redis.Redis, keys: Keys) -> list[str]:
+    """The names live workers answer to now: their models and those models' aliases
+    (``{p}:model_aliases``: ``--served-model-name``), sorted."""
+    from batchinfer.store.registry import Registry
+
+    live = {w.model for w in Registry(r, keys).live_workers()}
+    aliases = {as_text(a, "replace"): as_text(m, "replace") for a, m in r.hgetall(keys.model_aliases).items()}
+    return sorted(live | {a for a, m in aliases.items() if m in live})
+
+
 @dataclass(frozen=True)
 class QueueState:
     """Intake (scheduler group), batches per model (workers group) and the dead-letter stream."""
@@ -152,7 +168,11 @@ def jobs_by_status(r: redis.Redis, keys: Keys, max_jobs: int = 10_000) -> dict[s
 
 @dataclass(frozen=True)
 class JobView:
-    """What ``top`` shows of one job; ``total`` is None while its submission is still running."""
+    """What ``top`` shows of one job; ``total`` is None while its submission is still running.
+
+    ``held``: requests waiting for a model no worker serves; ``cancelled`` / ``expired``: rows the
+    job's cancellation or window wrote (counted in ``done``, not in the rate: they are not answers).
+    """
 
     id: str
     status: str
@@ -163,9 +183,17 @@ class JobView:
     failed: int
     created_at: int
     in_progress_at: int | None = None
+    cancelled: int = 0
+    expired: int = 0
+    held: int = 0
 
     @property
     def done(self) -> int:
+        return self.completed + self.failed + self.cancelled + self.expired
+
+    @property
+    def answered(self) -> int:
+        """Rows the workers and the scheduler wrote (completed or failed): what the rate counts."""
         return self.completed + self.failed
 
     @property
@@ -173,17 +201,23 @@ class JobView:
         return self.total if self.total is not None else self.submitted
 
     def rate(self, now: int) -> float | None:
-        """Requests finished per second since the job started running (None before any finished)."""
+        """Requests answered per second since the job started running (None before any was).
+
+        Cancelled and expired rows arrive all at once and answer nothing: counting them would show
+        a spike of requests/s right after a cancel.
+        """
         start = self.in_progress_at or self.created_at
         elapsed = (now - start) / 1000
-        if self.done <= 0 or elapsed <= 0:
+        if self.answered <= 0 or elapsed <= 0:
             return None
-        return self.done / elapsed
+        return self.answered / elapsed
 
     def eta_seconds(self, now: int) -> float | None:
-        """Seconds left at the average rate so far; None while the total or the rate is unknown."""
+        """Seconds left at the average rate so far; None when there is no bounded estimate: the total
+        is unknown (still submitting), requests are held for a model no worker serves, the job
+        is not running (cancelling, finalizing), or no request was answered yet."""
         rate = self.rate(now)
-        if rate is None or self.total is None:
+        if rate is None or self.total is None or self.held > 0 or self.status != JobStatus.IN_PROGRESS.value:
             return None
         return max(0, self.total - self.done) / rate
 
@@ -199,6 +233,7 @@ def job_view(job_id: str, raw: dict[Any, Any]) -> JobView:
         completed=_int(h.get(f.COMPLETED)), failed=_int(h.get(f.FAILED)),
         created_at=_int(h.get(f.CREATED_AT)),
         in_progress_at=_int(h[f.IN_PROGRESS_AT]) if h.get(f.IN_PROGRESS_AT) else None,
+        cancelled=_int(h.get(f.CANCELLED)), expired=_int(h.get(f.EXPIRED)), held=max(0, _int(h.get(f.HELD))),
     )
 
 

@@ -1,0 +1,282 @@
+"""The CLI a person runs (issue 11): global flags after the command, result files named by their
+extension and never overwritten silently, requests held for an unserved model shown everywhere,
+the overridden-model note, one-line start-up errors of the daemons, and the exporter's log."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from daemons import CLI, Stack
+
+from batchinfer.cli import context as cli_context
+from batchinfer.cli.main import cli
+from batchinfer.client.client import Client
+from batchinfer.config import Settings
+from batchinfer.jobs.exporter import QuietMaintenance
+from batchinfer.protocol.rows import ResultRow
+from batchinfer.store.jobstore import JobField, JobStatus
+from batchinfer.store.publish import Publisher
+from batchinfer.store.registry import Registry
+
+
+@pytest.fixture
+def queue(redis_session):
+    prefix = f"{{f{uuid.uuid4().hex[:8]}}}"
+    client = Client(settings=Settings(redis_url=redis_session.url, prefix=prefix))
+    yield redis_session.url, prefix, client
+    client.close()
+
+
+def invoke(*args: str, code: int = 0):
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert result.exit_code == code, (result.exit_code, result.output)
+    return result
+
+
+def prompts(tmp_path: Path, n: int = 2) -> Path:
+    f = tmp_path / "in.jsonl"
+    f.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt": f"p{i}"}) + "\n" for i in range(n)))
+    return f
+
+
+# -- global flags before and after the command --------------------------------------------------
+
+
+def test_global_flags_are_accepted_after_the_command(queue, tmp_path):
+    url, prefix, client = queue
+    f = str(prompts(tmp_path))
+    before = invoke("--redis-url", url, "--prefix", prefix, "--json", "-q", "submit", f).output
+    after = invoke("submit", f, "--redis-url", url, "--prefix", prefix, "--json", "-q",
+                   "--log-level", "WARNING", "--log-format", "json").output
+    jobs = [json.loads(before)["job_id"], json.loads(after)["job_id"]]
+    assert [client.status(j).id for j in jobs] == jobs  # both created on this prefix
+    # a value after the command wins over the group's
+    wrong = f"{{w{uuid.uuid4().hex[:8]}}}"
+    status = invoke("--redis-url", url, "--prefix", wrong, "status", jobs[1], "--prefix", prefix, "--json")
+    assert json.loads(status.output)["id"] == jobs[1]
+    invoke("--redis-url", url, "--prefix", wrong, "status", jobs[1], code=cli_context.EXIT_NOT_FOUND)
+
+
+def test_the_docs_submit_wait_q_example_parses(queue, tmp_path):
+    # docs/cli.md: `batchinfer submit nightly.parquet --model M --output ... --wait -q`
+    url, prefix, client = queue
+
+    def finish_the_job() -> None:  # the scheduler's part, by hand: no daemon runs here
+        deadline = time.monotonic() + 30
+        while not client.jobs():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        client.store.set_status(client.jobs()[0].id, JobStatus.COMPLETED)
+
+    helper = threading.Thread(target=finish_the_job)
+    helper.start()
+    result = invoke("submit", str(prompts(tmp_path)), "--model", "m", "--wait", "-q", "--redis-url", url,
+                    "--prefix", prefix)
+    helper.join()
+    job = result.output.splitlines()[0].strip()
+    assert client.status(job).status is JobStatus.COMPLETED
+
+
+def test_global_flags_after_a_daemon_command_reach_it(queue, tmp_path):
+    url, prefix, _ = queue
+    proc = subprocess.run([*CLI, "exporter", "--burst", "--redis-url", url, "--prefix", prefix, "-q"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "INFO" not in proc.stderr  # -q after the command: warnings only
+
+
+# -- results -o: the format from the name, no silent overwrite ----------------------------------
+
+
+def _finished_job(client: Client, tmp_path: Path) -> str:
+    job = client.submit(prompts(tmp_path))
+    publisher = Publisher(client.redis, client.keys)
+    for idx in range(2):
+        publisher.publish(ResultRow(job_id=job, request_id=f"{job}:{idx}", idx=idx, status="completed",
+                                    custom_id=f"c{idx}", output_text=f"o{idx}", finished_at=1))
+    return job
+
+
+def test_results_format_follows_the_extension_and_force(queue, tmp_path):
+    url, prefix, client = queue
+    job = _finished_job(client, tmp_path)
+    base = ["--redis-url", url, "--prefix", prefix]
+    lines = tmp_path / "r.jsonl"
+    data = json.loads(invoke(*base, "results", job, "-o", str(lines), "--json").stdout)
+    assert data["format"] == "jsonl"
+    assert [json.loads(line)["custom_id"] for line in lines.read_text().splitlines()] == ["c0", "c1"]
+    table = tmp_path / "r.parquet"
+    invoke(*base, "results", job, "-o", str(table))
+    assert pq.read_table(table).column("custom_id").to_pylist() == ["c0", "c1"]
+    # an existing file is kept unless --force
+    lines.write_text("keep me\n")
+    refused = invoke(*base, "results", job, "-o", str(lines), code=cli_context.EXIT_USAGE)
+    assert "exists: pass --force" in refused.output and lines.read_text() == "keep me\n"
+    invoke(*base, "results", job, "-o", str(lines), "--force", "--format", "openai")
+    assert json.loads(lines.read_text().splitlines()[0])["response"]["status_code"] == 200
+    # names that say no format, or a compressed one, are refused rather than guessed
+    assert "cannot tell the format" in invoke(*base, "results", job, "-o", str(tmp_path / "r.out"),
+                                              code=cli_context.EXIT_USAGE).output
+    assert "compressed output" in invoke(*base, "results", job, "-o", str(tmp_path / "r.jsonl.gz"),
+                                         code=cli_context.EXIT_USAGE).output
+    invoke(*base, "results", job, "-o", str(tmp_path / "r.out"), "--format", "jsonl")
+
+
+def test_run_refuses_an_existing_output_before_starting(tmp_path):
+    out = tmp_path / "out.parquet"
+    out.write_bytes(b"earlier results")
+    result = invoke("run", str(prompts(tmp_path)), "-o", str(out), "--echo", code=cli_context.EXIT_USAGE)
+    assert "exists: pass --force" in result.output and out.read_bytes() == b"earlier results"
+
+
+# -- held requests and overridden model names -----------------------------------------------------
+
+
+def _hold(client: Client, job: str, n: int, model: str) -> None:
+    """What the scheduler writes while requests wait for ``model`` (helper A's counters)."""
+    client.redis.hset(client.keys.job(job), JobField.HELD, n)
+    client.redis.hincrby(client.keys.held_models, model, n)
+
+
+def test_status_jobs_and_top_show_held_requests(queue, tmp_path):
+    url, prefix, client = queue
+    base = ["--redis-url", url, "--prefix", prefix]
+    job = client.submit(prompts(tmp_path, 3), model="SmolLM2")
+    _hold(client, job, 3, "SmolLM2")
+    registry = Registry(client.redis, client.keys)
+    for name, model in (("w1", "hf"), ("w2", "qwen")):
+        registry.heartbeat_worker(name, {"model": model, "device": "cpu"}, ttl=30)
+    line = "3 held: model 'SmolLM2' is not served; served: hf, qwen"
+    assert line in invoke(*base, "status", job).output
+    data = json.loads(invoke(*base, "status", job, "--json").output)
+    assert data["request_counts"]["held"] == 3
+    assert data["held"] == {"requests": 3, "model": "SmolLM2", "served": ["hf", "qwen"],
+                            "by_model": {"SmolLM2": 3}}
+    jobs = invoke(*base, "jobs").output
+    assert "held 3" in jobs and line in jobs
+    top = invoke(*base, "top", "--once").output
+    assert line in top and "3 held" in top
+
+
+def test_wait_prints_one_note_for_overridden_models(queue, tmp_path):
+    url, prefix, client = queue
+    job = client.submit(prompts(tmp_path), model="SmolLM2")
+    client.redis.hset(client.keys.job(job), mapping={JobField.MODELS_OVERRIDDEN: 400,
+                                                     JobField.OVERRIDDEN_MODELS: json.dumps(["gpt-4o-mini"])})
+    client.store.set_status(job, JobStatus.COMPLETED)
+    out = invoke("--redis-url", url, "--prefix", prefix, "wait", job).output
+    note = "note: 400 lines named another model ('gpt-4o-mini'); the job's model 'SmolLM2' answered them"
+    assert out.count(note) == 1
+
+
+def test_a_job_for_an_unserved_model_shows_held_end_to_end(redis_session, tmp_path):
+    stack = Stack(redis_session.url, tmp_path)
+    try:
+        stack.start("scheduler", "scheduler")
+        stack.worker("w-echo", echo=True)
+        job = stack.client.submit(prompts(tmp_path, 3), model="SmolLM2")
+        base = ["--redis-url", redis_session.url, "--prefix", stack.prefix]
+        deadline = time.monotonic() + 60
+        while stack.client.status(job).held < 3:
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.2)
+        text = invoke(*base, "status", job).output
+        assert "3 held: model 'SmolLM2' is not served; served: echo" in text
+        waited = invoke(*base, "wait", job, "--timeout", "1", code=cli_context.EXIT_TIMEOUT)
+        assert "held: model 'SmolLM2' is not served" in waited.output  # said, not an ETA
+    finally:
+        stack.close()
+
+
+# -- daemons: start-up errors are one line and exit 9 ---------------------------------------------
+
+
+def _daemon(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "--redis-url", "redis://127.0.0.1:1/0", *args], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+
+
+def test_worker_start_up_errors_are_one_line(tmp_path):
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    proc = _daemon("worker", "--model", str(empty), "--device", "cpu", tmp_path=tmp_path)
+    assert proc.returncode == cli_context.EXIT_STARTUP, proc.stderr
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "config.json not found" in line and "batchinfer doctor --model" in line
+    debug = _daemon("worker", "--model", str(empty), "--log-level", "DEBUG", tmp_path=tmp_path)
+    assert debug.returncode == cli_context.EXIT_STARTUP and "Traceback" in debug.stderr
+    bad = _daemon("worker", "--echo", "--served-model-name", "a b", tmp_path=tmp_path)
+    assert bad.returncode == cli_context.EXIT_STARTUP and "Traceback" not in bad.stderr
+
+
+def test_worker_on_a_device_this_machine_lacks(tiny_llama, tmp_path):
+    import torch
+
+    device = f"cuda:{torch.cuda.device_count()}"  # one past the last: never there
+    proc = _daemon("worker", "--model", str(tiny_llama), "--device", device, tmp_path=tmp_path)
+    assert proc.returncode == cli_context.EXIT_STARTUP, proc.stderr
+    assert "Traceback" not in proc.stderr and f"--device {device}" in proc.stderr
+    assert "CUDA" in proc.stderr
+
+
+def test_daemon_bad_options_and_a_busy_metrics_port(redis_session, tmp_path):
+    for option, value in (("--lease-seconds", "-1"), ("--max-attempts", "0"), ("--metrics-port", "70000")):
+        assert _daemon("scheduler", option, value, tmp_path=tmp_path).returncode == cli_context.EXIT_USAGE
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([*CLI, "--redis-url", redis_session.url, "exporter", "--metrics-port",
+                               str(port)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == cli_context.EXIT_STARTUP, proc.stderr
+    assert "Traceback" not in proc.stderr and f"metrics port {port}" in proc.stderr
+
+
+# -- the exporter's log ---------------------------------------------------------------------------
+
+
+def test_rq_maintenance_lines_are_dropped_and_the_rest_kept():
+    quiet = QuietMaintenance()
+
+    def record(msg: str, level: int = logging.INFO) -> logging.LogRecord:
+        return logging.LogRecord("rq.worker", level, __file__, 1, msg, ("w", "q"), None)
+
+    root = logging.getLogger()
+    previous = root.level
+    root.setLevel(logging.INFO)
+    try:
+        assert not quiet.filter(record("Worker %s: cleaning registries for queue: %s"))
+        assert not quiet.filter(record("Worker %s: cleaning group registries"))
+        assert quiet.filter(record("Worker %s: started with PID %s"))
+        assert quiet.filter(record("Worker %s: cleaning registries for queue: %s", logging.WARNING))
+        root.setLevel(logging.DEBUG)
+        assert quiet.filter(record("Worker %s: cleaning registries for queue: %s"))
+    finally:
+        root.setLevel(previous)
+
+
+def test_exporter_log_has_no_maintenance_lines(redis_session, tmp_path):
+    proc = subprocess.Popen([*CLI, "--redis-url", redis_session.url, "--prefix", "{exlog}", "exporter"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    time.sleep(12)  # one maintenance pass after the first (MAINTENANCE_S = 10)
+    proc.terminate()
+    out, _ = proc.communicate(timeout=60)
+    assert "Listening on" in out
+    assert "cleaning registries" not in out, out
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

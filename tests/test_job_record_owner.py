@@ -9,6 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from batchinfer.keys import Keys
+from batchinfer.store import scripts
 from batchinfer.store.jobstore import (
     JobField,
     JobRecord,
@@ -103,7 +104,7 @@ def test_every_lua_file_is_registered_by_name_and_every_name_has_its_file():
             if (isinstance(call.func.value, ast.Name) and call.func.value.id == "scripts"
                     and len(call.args) == 2 and isinstance(call.args[1], ast.Constant)):
                 registered.add(call.args[1].value)
-    files = {p.stem for p in LUA.glob("*.lua")} - {"finalize"}  # finalize.lua is a prelude
+    files = {p.stem for p in LUA.glob("*.lua")} - set(scripts.PRELUDES)  # libraries, not scripts
     assert registered == files
 
 

@@ -71,7 +71,9 @@ def test_counters_reply_to_and_row_content(r):
     assert pub.publish(row("j2", 2, "cancelled")).published
     assert not pub.publish(row("j2", 1, "completed")).published  # a late duplicate changes nothing
     fields = job_fields(r, "j2")
-    assert (fields["completed"], fields["failed"]) == ("1", "2")
+    # each row status has its own counter: a cancelled row is not a failure
+    assert (fields["completed"], fields["failed"], fields["cancelled"]) == ("1", "1", "1")
+    assert "expired" not in fields
     assert fields["status"] == "in_progress"  # no total yet: submission has not ended
     (_, reply), = r.xrange("{t}:reply:a")
     assert ResultRow.from_json(reply[b"row"]).output_text == "hi"

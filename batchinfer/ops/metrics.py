@@ -81,8 +81,11 @@ SPECS: dict[str, Spec] = {
         C, "Requests ended by an error row, by code (cancelled, expired too).", ("model", "code")),
     "batchinfer_requests_dead_lettered_total": Spec(
         C, "Requests moved to the dead-letter stream after too many worker crashes.", M),
+    "batchinfer_reply_to_wrong_type_total": Spec(
+        C, "Rows not written to a reply_to stream: the key holds another type (the row is still published)."),
     # scheduler
-    "batchinfer_requests_received_total": Spec(C, "Entries the scheduler read from the intake stream."),
+    "batchinfer_requests_received_total": Spec(
+        C, "Request entries the scheduler read from the intake stream (job op entries not counted)."),
     "batchinfer_pending_requests": Spec(G, "Validated requests waiting in the scheduler to be packed.", M),
     "batchinfer_batches_dispatched_total": Spec(C, "Batches written to a batch stream (re-dispatches too).",
                                                 M),
@@ -142,6 +145,7 @@ class _DaemonMetrics:
         self.completed = _metric(r, "batchinfer_requests_completed_total")
         self.failed = _metric(r, "batchinfer_requests_failed_total")
         self.dead_lettered = _metric(r, "batchinfer_requests_dead_lettered_total")
+        self.reply_wrong_type = _metric(r, "batchinfer_reply_to_wrong_type_total")
 
     def row_published(self, row: Row) -> None:
         """Count a result row this process published (call only when the publish says it wrote it)."""
@@ -150,6 +154,10 @@ class _DaemonMetrics:
             self.completed.labels(model=model).inc()
         else:
             self.failed.labels(model=model, code=row.error_code or row.status).inc()
+
+    def reply_skipped(self, count: int = 1) -> None:
+        """``count`` reply streams were skipped by a publication: the key is not a stream."""
+        self.reply_wrong_type.inc(count)
 
     def request_dead_lettered(self, model: str | None, count: int = 1) -> None:
         """``count`` requests of ``model`` went to the dead-letter stream."""
@@ -179,7 +187,7 @@ class SchedulerMetrics(_DaemonMetrics):
             self.registry.register(QueueCollector(redis_client, keys or Keys(), max_jobs=max_jobs))
 
     def intake_read(self, count: int) -> None:
-        """``count`` entries were read from the intake stream."""
+        """``count`` request entries were read from the intake stream."""
         self.received.inc(count)
 
     def set_pending(self, model: str, count: int) -> None:

@@ -5,7 +5,10 @@ Walks ``{p}:jobs`` a chunk per pass (bounded work however many jobs exist):
 - a ``validating`` / ``in_progress`` job past ``expires_at`` becomes ``expired`` and joins
   ``{p}:cancelled`` (workers abort its running requests with ``expired`` rows; the scheduler
   answers its pending ones the same way). A job still ``validating`` gets ``total = submitted``:
-  its submitter is gone and nothing more will arrive in time.
+  its submitter is gone and nothing more will arrive in time. Its rows in, it is exported with
+  its partial results and stays ``expired``. (A job whose last row lands after ``expires_at``
+  but before this sweep noticed, e.g. the ``unknown_model`` rows of requests held until the
+  window's end, is made ``expired`` by ``maybe_finalize`` itself, in ``store/lua/finalize.lua``.)
 - a job whose every row is in (``export_requested_at`` set by the publish script) but that has
   no export job in rq and no ``exported_at`` after a grace period gets its export enqueued
   (the process that finalized it may have died before enqueueing).

@@ -5,10 +5,16 @@ where duplicates stop: one Lua script sets the request's guard bit only if it wa
 the row to the job's results stream (and ``reply_to``), bumps the job's counters and, when the
 last row of an ended submission lands, makes the job final. Exactly one caller learns
 ``finalizing=True`` and enqueues the export job.
+
+The same script keeps a copy of the row of a request sent with a ``client_request_id`` and
+delivers it to the reply streams of its retries (:class:`Redelivery`, run by the intake on a
+duplicate), trims ``results:direct`` to its retention, and skips a ``reply_to`` key that is not a
+stream (the row is still published; the skip is logged and counted) instead of failing.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -17,14 +23,24 @@ from redis.exceptions import NoScriptError
 
 from batchinfer.keys import DIRECT, Keys
 from batchinfer.protocol.rows import now_ms
+from batchinfer.redis_conn import as_text
 from batchinfer.store import scripts
-from batchinfer.store.jobstore import JobField
+from batchinfer.store.jobstore import ROW_COUNTERS
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+log = logging.getLogger(__name__)
+
 DIRECT_GUARD_TTL = 7 * 24 * 3600  # seconds a direct request's guard outlives its publication
+DIRECT_RETENTION = 7 * 24 * 3600  # seconds results:direct keeps a row (the Settings default)
 NOSCRIPT_RETRIES = 3  # script reloads publish_many tries (each follows a flush of the script cache)
+
+
+class ReplyMetrics(Protocol):
+    """What the publisher reports to a daemon's metrics (``batchinfer.ops.metrics``)."""
+
+    def reply_skipped(self, count: int = 1) -> None: ...
 
 
 class Row(Protocol):
@@ -40,19 +56,27 @@ class Row(Protocol):
 
 @dataclass(frozen=True)
 class PublishOutcome:
-    """``published``: this call wrote the row; ``finalizing``: it also made the job final."""
+    """``published``: this call wrote the row; ``finalizing``: it also made the job final;
+    ``skipped``: reply streams (the row's ``reply_to``, a retry's) left unwritten because the key
+    holds another type than a stream."""
 
     published: bool
     finalizing: bool
+    skipped: tuple[str, ...] = ()
 
 
 class Publisher:
     """Publishes result rows exactly once; see docs/protocol.md for the keys it touches."""
 
-    def __init__(self, redis_client: redis.Redis, keys: Keys, direct_guard_ttl: int = DIRECT_GUARD_TTL):
+    def __init__(self, redis_client: redis.Redis, keys: Keys, direct_guard_ttl: int = DIRECT_GUARD_TTL, *,
+                 direct_retention_s: int = DIRECT_RETENTION, metrics: ReplyMetrics | None = None):
+        if direct_retention_s <= 0:
+            raise ValueError(f"direct_retention_s must be > 0 seconds, got {direct_retention_s}")
         self.redis = redis_client
         self.keys = keys
         self.direct_guard_ttl = int(direct_guard_ttl)
+        self.direct_retention_ms = int(direct_retention_s) * 1000
+        self.metrics = metrics  # a daemon's: counts reply streams skipped for their type
         # redis-py Script objects use EVALSHA and reload on NOSCRIPT (e.g. after a Redis restart)
         self._publish = scripts.register(redis_client, "publish")
         self._finish = scripts.register(redis_client, "finish_submission")
@@ -66,23 +90,35 @@ class Publisher:
         if job_id is not None and (row.idx is None or row.idx < 0):
             raise ValueError(f"row {row.request_id!r} of job {job_id!r} has no valid idx: {row.idx!r}")
         keys = [self._guard(job_id, row.request_id), self.keys.results(job_id or DIRECT),
-                self.keys.job(job_id or DIRECT)]
+                self.keys.job(job_id or DIRECT), self.keys.redelivery(row.request_id)]
         if reply_to:
             keys.append(reply_to)
-        counter = (JobField.COMPLETED if row.status == "completed" else JobField.FAILED).value
+        counter = ROW_COUNTERS[row.status].value
         idx = row.idx if job_id is not None else -1
-        return keys, [idx, row.to_json(), counter, now_ms(), self.direct_guard_ttl]
+        now = now_ms()
+        return keys, [idx, row.to_json(), counter, now, self.direct_guard_ttl, now - self.direct_retention_ms]
+
+    def _outcome(self, row: Row, reply: list) -> PublishOutcome:
+        skipped = tuple(as_text(s) for s in reply[2])
+        if skipped:
+            # the producer's mistake, not ours: one line, no traceback; the row is in its results stream
+            log.warning("request %s: reply stream %s is not a stream (wrong type); row published to %s only",
+                        row.request_id, ", ".join(repr(s) for s in skipped),
+                        self.keys.results(row.job_id or DIRECT))
+            if self.metrics is not None:
+                self.metrics.reply_skipped(len(skipped))
+        return PublishOutcome(bool(reply[0]), bool(reply[1]), skipped)
 
     def publish(self, row: Row, reply_to: str | None = None) -> PublishOutcome:
         """Publish ``row`` unless the same request already has one (one atomic Lua call).
 
-        ``row.status == "completed"`` bumps the job's ``completed`` counter; any other status
-        (failed, cancelled, expired) bumps ``failed``. ``reply_to``, when given, receives a copy.
-        On Redis Cluster a ``reply_to`` stream must carry the same hash tag as the prefix.
+        The row bumps the job's counter of its status (``completed``, ``failed``, ``cancelled`` or
+        ``expired``). ``reply_to``, when given, receives a copy unless the key exists and is not a
+        stream (see :class:`PublishOutcome`). On Redis Cluster a ``reply_to`` stream must carry the
+        same hash tag as the prefix.
         """
         keys, args = self._call(row, reply_to)
-        published, finalizing = self._publish(keys=keys, args=args)
-        return PublishOutcome(bool(published), bool(finalizing))
+        return self._outcome(row, self._publish(keys=keys, args=args))
 
     def publish_many(self, items: Iterable[tuple[Row, str | None]]) -> list[PublishOutcome]:
         """``publish`` for many ``(row, reply_to)`` pairs in one round trip; outcomes in the same order.
@@ -93,6 +129,7 @@ class Publisher:
         the calls that got NOSCRIPT are sent again: the others ran, and their outcomes (notably
         ``finalizing``, which exactly one call ever sees) must not be lost to a blind re-run.
         """
+        items = list(items)
         calls = [self._call(row, reply_to) for row, reply_to in items]
         outcomes: list[PublishOutcome | None] = [None] * len(calls)
         todo = list(range(len(calls)))
@@ -110,7 +147,7 @@ class Publisher:
                 elif isinstance(reply, Exception):
                     raise reply
                 else:
-                    outcomes[i] = PublishOutcome(bool(reply[0]), bool(reply[1]))
+                    outcomes[i] = self._outcome(items[i][0], reply)
             if missing:
                 self.redis.script_load(self._publish.script)
             todo = missing
@@ -150,3 +187,32 @@ class Publisher:
                 raise ValueError("a direct request needs its request_id")
             n += 1
         return [bool(v) for v in pipe.execute()] if n else []
+
+
+class Redelivery:
+    """Idempotency of intake entries by ``client_request_id``, and the rows their retries are owed.
+
+    A retry (same ``client_request_id``, within the claim's TTL) is dropped as a duplicate, but its
+    ``reply_to`` still gets the first request's row: at once when that row is published, else when
+    it is (``publish.lua``), and never twice on one stream nor anywhere else.
+    """
+
+    def __init__(self, redis_client: redis.Redis, keys: Keys, reply_ttl: int = DIRECT_GUARD_TTL):
+        self.keys, self.reply_ttl = keys, int(reply_ttl)
+        self._claim = scripts.register(redis_client, "claim_request")
+        self._redeliver = scripts.register(redis_client, "redeliver")
+
+    def claim(self, client_request_id: str, request_id: str, reply_to: str | None, ttl: int) -> str:
+        """Claim ``client_request_id`` for ``request_id`` for ``ttl`` seconds; returns the request id
+        that holds it: ``request_id`` itself for the first entry (or a re-read of it), else the first
+        request's (this entry is a duplicate)."""
+        first = self._claim(keys=[self.keys.idempotency(client_request_id), self.keys.redelivery(request_id)],
+                            args=[request_id, int(ttl), reply_to or ""])
+        return as_text(first)
+
+    def redeliver(self, first_request_id: str, reply_to: str) -> str:
+        """Owe ``reply_to`` the row of ``first_request_id``: ``delivered`` (it was published: XADDed
+        now), ``waiting`` (XADDed when published), ``same`` / ``already`` (that stream gets or got it
+        anyway), ``wrongtype`` (the key is not a stream) or ``unknown`` (nothing kept for it)."""
+        keys = [self.keys.redelivery(first_request_id), reply_to]
+        return as_text(self._redeliver(keys=keys, args=[self.reply_ttl]))

@@ -2,8 +2,8 @@
 
 Every script runs as a redis-py :class:`~redis.commands.core.Script`: EVALSHA, and on NOSCRIPT
 (a Redis restart, ``SCRIPT FLUSH``) SCRIPT LOAD and EVALSHA again; never a plain EVAL, which
-would send the whole text on every call. A script that calls ``maybe_finalize(`` gets the
-``finalize.lua`` prelude prepended.
+would send the whole text on every call. A script that calls a prelude's function gets that
+prelude prepended: ``maybe_finalize(`` the ``finalize.lua`` one, ``deliver_row(`` the ``deliver.lua`` one.
 """
 
 from __future__ import annotations
@@ -14,17 +14,19 @@ from importlib import resources
 import redis
 from redis.commands.core import Script
 
-PRELUDE = "finalize"  # a library of functions, not a script of its own
+# libraries of local functions, not scripts of their own: file name -> the call that needs it
+PRELUDES = {"finalize": "maybe_finalize(", "deliver": "deliver_row("}
 
 
 @cache
 def lua_source(name: str) -> str:
-    """The text of ``batchinfer/store/lua/<name>.lua``, after the ``finalize.lua`` prelude if it uses it."""
+    """The text of ``batchinfer/store/lua/<name>.lua``, after the preludes whose functions it calls."""
     lua = resources.files("batchinfer.store") / "lua"
     text = (lua / f"{name}.lua").read_text(encoding="utf-8")
-    if name != PRELUDE and "maybe_finalize(" in text:
-        text = (lua / f"{PRELUDE}.lua").read_text(encoding="utf-8") + "\n" + text
-    return text
+    if name in PRELUDES:
+        return text
+    used = [prelude for prelude, call in PRELUDES.items() if call in text]
+    return "\n".join([*((lua / f"{p}.lua").read_text(encoding="utf-8") for p in used), text])
 
 
 def register(redis_client: redis.Redis, name: str) -> Script:

@@ -5,6 +5,7 @@ queue-side tools::
 
     from batchinfer import LLM, SamplingParams   # in-process engine
     from batchinfer import Client                 # the queue client
+    from batchinfer import ModelNotServed         # Client.request's timeout for an unserved model
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ _LAZY = {
     "LLM": "batchinfer.workers.llm",
     "SamplingParams": "batchinfer.workers.sampling_params",
     "Client": "batchinfer.client.client",
+    "ModelNotServed": "batchinfer.client.client",
 }
 
-__all__ = ["LLM", "Client", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Client", "ModelNotServed", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from batchinfer.client.client import Client
+    from batchinfer.client.client import Client, ModelNotServed
     from batchinfer.workers.llm import LLM
     from batchinfer.workers.sampling_params import SamplingParams
 

@@ -36,10 +36,12 @@ class Settings:
     heartbeat_seconds: float = 5.0
     results_root: str = "results"  # local outputs are confined below this folder
     results_ttl_seconds: int = 7 * 24 * 3600  # results stream kept this long after export
+    direct_results_retention_seconds: int = 7 * 24 * 3600  # results:direct trims rows older than this
     max_line_bytes: int = 10 * 1024 * 1024  # an input line / intake body longer than this is refused
     max_requests_per_job: int = 50_000_000
     max_tokens_limit: int = 1_000_000  # upper bound on any request's max_tokens
     max_prompt_tokens: int = 1_000_000  # upper bound on any request's prompt tokens (and the model's context)
+    direct_hold_seconds: float = 600.0  # how long a direct request waits for its model to be served
     log_format: str = "human"  # human | json
     log_level: str = "INFO"
     metrics_port: int | None = None

@@ -71,8 +71,18 @@ class Keys:
     def models(self) -> str:
         return self._k("models")
 
+    @property
+    def model_aliases(self) -> str:
+        """Hash: served alias -> the canonical model name it routes to (``--served-model-name``)."""
+        return self._k("model_aliases")
+
     def idempotency(self, client_request_id: str) -> str:
         return self._k("idempotency", client_request_id)
+
+    def redelivery(self, request_id: str) -> str:
+        """Hash of a request sent with a ``client_request_id``: its original ``reply_to``, the retries'
+        reply streams, and (once published) a copy of its row, for retries to other reply streams."""
+        return self._k("redelivery", request_id)
 
     @property
     def cancelled(self) -> str:
@@ -94,3 +104,12 @@ class Keys:
     def held(self) -> str:
         """Holding area of requests for models no worker serves yet."""
         return self._k("held")
+
+    @property
+    def held_models(self) -> str:
+        """Hash: model name -> requests held for it now (job and direct requests together)."""
+        return self._k("held_models")
+
+    def admitted(self, job_id: str) -> str:
+        """Bitmap: bit ``idx`` set once the scheduler took in an entry for request ``idx`` of the job."""
+        return self._k("admitted", job_id)

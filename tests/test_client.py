@@ -16,13 +16,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchinfer.client.client import Client, JobNotFound, parse_duration
+from batchinfer.client.client import Client, JobNotFound, ModelNotServed, parse_duration
 from batchinfer.config import Settings
 from batchinfer.keys import RQ_QUEUE
-from batchinfer.protocol.entries import IntakeEntry
+from batchinfer.protocol.entries import IntakeEntry, JobOp
 from batchinfer.protocol.rows import ResultRow
 from batchinfer.store.jobstore import JobStatus
 from batchinfer.store.publish import Publisher
+from batchinfer.store.registry import Registry
 
 
 @pytest.fixture
@@ -34,7 +35,22 @@ def client(redis_session):
 
 
 def intake(client: Client) -> list[IntakeEntry]:
-    return [IntakeEntry.from_fields(f) for _, f in client.redis.xrange(client.keys.requests)]
+    """The request entries of the intake stream (not the job ops around them)."""
+    entries = client.redis.xrange(client.keys.requests)
+    return [IntakeEntry.from_fields(f) for _, f in entries if b"op" not in f]
+
+
+def ops(client: Client) -> list[JobOp]:
+    return [JobOp.from_fields(f) for _, f in client.redis.xrange(client.keys.requests) if b"op" in f]
+
+
+def take_in(client: Client) -> None:
+    """A scheduler pass over the intake stream: it applies the job's close (and counts its entries)."""
+    from batchinfer.scheduler.daemon import Scheduler
+
+    sched = Scheduler(client.redis, client.settings)
+    while sched.run_once():
+        pass
 
 
 def test_submit_jsonl_streams_raw_lines(client, tmp_path):
@@ -47,10 +63,18 @@ def test_submit_jsonl_streams_raw_lines(client, tmp_path):
     entries = intake(client)
     assert [(e.job_id, e.idx, e.line, e.body) for e in entries] == [
         (job_id, 0, 1, lines[0]), (job_id, 1, 2, lines[1]), (job_id, 2, 4, lines[3])]
+    # sent as any producer sends a job: op open (the record exists already), entries, op close
+    assert [(o.op, o.job_id) for o in ops(client)] == [("open", job_id), ("close", job_id)]
+    assert ops(client)[1].params == {"total": 3}
+    record = client.status(job_id)  # readable at once, with its total
+    assert record.status == JobStatus.IN_PROGRESS and (record.total, record.submitted) == (3, 0)
+    take_in(client)  # the scheduler counts what it takes in, and applies the close (a no-op here)
     record = client.status(job_id)
     assert record.status == JobStatus.IN_PROGRESS and record.in_progress_at is not None
     assert (record.total, record.submitted, record.model, record.priority) == (3, 3, "tiny", 2)
-    assert record.request_counts == {"total": 3, "completed": 0, "failed": 0}
+    # the scheduler answered the bad line and holds the other two: no worker serves "tiny"
+    counts = record.request_counts
+    assert (counts["total"], counts["completed"], counts["failed"], counts["held"]) == (3, 0, 1, 2)
     assert record.input_name == "in.jsonl" and record.output == "out/x.parquet"
     assert record.metadata == {"team": "x"} and record.completion_window == 7200
     assert record.expires_at - record.created_at == 7200 * 1000
@@ -64,6 +88,7 @@ def test_submit_in_many_chunks_reports_progress(client, monkeypatch):
     entries = intake(client)
     assert [e.idx for e in entries] == list(range(50))
     assert json.loads(entries[49].body) == {"prompt": "p49"}
+    take_in(client)  # `submitted` counts what the scheduler took in
     assert client.status(job_id).submitted == 50
 
 
@@ -79,8 +104,11 @@ def test_over_long_line_becomes_an_error_row_at_once(client, tmp_path):
     assert (row["idx"], row["line"], row["status"], row["error_code"]) == (1, 2, "failed", "line_too_long")
     assert "more than the limit of 40 bytes" in row["error_message"]
     record = client.status(job_id)
-    assert record.request_counts == {"total": 3, "completed": 0, "failed": 1}
-    assert record.status == JobStatus.IN_PROGRESS
+    assert (record.total, record.submitted, record.failed, record.status) == (3, 1, 1, JobStatus.IN_PROGRESS)
+    take_in(client)  # the other two lines have no model (the job names none)
+    record = client.status(job_id)
+    assert (record.total, record.submitted, record.completed, record.failed) == (3, 3, 0, 3)
+    assert record.status == JobStatus.FINALIZING
 
 
 def test_job_of_only_bad_lines_finalizes_and_enqueues_its_export(client, tmp_path):
@@ -236,11 +264,32 @@ def test_request_and_requests_through_reply_to(client):
     assert not client.redis.keys(f"{client.keys.prefix}:reply:*")  # private streams are removed
 
 
+def test_results_keep_integer_dtypes_with_missing_values(client):
+    job_id = client.submit([{"prompt": "a"}, {"prompt": "b"}])
+    publish_rows(client, job_id, [0])
+    failed = ResultRow.error("invalid_request", "bad", job_id=job_id, idx=1)
+    Publisher(client.redis, client.keys).publish(failed)
+    df = client.results(job_id)
+    # nullable ints, not float64 ("prompt_tokens 30.0"); a failed row's are missing (pd.NA)
+    for name in ("prompt_tokens", "completion_tokens", "idx"):
+        assert pd.api.types.is_integer_dtype(df[name].dtype), (name, df[name].dtype)
+    assert str(df["prompt_tokens"].dtype) in ("Int32", "Int64")
+    assert df["prompt_tokens"][0] == 2 and df["prompt_tokens"].isna()[1]
+    assert df["prompt_tokens"].tolist()[0] == 2 and not isinstance(df["prompt_tokens"].tolist()[0], float)
+
+
 def test_request_times_out_without_a_scheduler(client):
-    with pytest.raises(TimeoutError, match="no result"):
-        client.request({"prompt": "x", "model": "m"}, timeout=0.2)
+    # a model no worker serves: the timeout says so (a TimeoutError still), and what is served
+    with pytest.raises(ModelNotServed, match=r"^1 request held: model 'm' is not served; served: none$"):
+        client.request({"prompt": "x", "model": "m"}, timeout=0.2, hold_seconds=30)
     [entry] = intake(client)
     assert entry.job_id is None and entry.reply_to.startswith(client.keys.prefix + ":reply:")
+    assert entry.hold_seconds == 30
+    # a served model: the plain timeout
+    Registry(client.redis, client.keys).heartbeat_worker("w1", {"model": "m", "capacity": {}}, ttl=60)
+    with pytest.raises(TimeoutError, match="no result") as info:
+        client.request({"prompt": "x", "model": "m"}, timeout=0.2)
+    assert not isinstance(info.value, ModelNotServed)
 
 
 def test_parse_duration():

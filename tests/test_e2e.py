@@ -105,7 +105,8 @@ def test_jsonl_plain_and_openai_lines_with_bad_lines(model_stack, llm, tmp_path)
     assert waited.returncode == 0, f"{waited.stdout}\n{waited.stderr}\n{model_stack.logs()}"
     record = json.loads(waited.stdout)
     assert record["status"] == "completed" and record["output"] == out.as_uri()
-    assert record["request_counts"] == {"total": 9, "completed": 6, "failed": 3}
+    assert record["request_counts"] == {"total": 9, "completed": 6, "failed": 3, "cancelled": 0, "expired": 0,
+                                        "held": 0}
 
     rows = read_rows(out)
     assert [r["idx"] for r in rows] == list(range(9))
@@ -197,7 +198,8 @@ def test_cancel_mid_job(model_stack, tmp_path):
     statuses = {s: sum(r["status"] == s for r in rows) for s in ("completed", "cancelled")}
     assert statuses["completed"] >= 1 and statuses["cancelled"] >= 1
     assert statuses["completed"] + statuses["cancelled"] == n
-    assert record.completed == statuses["completed"] and record.failed == statuses["cancelled"]
+    assert record.completed == statuses["completed"] and record.cancelled == statuses["cancelled"]
+    assert record.failed == 0  # cancelled rows are counted apart
     waited = model_stack.cli("wait", job)
     assert waited.returncode == 5  # the job ended, but not completed
 
@@ -232,7 +234,8 @@ def test_scheduler_restart_mid_job_loses_and_duplicates_nothing(echo_stack, tiny
     echo_stack.start("scheduler-2", "scheduler")
     record = echo_stack.wait(job)
     assert record.status == JobStatus.COMPLETED, (record, echo_stack.logs())
-    assert record.request_counts == {"total": n, "completed": n, "failed": 0}
+    assert record.request_counts == {"total": n, "completed": n, "failed": 0, "cancelled": 0, "expired": 0,
+                                     "held": 0}
     rows = list(echo_stack.client.result_rows(job))
     assert sorted(r["idx"] for r in rows) == list(range(n))
 

@@ -101,7 +101,8 @@ def test_metrics_move_by_what_a_job_did(stack):
     done = subprocess.run([*CLI, "--json", "submit", str(path), "--model", "echo", "--wait"],
                           env=stack["env"], cwd=stack["tmp"], capture_output=True, text=True, timeout=180)
     record = json.loads(done.stdout)
-    assert record["request_counts"] == {"total": 5, "completed": 4, "failed": 1}, done.stderr
+    assert record["request_counts"] == {"total": 5, "completed": 4, "failed": 1, "cancelled": 0, "expired": 0,
+                                        "held": 0}, done.stderr
     rows = list(Client(settings=Settings(redis_url=stack["url"], prefix="{ops}")).result_rows(record["id"]))
     good = [r for r in rows if r["status"] == "completed"]
 

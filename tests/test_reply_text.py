@@ -68,7 +68,7 @@ def test_held_entry_keeps_its_fields_and_a_full_holding_area_rejects(redis_serve
     until = int(fields[b"held_until"])
     assert before + 600_000 <= until <= now_ms() + 600_000
     assert fields == {**{k.encode(): v.encode() for k, v in entry.items()}, b"held_from": first,
-                      b"held_until": str(until).encode()}
+                      b"held_until": str(until).encode(), b"held_model": b"later"}
     assert sched.intake.sweep_held() == 0 and r.xrange(held_key(KEYS)) == [(held_id, fields)]
 
     r.xadd(KEYS.requests, IntakeEntry(body=json.dumps({"prompt": "ho", "model": "later"}),

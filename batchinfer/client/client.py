@@ -3,7 +3,8 @@
 Submission streams the input into the intake stream with pipelined XADDs, in chunks, without
 validating bodies: the scheduler validates each one once and turns bad ones into error rows
 that carry their line numbers. Only lines that cannot be carried at all (over the size limit,
-not UTF-8) are answered here, through the same exactly-once publisher.
+not UTF-8) are answered here, through the same exactly-once publisher. A job is sent as any
+producer sends one (docs/protocol.md, "Jobs"): ``op open``, its entries, ``op close``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import itertools
 import json
 import os
-import re
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
@@ -22,11 +22,12 @@ from typing import IO, TYPE_CHECKING, Any
 from batchinfer.client.inputs import DuplicateIds, InputError, InputLine, input_name, open_input
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
-from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry
+from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, JobOp, parse_duration, valid_job_id
 from batchinfer.protocol.rows import ResultRow
-from batchinfer.redis_conn import connect
+from batchinfer.redis_conn import as_text, connect
 from batchinfer.store import replies
-from batchinfer.store.jobstore import JobField, JobRecord, JobStatus, JobStore
+from batchinfer.store.jobcontrol import append_job_error, open_job
+from batchinfer.store.jobstore import JobField, JobRecord, JobStatus, JobStore, new_job_id
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry, WorkerInfo
 
@@ -34,10 +35,10 @@ if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
+__all__ = ["Client", "JobNotFound", "ModelNotServed", "parse_duration"]
+
 SUBMIT_CHUNK = 2000  # XADDs per pipeline round trip
 READ_CHUNK = 5000  # result rows per XRANGE
-_DURATION = re.compile(r"^\s*(\d+)\s*([smhd]?)\s*$")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class JobNotFound(KeyError):
@@ -47,18 +48,13 @@ class JobNotFound(KeyError):
         return f"no job {self.args[0]!r}"
 
 
-def parse_duration(value: str | int) -> int:
-    """Seconds from ``"24h"``, ``"30m"``, ``"90s"``, ``"2d"`` or a plain number of seconds."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        seconds = value
-    else:
-        m = _DURATION.match(str(value))
-        if not m:
-            raise ValueError(f"completion window {value!r}: use a number with s, m, h or d (e.g. 24h)")
-        seconds = int(m.group(1)) * _UNITS[m.group(2)]
-    if seconds <= 0:
-        raise ValueError(f"completion window must be positive, got {value!r}")
-    return seconds
+class ModelNotServed(TimeoutError):
+    """Direct requests timed out while held for a model no worker serves; the message says which,
+    and what is served (e.g. ``1 request held: model 'SmolLM2' is not served; served: hf, qwen``)."""
+
+    def __init__(self, message: str, held: dict[str, int], served: list[str]):
+        super().__init__(message)
+        self.held, self.served = held, served
 
 
 class Client:
@@ -89,16 +85,27 @@ class Client:
         """Create a job from ``source`` and stream its requests into the queue; returns the job id.
 
         ``source``: a JSONL or Parquet path (``"-"`` = stdin), a binary file, a pandas DataFrame,
-        or an iterable of records (dicts or JSON strings). ``model`` applies to lines without a
-        ``model`` field. ``output`` is where the exporter writes the results (default
+        or an iterable of records (dicts or JSON strings). ``model`` applies to every line; lines
+        naming another model are answered by it and counted (the record's ``models_overridden``
+        and ``overridden_models``). ``output`` is where the exporter writes the results (default
         ``<results_root>/<job>.parquet``): a URI, or a path that stays inside ``results_root``.
         ``on_progress(n)`` is called with the number of requests sent so far after each chunk.
         An empty or unreadable input raises :class:`~batchinfer.client.inputs.InputError` before any job
         exists. Lines that repeat a ``custom_id`` are sent, and one warning naming their line
         numbers goes to the job record's ``errors``. If submission is interrupted, the job is
         cancelled (what was sent is answered ``cancelled``) and the exception propagates.
+
+        The job is sent as any producer sends one: ``op open``, the entries, ``op close``; the
+        record and its total are also written at once (the same Lua scripts), so ``status`` reads
+        the job, ``in_progress``, as soon as this returns. ``submitted`` counts what the scheduler
+        has taken in.
         """
         window = parse_duration(completion_window)
+        job_id = job_id or new_job_id()
+        if not valid_job_id(job_id):
+            raise ValueError(f"job id {job_id!r} is invalid (letters, digits, '.', '_', '-'; at most 128)")
+        op = JobOp.open(job_id, model=model, completion_window=window, priority=priority, output=output,
+                        output_format=output_format, metadata=metadata, input_name=input_name(source))
         if output is not None:
             from batchinfer.jobs.export import confined_output
 
@@ -107,26 +114,29 @@ class Client:
         first = next(lines, None)  # an empty or unreadable input fails here, before a job exists
         if first is None:
             raise InputError(f"{input_name(source)}: no requests (the input is empty)")
-        record = self.store.create(job_id, model=model, input_name=input_name(source), output=output,
-                                   output_format=output_format, priority=priority,
-                                   completion_window=window, metadata=metadata)
+        # the record first, with the script the scheduler runs for `op open`: status reads it at once
+        if not open_job(self.redis, self.keys, op):
+            raise ValueError(f"job {job_id} already exists")
         try:
-            total = self._send(record.id, itertools.chain([first], lines), on_progress)
+            total = self._send(op, itertools.chain([first], lines), on_progress)
         except BaseException as e:
             with contextlib.suppress(Exception):  # the original error matters more
-                self.store.update(record.id, errors=[f"submission interrupted: {type(e).__name__}: {e}"])
-                self.store.cancel(record.id)
+                append_job_error(self.redis, self.keys, job_id,
+                                 f"submission interrupted: {type(e).__name__}: {e}")
+                self.store.cancel(job_id)
             raise
-        if self.publisher.finish_submission(record.id, total):
-            self._enqueue_export(record.id)
-        return record.id
+        # The total at once too (the script the scheduler's close runs; the close then finds it set):
+        # `status` shows the job in_progress with its total as soon as this returns.
+        if self.publisher.finish_submission(job_id, total):
+            self._enqueue_export(job_id)
+        return job_id
 
-    def _send(self, job_id: str, lines: Iterator[InputLine],
-              on_progress: Callable[[int], None] | None) -> int:
-        """The hot loop: one XADD per line, flushed every ``SUBMIT_CHUNK`` with the job's counter."""
-        stream, job_key = self.keys.requests, self.keys.job(job_id)
+    def _send(self, op: JobOp, lines: Iterator[InputLine], on_progress: Callable[[int], None] | None) -> int:
+        """The hot loop: ``op open``, one XADD per line, flushed every ``SUBMIT_CHUNK``, ``op close``."""
+        job_id, stream = op.job_id, self.keys.requests
         limit = self.settings.max_requests_per_job
         pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(stream, replies.xadd_fields(op.to_fields()))  # a no-op for the scheduler: the job exists
         duplicates = DuplicateIds()
         idx = pending = 0
         for item in lines:
@@ -142,19 +152,18 @@ class Client:
                 pending += 1
             idx += 1
             if pending >= SUBMIT_CHUNK:
-                pipe.hincrby(job_key, JobField.SUBMITTED, pending)
                 pipe.execute()
                 pending = 0
                 if on_progress:
                     on_progress(idx)
-        if pending:
-            pipe.hincrby(job_key, JobField.SUBMITTED, pending)
-            pipe.execute()
-        if on_progress:
-            on_progress(idx)
         warning = duplicates.warning()
         if warning:  # before the submission ends, so no export can race with it
-            self.store.update(job_id, errors=[warning])
+            append_job_error(self.redis, self.keys, job_id, warning)
+        # the scheduler takes the close in after every entry above (stream order), then sets `total`
+        pipe.xadd(stream, replies.xadd_fields(JobOp.close(job_id, idx).to_fields()))
+        pipe.execute()
+        if on_progress:
+            on_progress(idx)
         return idx
 
     def _reject(self, job_id: str, idx: int, item: InputLine) -> None:
@@ -238,8 +247,17 @@ class Client:
         return arrow_table(rows)
 
     def results(self, job_id: str) -> pd.DataFrame:
-        """The job's results as a pandas DataFrame (one row per request, input order)."""
-        return self.results_table(job_id).to_pandas()
+        """The job's results as a pandas DataFrame (one row per request, input order).
+
+        Integer columns keep integer dtypes with missing values (pandas' nullable ``Int32`` /
+        ``Int64``, and ``boolean``), rather than becoming float64 (``prompt_tokens 30.0``).
+        """
+        import pandas as pd
+        import pyarrow as pa
+
+        nullable = {pa.int8(): pd.Int8Dtype(), pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(),
+                    pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}
+        return self.results_table(job_id).to_pandas(types_mapper=nullable.get)
 
     def write_results(self, job_id: str, path_or_uri: str, fmt: str = "parquet",
                       on_row: Callable[[], None] | None = None) -> str:
@@ -266,9 +284,15 @@ class Client:
     # -- direct requests -------------------------------------------------------------------------
 
     def request(self, body: Mapping[str, Any] | str, *, model: str | None = None, timeout: float = 600.0,
-                client_request_id: str | None = None) -> ResultRow:
-        """Send one request without a job and wait for its row on a private ``reply_to`` stream."""
-        rows = self.requests([body], model=model, timeout=timeout,
+                client_request_id: str | None = None, hold_seconds: float | None = None) -> ResultRow:
+        """Send one request without a job and wait for its row on a private ``reply_to`` stream.
+
+        ``hold_seconds``: how long the scheduler holds it while no worker serves its model (default
+        ``BATCHINFER_DIRECT_HOLD_SECONDS`` of the scheduler, 600 s; 0 = an ``unknown_model`` row at
+        once). :class:`ModelNotServed` (a ``TimeoutError``) when ``timeout`` passes while its model
+        is not served, else ``TimeoutError``.
+        """
+        rows = self.requests([body], model=model, timeout=timeout, hold_seconds=hold_seconds,
                              client_request_ids=[client_request_id] if client_request_id else None)
         try:
             return next(rows)
@@ -277,45 +301,73 @@ class Client:
 
     def requests(self, bodies: Iterable[Mapping[str, Any] | str], *, model: str | None = None,
                  timeout: float | None = 600.0, window: int = 1000,
-                 client_request_ids: Iterable[str] | None = None) -> Generator[ResultRow, None, None]:
+                 client_request_ids: Iterable[str] | None = None,
+                 hold_seconds: float | None = None) -> Generator[ResultRow, None, None]:
         """Send many direct requests; yield their rows as they arrive (not in input order).
 
         At most ``window`` requests are outstanding at once. ``row.custom_id`` (from the body) or
-        ``row.request_id`` (the intake entry id) tells rows apart. ``TimeoutError`` when no row
-        arrives for ``timeout`` seconds.
+        ``row.request_id`` (the intake entry id) tells rows apart. ``hold_seconds`` as in
+        :meth:`request`. When no row arrives for ``timeout`` seconds: :class:`ModelNotServed` if
+        outstanding requests name a model no worker serves (held by the scheduler), else
+        ``TimeoutError``.
         """
+        if hold_seconds is not None and not hold_seconds >= 0:
+            raise ValueError(f"hold_seconds must be >= 0, got {hold_seconds!r}")
         reply = self.keys.reply(uuid.uuid4().hex)  # same hash tag as every key
         ids = iter(client_request_ids) if client_request_ids is not None else None
         todo = iter(bodies)
-        outstanding = 0
+        sent: dict[str, str] = {}  # request id (intake entry id) -> body, while outstanding
         last: bytes | str = "0-0"
         exhausted = False
         try:
             while True:
                 pipe = self.redis.pipeline(transaction=False)
-                while not exhausted and outstanding < window:
+                batch: list[str] = []
+                while not exhausted and len(sent) + len(batch) < window:
                     body = next(todo, None)
                     if body is None:
                         exhausted = True
                         break
                     entry = IntakeEntry(body=_direct_body(body, model), reply_to=reply,
-                                        client_request_id=next(ids, None) if ids is not None else None)
+                                        client_request_id=next(ids, None) if ids is not None else None,
+                                        hold_seconds=hold_seconds)
                     pipe.xadd(self.keys.requests, replies.xadd_fields(entry.to_fields()))
-                    outstanding += 1
-                pipe.execute()
-                if outstanding == 0:
+                    batch.append(entry.body)
+                for entry_id, text in zip(pipe.execute(), batch, strict=True):
+                    sent[as_text(entry_id)] = text
+                if not sent:
                     return
                 block_ms = 0 if timeout is None else max(1, int(timeout * 1000))
                 got = replies.read_streams(self.redis.xread({reply: last}, count=window, block=block_ms))
                 if not got:
-                    raise TimeoutError(f"no result on {reply} within {timeout:g} s "
-                                       f"({outstanding} request(s) outstanding)")
+                    raise self._timeout(reply, timeout or 0.0, list(sent.values()))
                 for entry_id, fields in got[0][1]:
                     last = entry_id
-                    outstanding -= 1
-                    yield ResultRow.from_json(fields[b"row"])
+                    row = ResultRow.from_json(fields[b"row"])
+                    if sent.pop(row.request_id, None) is None and sent:
+                        sent.pop(next(iter(sent)))  # a row under another id (a retry's): one less owed
+                    yield row
         finally:
             self.redis.delete(reply)
+
+    def _timeout(self, reply: str, timeout: float, bodies: list[str]) -> TimeoutError:
+        """The error for requests still owed after ``timeout``: which models they wait for, if unserved."""
+        from batchinfer.store.queue_state import served_models
+
+        served = served_models(self.redis, self.keys)
+        held: dict[str, int] = {}
+        for body in bodies:
+            name = _model_of(body)
+            if name is not None and name not in served:
+                held[name] = held.get(name, 0) + 1
+        if not held:
+            return TimeoutError(f"no result on {reply} within {timeout:g} s ({len(bodies)} request(s) "
+                                "outstanding)")
+        n = sum(held.values())
+        names = ", ".join(f"{name!r}" for name in held)
+        message = (f"{n} request{'s' if n != 1 else ''} held: model{'s' if len(held) != 1 else ''} {names} "
+                   f"{'is' if len(held) == 1 else 'are'} not served; served: {', '.join(served) or 'none'}")
+        return ModelNotServed(message, held, served)
 
     def close(self) -> None:
         self.redis.close()
@@ -342,6 +394,19 @@ def _direct_body(body: Mapping[str, Any] | str, model: str | None) -> str:
             parsed["model"] = model
             return json.dumps(parsed, ensure_ascii=False, separators=(",", ":"))
     return body
+
+
+def _model_of(body: str) -> str | None:
+    """The ``model`` a direct request's body names (plain or OpenAI Batch form), if any."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    inner = parsed.get("body")
+    model = parsed.get("model") or (inner.get("model") if isinstance(inner, dict) else None)
+    return model if isinstance(model, str) else None
 
 
 def _rows_from_parquet(location: str) -> Iterator[dict[str, Any]]:

@@ -98,7 +98,11 @@ def _parse(body: str | bytes | Mapping[str, Any], max_tokens_limit: int | None) 
         text = body
         try:
             body = json.loads(text, parse_constant=_reject_constant)
-        except ValueError as e:  # JSONDecodeError, too-long integers, NaN / Infinity
+        except json.JSONDecodeError as e:
+            # json counts lines of the body; the row's `line` column is the file's line
+            where = f"column {e.colno}" if e.lineno == 1 else f"line {e.lineno} of the body, column {e.colno}"
+            raise RequestError("invalid_json", f"invalid JSON: {e.msg} ({where})") from None
+        except ValueError as e:  # too-long integers, NaN / Infinity
             raise RequestError("invalid_json", f"invalid JSON: {e}") from None
         if "\\u" in text and _SURROGATE_ESCAPE.search(text):
             _check_unicode(body, "body")

@@ -1,17 +1,21 @@
-"""The wire protocol, version 1 (docs/protocol.md): intake entries, the URL and field-name constants,
-job ids and :class:`RequestError`. Batch requests and result rows are in
-:mod:`batchinfer.protocol.rows`.
+"""The wire protocol, version 1 (docs/protocol.md): intake entries (requests and job control
+``op`` entries), the URL and field-name constants, job ids and :class:`RequestError`. Batch
+requests and result rows are in :mod:`batchinfer.protocol.rows`.
 
 Request bodies are validated in :mod:`batchinfer.protocol.bodies`. Nothing here touches Redis.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PROTOCOL_VERSION", "IntakeEntry", "RequestError", "valid_job_id"]
+__all__ = ["PROTOCOL_VERSION", "IntakeEntry", "JobOp", "RequestError", "parse_duration", "parse_entry",
+           "valid_job_id"]
 
 PROTOCOL_VERSION = "1"
 
@@ -25,6 +29,15 @@ IGNORED_OPENAI_FIELDS = ("user", "store")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 MAX_CUSTOM_ID_CHARS = 512
+ENTRY_FIELDS = ("v", "body", "job", "idx", "line", "reply_to", "client_request_id", "hold_seconds")
+# Job control entries (`op`): what each takes besides v, op, job and reply_to.
+OP_FIELDS = {"open": ("model", "completion_window", "priority", "output", "output_format", "metadata",
+                      "input_name"),
+             "close": ("total",),
+             "cancel": ()}
+OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
+_DURATION = re.compile(r"^\s*(\d+)\s*([smhd]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class RequestError(ValueError):
@@ -61,6 +74,41 @@ class RequestError(ValueError):
 # -- intake entries --------------------------------------------------------------------------------
 
 
+def _decode(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """An entry's fields as text, each decoded alone (so a bad body still leaves job / idx readable),
+    and the names of those that are not UTF-8."""
+    fields_: dict[str, str] = {}
+    not_utf8: list[str] = []
+    for k, v in raw.items():
+        try:
+            name = k.decode() if isinstance(k, bytes) else str(k)
+        except UnicodeDecodeError:
+            not_utf8.append(repr(k))
+            continue
+        try:
+            fields_[name] = v.decode() if isinstance(v, bytes) else str(v)
+        except UnicodeDecodeError as e:
+            not_utf8.append(f"{name} ({e.reason} at byte {e.start})")
+    return fields_, not_utf8
+
+
+def _check_version(fields_: dict[str, str], not_utf8: list[str], fail) -> None:
+    if not_utf8:
+        raise fail(f"intake entry field(s) not UTF-8: {', '.join(not_utf8)}", not_utf8[0].split(" ")[0])
+    if "v" not in fields_:
+        raise fail("intake entry has no protocol version field 'v' (not a batchinfer entry?)", "v")
+    if fields_["v"] != PROTOCOL_VERSION:
+        raise fail(f"unsupported protocol version v={fields_['v']!r} (this build speaks "
+                   f"v={PROTOCOL_VERSION})", "v")
+
+
+def parse_entry(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> IntakeEntry | JobOp:
+    """An intake entry: a request (:class:`IntakeEntry`) or, with an ``op`` field, a :class:`JobOp`."""
+    if b"op" in raw or "op" in raw:
+        return JobOp.from_fields(raw)
+    return IntakeEntry.from_fields(raw)
+
+
 @dataclass
 class IntakeEntry:
     """One entry of the intake stream ``{bi}:requests``: a raw body plus routing fields."""
@@ -71,31 +119,22 @@ class IntakeEntry:
     line: int | None = None
     reply_to: str | None = None
     client_request_id: str | None = None
+    hold_seconds: float | None = None  # how long to wait for an unserved model (None: the default)
 
     def to_fields(self) -> dict[str, str]:
         """The XADD field map (absent optional fields are left out)."""
         out = {"v": PROTOCOL_VERSION, "body": self.body}
         for name, value in (("job", self.job_id), ("idx", self.idx), ("line", self.line),
-                            ("reply_to", self.reply_to), ("client_request_id", self.client_request_id)):
+                            ("reply_to", self.reply_to), ("client_request_id", self.client_request_id),
+                            ("hold_seconds", self.hold_seconds)):
             if value is not None:
-                out[name] = str(value)
+                out[name] = f"{value:g}" if isinstance(value, float) else str(value)
         return out
 
     @classmethod
     def from_fields(cls, raw: Mapping[bytes, bytes] | Mapping[str, str]) -> IntakeEntry:
         """Parse an XREADGROUP entry; a foreign or malformed entry is a ``protocol_error``."""
-        fields_: dict[str, str] = {}
-        not_utf8: list[str] = []  # each field decoded alone, so a bad body still leaves job / idx readable
-        for k, v in raw.items():
-            try:
-                name = k.decode() if isinstance(k, bytes) else str(k)
-            except UnicodeDecodeError:
-                not_utf8.append(repr(k))
-                continue
-            try:
-                fields_[name] = v.decode() if isinstance(v, bytes) else str(v)
-            except UnicodeDecodeError as e:
-                not_utf8.append(f"{name} ({e.reason} at byte {e.start})")
+        fields_, not_utf8 = _decode(raw)
         context: dict[str, Any] = {k: fields_[k] for k in ("job", "idx", "line", "reply_to") if k in fields_}
         for k in ("idx", "line"):  # best effort, for the error row
             if k in context:
@@ -105,14 +144,8 @@ class IntakeEntry:
         def fail(message: str, fld: str | None = None) -> RequestError:
             return RequestError("protocol_error", message, field=fld, line=line, context=context)
 
-        if not_utf8:
-            raise fail(f"intake entry field(s) not UTF-8: {', '.join(not_utf8)}", not_utf8[0].split(" ")[0])
-        if "v" not in fields_:
-            raise fail("intake entry has no protocol version field 'v' (not a batchinfer entry?)", "v")
-        if fields_["v"] != PROTOCOL_VERSION:
-            raise fail(f"unsupported protocol version v={fields_['v']!r} (this build speaks "
-                       f"v={PROTOCOL_VERSION})", "v")
-        unknown = sorted(set(fields_) - {"v", "body", "job", "idx", "line", "reply_to", "client_request_id"})
+        _check_version(fields_, not_utf8, fail)
+        unknown = sorted(set(fields_) - set(ENTRY_FIELDS))
         if unknown:
             raise fail(f"unknown intake field(s): {', '.join(unknown)}", unknown[0])
         if "body" not in fields_:
@@ -120,20 +153,164 @@ class IntakeEntry:
         job = fields_.get("job") or None
         if job is not None and not valid_job_id(job):
             raise fail(f"job id {job!r} is invalid (letters, digits, '.', '_', '-'; at most 128)", "job")
-        idx = line_no = None
+        idx = line_no = hold = None
         if "idx" in fields_:
             idx = _int_or_none(fields_["idx"])
             if idx is None or idx < 0:
                 raise fail(f"idx must be a non-negative integer, got {fields_['idx']!r}", "idx")
+            if job is None:
+                raise fail("an entry with 'idx' needs 'job' (the job it belongs to); a direct request has "
+                           "neither", "job")
         if job is not None and idx is None:
             raise fail("an entry with a job id needs 'idx' (its index in the job)", "idx")
         if "line" in fields_:
             line_no = _int_or_none(fields_["line"])
             if line_no is None or line_no < 1:
                 raise fail(f"line must be a positive integer, got {fields_['line']!r}", "line")
+        if "hold_seconds" in fields_:
+            hold = _seconds_or_none(fields_["hold_seconds"])
+            if hold is None:
+                raise fail(f"hold_seconds must be a non-negative number of seconds, got "
+                           f"{fields_['hold_seconds']!r}", "hold_seconds")
         return cls(body=fields_["body"], job_id=job, idx=idx, line=line_no,
                    reply_to=fields_.get("reply_to") or None,
-                   client_request_id=fields_.get("client_request_id") or None)
+                   client_request_id=fields_.get("client_request_id") or None, hold_seconds=hold)
+
+
+@dataclass
+class JobOp:
+    """A job control entry (``op`` = ``open``, ``close`` or ``cancel``), applied in stream order.
+
+    ``params`` are validated values: ``open`` takes ``model`` (str), ``completion_window`` (int s),
+    ``priority`` (int), ``output``, ``output_format``, ``input_name`` (str), ``metadata``
+    (dict of str); ``close`` takes ``total`` (int).
+    """
+
+    op: str
+    job_id: str
+    params: dict[str, Any]
+    reply_to: str | None = None
+
+    @classmethod
+    def open(cls, job_id: str, *, model: str | None = None, completion_window: int | str = 24 * 3600,
+             priority: int = 0, output: str | None = None, output_format: str = "parquet",
+             metadata: Mapping[str, str] | None = None, input_name: str | None = None) -> JobOp:
+        """An ``open`` op; the values are checked as the scheduler checks them (``RequestError``)."""
+        given = {"model": model, "completion_window": completion_window, "priority": priority,
+                 "output": output, "output_format": output_format, "input_name": input_name,
+                 "metadata": json.dumps(dict(metadata), ensure_ascii=False) if metadata else None}
+        return cls("open", job_id, _op_params("open", {k: str(v) for k, v in given.items() if v is not None},
+                                              {}))
+
+    @classmethod
+    def close(cls, job_id: str, total: int) -> JobOp:
+        return cls("close", job_id, _op_params("close", {"total": str(total)}, {}))
+
+    def to_fields(self) -> dict[str, str]:
+        """The XADD field map."""
+        out = {"v": PROTOCOL_VERSION, "op": self.op, "job": self.job_id}
+        for name, value in self.params.items():
+            out[name] = _text(value)
+        if self.reply_to:
+            out["reply_to"] = self.reply_to
+        return out
+
+    def record_fields(self) -> list[str]:
+        """An ``open``'s job record fields as a flat name, value list (``open_job.lua``'s ARGV tail)."""
+        out: list[str] = []
+        for name, value in self.params.items():
+            if name != "completion_window":  # the script writes it, with expires_at
+                out += [name, _text(value)]
+        return out
+
+    @property
+    def completion_window(self) -> int:
+        return int(self.params.get("completion_window", 24 * 3600))
+
+    @classmethod
+    def from_fields(cls, raw: Mapping[bytes, bytes] | Mapping[str, str]) -> JobOp:
+        """Parse an ``op`` entry: ``protocol_error`` when malformed, ``invalid_request`` for a bad value."""
+        fields_, not_utf8 = _decode(raw)
+        context: dict[str, Any] = {k: fields_[k] for k in ("job", "reply_to") if k in fields_}
+
+        def fail(message: str, fld: str | None = None) -> RequestError:
+            return RequestError("protocol_error", message, field=fld, context=context)
+
+        _check_version(fields_, not_utf8, fail)
+        op = fields_.get("op", "")
+        if op not in OP_FIELDS:
+            raise fail(f"op must be one of {', '.join(OP_FIELDS)}, got {op!r}", "op")
+        allowed = {"v", "op", "job", "reply_to", *OP_FIELDS[op]}
+        unknown = sorted(set(fields_) - allowed)
+        if unknown:
+            raise fail(f"unknown field(s) for op {op}: {', '.join(unknown)} (it takes "
+                       f"{', '.join(OP_FIELDS[op]) or 'only job'})", unknown[0])
+        job = fields_.get("job") or ""
+        if not job:
+            raise fail(f"op {op} needs 'job' (the job id)", "job")
+        if not valid_job_id(job):
+            raise fail(f"job id {job!r} is invalid (letters, digits, '.', '_', '-'; at most 128)", "job")
+        return cls(op, job, _op_params(op, fields_, context), fields_.get("reply_to") or None)
+
+
+def _op_params(op: str, given: Mapping[str, str], context: dict[str, Any]) -> dict[str, Any]:
+    """The validated parameters of ``op`` from their text values."""
+
+    def bad(name: str, message: str) -> RequestError:
+        return RequestError("invalid_request", f"{name}: {message}", field=name, context=context)
+
+    out: dict[str, Any] = {}
+    for name in OP_FIELDS[op]:
+        if name not in given:
+            continue
+        text = given[name]
+        if name == "completion_window":
+            try:
+                out[name] = parse_duration(text)
+            except ValueError as e:
+                raise bad(name, str(e)) from None
+        elif name in ("priority", "total"):
+            value = _int_or_none(text)
+            if value is None or (name == "total" and value < 0):
+                kind = "a non-negative integer" if name == "total" else "an integer"
+                raise bad(name, f"must be {kind}, got {text!r}")
+            out[name] = value
+        elif name == "output_format":
+            if text not in OUTPUT_FORMATS:
+                raise bad(name, f"must be one of {', '.join(OUTPUT_FORMATS)}, got {text!r}")
+            out[name] = text
+        elif name == "metadata":
+            try:
+                meta = json.loads(text)
+            except ValueError:
+                raise bad(name, f"must be a JSON object of strings, got {text[:80]!r}") from None
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise bad(name, "must be a JSON object whose values are strings")
+            out[name] = meta
+        elif text:
+            out[name] = text
+    if op == "close" and "total" not in out:
+        raise RequestError("protocol_error", "op close needs 'total' (the number of requests in the job)",
+                           field="total", context=context)
+    return out
+
+
+def _text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else str(value)
+
+
+def parse_duration(value: str | int) -> int:
+    """Seconds from ``"24h"``, ``"30m"``, ``"90s"``, ``"2d"`` or a plain number of seconds."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        seconds = value
+    else:
+        m = _DURATION.match(str(value))
+        if not m:
+            raise ValueError(f"completion window {value!r}: use a number with s, m, h or d (e.g. 24h)")
+        seconds = int(m.group(1)) * _UNITS[m.group(2)]
+    if seconds <= 0:
+        raise ValueError(f"completion window must be positive, got {value!r}")
+    return seconds
 
 
 def valid_job_id(job_id: str) -> bool:
@@ -147,3 +324,12 @@ def _int_or_none(text: str) -> int | None:
         return int(text)
     except (TypeError, ValueError):
         return None
+
+
+def _seconds_or_none(text: str) -> float | None:
+    """A non-negative, finite number of seconds, else None."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value >= 0 else None

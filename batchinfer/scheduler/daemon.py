@@ -3,7 +3,8 @@
 The loop only loops; each concern is one object (docs/scheduler.md):
 
 - :class:`batchinfer.scheduler.intake.Intake` — the intake group, validation, tokenisation, staging,
-  error rows, idempotency, and the holding area for models not served yet;
+  error rows, idempotency, and the holding area for models not served yet; job control entries
+  (``op open|close|cancel``) through :class:`batchinfer.scheduler.jobops.JobOps`;
 - :class:`batchinfer.scheduler.dispatch.Dispatcher` — backpressure and packing into batches;
 - :class:`batchinfer.scheduler.leases.Leases` — expired batch leases: re-dispatch or dead-letter;
 - :class:`batchinfer.scheduler.accounting.Accounting` — job expiry and the export safety net.
@@ -57,7 +58,10 @@ class Scheduler:
     """One scheduler process. ``run(stop)`` serves; ``run_once()`` is one pass (tests call it)."""
 
     def __init__(self, r: redis.Redis, settings: Settings, *, name: str = "scheduler",
-                 metrics: SchedulerMetrics | None = None, block_ms: int = 200, direct_hold_s: float = 600.0):
+                 metrics: SchedulerMetrics | None = None, block_ms: int = 200,
+                 direct_hold_s: float | None = None):
+        """``direct_hold_s``: how long a direct request for an unserved model is held (default
+        ``settings.direct_hold_seconds``, ``BATCHINFER_DIRECT_HOLD_SECONDS``)."""
         self.redis, self.settings, self.name, self.block_ms = r, settings, name, block_ms
         self.keys = keys = Keys(settings.prefix)
         registry = Registry(r, keys)

@@ -4,12 +4,22 @@ Each intake entry ends in exactly one place, and its XACK + XDEL travels in the 
 a staging stream (valid; ``batchinfer.scheduler.staging``), the holding area (its model is not served yet),
 or nowhere (an error / cancelled / expired row was published first, or a duplicate was dropped).
 On start the scheduler first re-reads its own pending entries (read before a crash, not acked).
+
+Job control entries (``op``: ``batchinfer.scheduler.jobops``) are applied in stream order: the
+request entries read before one are settled first. The same MULTI that acks a job's request entry
+sets its bit in ``{p}:admitted:<job>`` and counts it in the job's ``submitted`` (and its
+``models_overridden`` / ``held``), so the counts stay exact across a crash: an entry re-read after
+one was never counted. An entry that cannot be counted in its job (no such job, idx out of range or
+taken already) is answered as a direct request: a ``protocol_error`` row in ``results:direct``
+(and its ``reply_to``), plus a line in the job's ``errors`` when the job exists.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, TypedDict, cast
 
 import redis
@@ -19,10 +29,13 @@ from batchinfer.keys import SCHEDULER_GROUP, Keys
 from batchinfer.protocol.bodies import RequestSpec, leading_custom_id, parse_body
 from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
 from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms, request_id_for
-from batchinfer.redis_conn import as_text, ensure_group, read_group
+from batchinfer.redis_conn import ensure_group, read_group
+from batchinfer.scheduler.jobops import JobOps
 from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, RowSink
 from batchinfer.scheduler.staging import Staging, held_key
 from batchinfer.store import replies
+from batchinfer.store.jobstore import JobField
+from batchinfer.store.publish import Redelivery
 from batchinfer.store.replies import Fields
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.text.tokenizer import Tokenizer
@@ -31,6 +44,7 @@ log = logging.getLogger(__name__)
 
 IDEMPOTENCY_TTL_S = 24 * 3600
 DEFAULT_WINDOW_S = 24 * 3600  # how long a job without expires_at waits for an unknown model
+MAX_OVERRIDDEN_NAMES = 8  # distinct overridden line models a job record names
 
 
 @dataclass
@@ -38,12 +52,14 @@ class Stage:
     model: str
     priority: int
     request: BatchRequest
+    overridden: str | None = None  # the line's own model, when the job's won over it
 
 
 @dataclass
 class Reject:
     row: ResultRow
     reply_to: str | None
+    overridden: str | None = None
 
 
 @dataclass
@@ -51,13 +67,36 @@ class Hold:
     until: int  # ms: when the request gives up waiting for its model
     row: ResultRow  # its unknown_model row, for then (or for a full holding area)
     reply_to: str | None
+    model: str = ""  # the model it waits for (counted in {p}:held_models)
+    overridden: str | None = None
+
+
+@dataclass
+class Refuse:
+    """An entry that cannot be counted in its job: answered as a direct request (``row`` has no job),
+    with ``job_error`` for the job's record when the job exists."""
+
+    row: ResultRow
+    reply_to: str | None
+    job_id: str | None = None
+    job_error: str | None = None
 
 
 class Duplicate:
-    """An entry whose client_request_id was already accepted for another request."""
+    """An entry whose client_request_id was already accepted for another request: dropped, and its
+    ``reply_to`` owed that request's row (``Redelivery``)."""
 
 
-Outcome = Stage | Reject | Hold | Duplicate
+Outcome = Stage | Reject | Hold | Duplicate | Refuse
+
+
+@dataclass
+class _Tally:
+    """What one settle adds to each job's record (in the same MULTI as the acks)."""
+
+    admitted: list[int] = field(default_factory=list)
+    overridden: list[str] = field(default_factory=list)
+    held: int = 0
 
 
 class _RowIds(TypedDict):
@@ -92,24 +131,36 @@ class Admission:
     """Decides the fate of one intake entry (reads job states and models through caches)."""
 
     def __init__(self, r: redis.Redis, keys: Keys, settings: Settings, jobs: JobCache, models: ModelCache,
-                 direct_hold_s: float = 600.0):
+                 direct_hold_s: float | None = None):
         self.redis, self.keys, self.settings = r, keys, settings
-        self.jobs, self.models, self.direct_hold_s = jobs, models, direct_hold_s
+        self.jobs, self.models = jobs, models
+        self.direct_hold_s = settings.direct_hold_seconds if direct_hold_s is None else direct_hold_s
         self.duplicates = 0
+        self.redelivery = Redelivery(r, keys)
 
-    def admit(self, entry_id: str, fields: Fields, held_until: int | None = None) -> Outcome:
-        """The outcome of entry ``entry_id`` (the original intake id, also for held entries)."""
+    def admit(self, entry_id: str, fields: Fields, held_until: int | None = None,
+              taken: set[tuple[str, int]] | frozenset[tuple[str, int]] = frozenset()) -> Outcome:
+        """The outcome of entry ``entry_id`` (the original intake id, also for held entries).
+
+        ``taken``: the ``(job, idx)`` pairs already taken in (an entry for one is refused); a held
+        entry (``held_until`` given) was taken in when it was held and is not checked again.
+        """
         try:
             entry = IntakeEntry.from_fields(fields)
         except RequestError as e:
-            return self._malformed(entry_id, e)
+            return self._malformed(entry_id, e, taken)
         request_id = request_id_for(entry.job_id, entry.idx, entry_id)
         base: _RowBase = {"job_id": entry.job_id, "idx": entry.idx, "request_id": request_id,
                           "line": entry.line, "created_at": entry_ms(entry_id)}
-        if entry.client_request_id and self._duplicate(entry.client_request_id, request_id):
+        if entry.client_request_id and self._duplicate(entry.client_request_id, request_id, entry.reply_to):
             return Duplicate()
         now = now_ms()
         view = self.jobs.get(entry.job_id) if entry.job_id else None
+        if view is not None and held_until is None:
+            refusal = self.refusal(entry_id, view, entry.idx, entry.reply_to, taken, entry.line,
+                                   leading_custom_id(entry.body))
+            if refusal is not None:
+                return refusal
         ended = view.ended_as() if view else None
         if view and view.model:
             base["model"] = view.model  # error rows name the job's model until the body names one
@@ -122,34 +173,72 @@ class Admission:
         except RequestError as e:
             return Reject(self._error(e.at_line(entry.line), base), entry.reply_to)
         base["custom_id"], base["metadata"], base["url"] = spec.custom_id, spec.metadata, spec.url
-        model = spec.model or (view.model if view else None)
+        # The job's model wins over the line's own (an OpenAI batch file names a hosted model in every
+        # line); such lines are counted once, when first taken in, not again when a held one is re-read.
+        job_model = view.model if view else None
+        model = job_model or spec.model
+        overridden = (spec.model if job_model and spec.model and spec.model != job_model
+                      and held_until is None else None)
         if not model:
             return Reject(ResultRow.error("invalid_request", "no model: give 'model' in the body or the job",
                                           **base), entry.reply_to)
         base["model"] = model
         served = self.models.get(model)
         if served is None:
-            deadline = held_until or self._deadline(view, now)
+            deadline = held_until or self._deadline(view, now, entry.hold_seconds)
             row = ResultRow.error("unknown_model", f"model {model!r} is not served by any worker", **base)
-            return Hold(deadline, row, entry.reply_to) if now < deadline else Reject(row, entry.reply_to)
+            if now < deadline:
+                return Hold(deadline, row, entry.reply_to, model, overridden)
+            return Reject(row, entry.reply_to, overridden)
         try:
             token_ids = self._tokens(spec, served.tokenizer)
             self._check_length(len(token_ids), spec, served.info.max_model_len,
                                self.settings.max_prompt_tokens)
         except RequestError as e:
-            return Reject(self._error(e.at_line(entry.line), base), entry.reply_to)
+            return Reject(self._error(e.at_line(entry.line), base), entry.reply_to, overridden)
         priority = spec.priority or (view.priority if view else 0)
         request = BatchRequest(request_id=request_id, job_id=entry.job_id, idx=entry.idx,
                                prompt_token_ids=token_ids, sampling_params=params_dict(spec.sampling_params),
                                model=model, line=entry.line, custom_id=spec.custom_id, url=spec.url,
                                reply_to=entry.reply_to, metadata=spec.metadata, created_at=base["created_at"])
-        return Stage(model, priority, request)
+        # staged under the canonical name: the tokens are that model's, whichever alias was asked for
+        return Stage(served.info.name, priority, request, overridden)
 
-    def _malformed(self, entry_id: str, e: RequestError) -> Reject:
-        """An entry that is not a valid intake entry: its row goes to its job if one can be read."""
+    def refusal(self, entry_id: str, view: JobView, idx: int | None, reply_to: str | None,
+                taken: set[tuple[str, int]] | frozenset[tuple[str, int]], line: int | None = None,
+                custom_id: str | None = None) -> Refuse | None:
+        """Why an entry for job ``view`` cannot be counted in it, as a :class:`Refuse`; None if it can."""
+        job = view.job_id
+        if not view.exists:
+            why = (f"job {job!r} does not exist: open it first with an 'op open' entry "
+                   f"(docs/protocol.md, Jobs); this entry (idx {idx}) was not run")
+        elif idx is None:
+            return None
+        elif view.total is not None and idx >= view.total:
+            why = (f"idx {idx} is out of range: job {job!r} was closed with total {view.total} "
+                   f"(idx 0..{view.total - 1}); this entry was not run")
+        elif (job, idx) in taken:
+            why = (f"idx {idx} of job {job!r} was already taken in (by an earlier entry, or filled when "
+                   "the job was closed without it); this entry was not run")
+        else:
+            return None
+        row = ResultRow.error("protocol_error", why, job_id=None, request_id=entry_id, line=line,
+                              custom_id=custom_id, created_at=entry_ms(entry_id))
+        return Refuse(row, reply_to, job, why if view.exists else None)
+
+    def _malformed(self, entry_id: str, e: RequestError,
+                   taken: set[tuple[str, int]] | frozenset[tuple[str, int]] = frozenset()) -> Reject | Refuse:
+        """An entry that is not a valid intake entry: its row goes to its job if one can be read (and
+        the entry could be counted in it)."""
         ctx = e.context
         job, idx = ctx.get("job"), ctx.get("idx")
         routable = isinstance(job, str) and valid_job_id(job) and isinstance(idx, int) and idx >= 0
+        if routable and isinstance(job, str):
+            refusal = self.refusal(entry_id, self.jobs.get(job), idx, ctx.get("reply_to"), taken,
+                                   ctx.get("line"))
+            if refusal is not None:
+                refusal.row.error_message = f"{refusal.row.error_message} (and the entry is malformed: {e})"
+                return refusal
         base: _RowBase = {"job_id": job if routable else None, "idx": idx if routable else None,
                           "request_id": request_id_for(job, idx) if routable else entry_id,
                           "line": ctx.get("line"), "created_at": entry_ms(entry_id)}
@@ -173,23 +262,27 @@ class Admission:
                                f"than the limit of {limit} bytes (BATCHINFER_MAX_LINE_BYTES)", field="body",
                                context={"custom_id": custom_id} if custom_id else None)
 
-    def _duplicate(self, client_request_id: str, request_id: str) -> bool:
-        """SET NX the idempotency key; a re-read of our own entry (after a crash) is no duplicate."""
-        key = self.keys.idempotency(client_request_id)
-        if self.redis.set(key, request_id, nx=True, ex=IDEMPOTENCY_TTL_S):
-            return False
-        first = as_text(self.redis.get(key))
-        if first is None or first == request_id:
+    def _duplicate(self, client_request_id: str, request_id: str, reply_to: str | None) -> bool:
+        """Claim the idempotency key (a re-read of our own entry after a crash is no duplicate); a
+        duplicate's ``reply_to`` gets the first request's row, now or when it is published."""
+        first = self.redelivery.claim(client_request_id, request_id, reply_to, IDEMPOTENCY_TTL_S)
+        if first == request_id:
             return False
         self.duplicates += 1
-        log.info("dropped request %s: client_request_id %r was already accepted for %s",
-                 request_id, client_request_id, first)
+        delivery = self.redelivery.redeliver(first, reply_to) if reply_to else "no reply_to"
+        log.log(logging.WARNING if delivery == "wrongtype" else logging.INFO,
+                "dropped request %s: client_request_id %r was already accepted for %s (its row to %s: %s)",
+                request_id, client_request_id, first, reply_to,
+                "not a stream: not written" if delivery == "wrongtype" else delivery)
         return True
 
-    def _deadline(self, view: JobView | None, now: int) -> int:
+    def _deadline(self, view: JobView | None, now: int, hold_seconds: float | None = None) -> int:
+        """When a request for an unserved model gives up: a direct one after ``hold_seconds`` (the entry's)
+        or ``direct_hold_s``; a job's at the end of its window, or after ``hold_seconds`` if sooner."""
         if view is None:
-            return now + int(self.direct_hold_s * 1000)
-        return view.expires_at or now + DEFAULT_WINDOW_S * 1000
+            return now + int((self.direct_hold_s if hold_seconds is None else hold_seconds) * 1000)
+        window_end = view.expires_at or now + DEFAULT_WINDOW_S * 1000
+        return window_end if hold_seconds is None else min(window_end, now + int(hold_seconds * 1000))
 
     @staticmethod
     def _tokens(spec: RequestSpec, tokenizer: Tokenizer) -> list[int]:
@@ -247,6 +340,9 @@ class Intake:
         self.consumer, self.chunk, self.held_limit = consumer, chunk, held_limit
         self.recovered = False  # own pending entries re-read since (re)start
         self.held_cursor = "-"
+        self.ops = JobOps(r, keys, admission.jobs, sink)
+        # per job, the overridden line models its record names (read once per job after a restart)
+        self._overridden_names: dict[str, list[str]] = {}
 
     def ensure_group(self) -> None:
         ensure_group(self.redis, self.keys.requests, SCHEDULER_GROUP)
@@ -261,12 +357,51 @@ class Intake:
             entries = self._read(">", block_ms)
         if not entries:
             return 0
-        # an entry someone XDELed while it was pending comes back without fields: just ack it
-        decided = [(eid.decode(), self._admit(eid.decode(), f), f) for eid, f in entries if f]
-        self._settle(decided, [eid.decode() for eid, _ in entries], source=self.keys.requests)
+        # Job ops apply in stream order: the request entries before one are settled first.
+        run: list[tuple[bytes, Fields | None]] = []
+        ops = 0
+        for eid, f in entries:
+            if f and b"op" in f:
+                ops += 1
+                self._take_in(run)
+                run = []
+                self.ops.apply(eid.decode(), f)
+                pipe = self.redis.pipeline(transaction=True)
+                pipe.xack(self.keys.requests, SCHEDULER_GROUP, eid)
+                pipe.xdel(self.keys.requests, eid)
+                pipe.execute()
+            else:
+                run.append((eid, f))
+        self._take_in(run)
         if self.sink.metrics is not None:
-            self.sink.metrics.intake_read(len(entries))
+            self.sink.metrics.intake_read(len(entries) - ops)  # requests; job ops are not requests
         return len(entries)
+
+    def _take_in(self, run: list[tuple[bytes, Fields | None]]) -> None:
+        """Admit and settle a run of request entries."""
+        if not run:
+            return
+        taken = self._taken([f for _, f in run if f])
+        decided: list[tuple[str, Outcome, Fields]] = []
+        for eid, f in run:
+            if not f:  # an entry someone XDELed while it was pending comes back without fields: just ack it
+                continue
+            outcome = self._admit(eid.decode(), f, taken=taken)
+            key = _counted_in(outcome)
+            if key is not None:
+                taken.add(key)  # a second entry for the same idx in this run is refused
+            decided.append((eid.decode(), outcome, f))
+        self._settle(decided, [eid.decode() for eid, _ in run], source=self.keys.requests)
+
+    def _taken(self, fields: list[Fields]) -> set[tuple[str, int]]:
+        """The ``(job, idx)`` of these entries already taken in (a GETBIT each, in one round trip)."""
+        pairs = list(dict.fromkeys(p for p in map(_job_idx, fields) if p is not None))
+        if not pairs:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for job, idx in pairs:
+            pipe.getbit(self.keys.admitted(job), idx)
+        return {p for p, bit in zip(pairs, pipe.execute(), strict=True) if bit}
 
     def _read(self, start: str, block_ms: int | None) -> list[tuple[bytes, Fields | None]]:
         """One chunk of entries from ``start`` (``"0"``: own pending ones, which may have lost their
@@ -283,20 +418,26 @@ class Intake:
         self.held_cursor = "-" if len(entries) < count else "(" + entries[-1][0].decode()
         decided: list[tuple[str, Outcome, Fields]] = []
         done: list[str] = []
+        released: list[tuple[str | None, str]] = []
         for eid, fields in entries:
             fields = dict(fields)
             origin = fields.pop(b"held_from", eid).decode()
             until = int(fields.pop(b"held_until", b"0"))
+            held_model = fields.pop(b"held_model", None)  # absent in entries held before it was counted
             outcome = self._admit(origin, fields, held_until=until)
             if not isinstance(outcome, Hold):
                 decided.append((origin, outcome, fields))
                 done.append(eid.decode())
-        self._settle(decided, done, source=held)
+                if held_model is not None:
+                    job = fields.get(b"job")
+                    released.append((job.decode() if job else None, held_model.decode()))
+        self._settle(decided, done, source=held, released=released)
         return len(done)
 
-    def _admit(self, entry_id: str, fields: Fields, held_until: int | None = None) -> Outcome:
+    def _admit(self, entry_id: str, fields: Fields, held_until: int | None = None,
+               taken: set[tuple[str, int]] | frozenset[tuple[str, int]] = frozenset()) -> Outcome:
         try:
-            return self.admission.admit(entry_id, fields, held_until=held_until)
+            return self.admission.admit(entry_id, fields, held_until=held_until, taken=taken)
         except (redis.ConnectionError, redis.TimeoutError):
             raise
         except Exception as e:  # one bad entry never stops the scheduler
@@ -326,16 +467,24 @@ class Intake:
                                    request_id=row.request_id, line=row.line, created_at=row.created_at)
             self.sink.publish(bare, outcome.reply_to)
 
-    def _settle(self, decided: list[tuple[str, Outcome, Fields]], done: list[str], source: str) -> None:
-        """Publish rejections, then one MULTI: stage / hold, and XACK + XDEL ``done`` from ``source``."""
+    def _settle(self, decided: list[tuple[str, Outcome, Fields]], done: list[str], source: str,
+                released: list[tuple[str | None, str]] | None = None) -> None:
+        """Publish rejections, then one MULTI: stage / hold, the job counters (entries from the intake
+        stream; ``released`` held ones), and XACK + XDEL ``done`` from ``source``."""
         held = held_key(self.keys)
+        intake = source == self.keys.requests
         room = self.held_limit - self.redis.xlen(held) if source != held else 0
         pipe = self.redis.pipeline(transaction=True)
+        tallies: dict[str, _Tally] = {}
+        held_models: Counter[str] = Counter()  # model -> requests held (+) or released (-)
         for entry_id, outcome, fields in decided:
             if isinstance(outcome, Hold) and room <= 0:
                 outcome.row.error_message = ((outcome.row.error_message or "")
                                              + " (and the holding area for unknown models is full)")
-                outcome = Reject(outcome.row, outcome.reply_to)
+                outcome = Reject(outcome.row, outcome.reply_to, outcome.overridden)
+            if isinstance(outcome, Refuse):
+                self._refuse(entry_id, outcome)
+                continue
             if isinstance(outcome, Reject):
                 self._publish(entry_id, outcome)
             elif isinstance(outcome, Stage):
@@ -344,9 +493,91 @@ class Intake:
                 room -= 1
                 # str values as redis-py would encode them (UTF-8), so the map is all bytes
                 pipe.xadd(held, replies.xadd_fields({**fields, b"held_from": entry_id.encode(),
-                                                     b"held_until": str(outcome.until).encode()}))
+                                                     b"held_until": str(outcome.until).encode(),
+                                                     b"held_model": outcome.model.encode()}))
+                held_models[outcome.model] += 1
+            key = _counted_in(outcome) if intake else None
+            if key is not None:
+                tally = tallies.setdefault(key[0], _Tally())
+                tally.admitted.append(key[1])
+                tally.held += isinstance(outcome, Hold)
+                if isinstance(outcome, Stage | Reject | Hold) and outcome.overridden:
+                    tally.overridden.append(outcome.overridden)
+        self._count(pipe, tallies)
+        released_jobs: Counter[str] = Counter()
+        for job, model in released or ():
+            held_models[model] -= 1
+            if job:
+                released_jobs[job] += 1
+        for job, n in released_jobs.items():
+            pipe.hincrby(self.keys.job(job), JobField.HELD, -n)
+        for model, n in held_models.items():
+            if n:
+                pipe.hincrby(self.keys.held_models, model, n)
         if done:
             if source == self.keys.requests:
                 pipe.xack(source, SCHEDULER_GROUP, *done)
             pipe.xdel(source, *done)
         pipe.execute()
+
+    def _count(self, pipe: redis.client.Pipeline, tallies: dict[str, _Tally]) -> None:
+        """Queue each job's counter updates on ``pipe``: admitted bits, ``submitted``, ``held`` and the
+        overridden line models (their names only when a new one appears, at most 8)."""
+        for job, tally in tallies.items():
+            key = self.keys.job(job)
+            for idx in tally.admitted:
+                pipe.setbit(self.keys.admitted(job), idx, 1)
+            pipe.hincrby(key, JobField.SUBMITTED, len(tally.admitted))
+            if tally.held:
+                pipe.hincrby(key, JobField.HELD, tally.held)
+            if tally.overridden:
+                pipe.hincrby(key, JobField.MODELS_OVERRIDDEN, len(tally.overridden))
+                names = self._names(job)
+                fresh = [m for m in dict.fromkeys(tally.overridden) if m not in names]
+                if fresh and len(names) < MAX_OVERRIDDEN_NAMES:
+                    names += fresh[:MAX_OVERRIDDEN_NAMES - len(names)]
+                    pipe.hset(key, JobField.OVERRIDDEN_MODELS, json.dumps(names, ensure_ascii=False))
+
+    def _names(self, job: str) -> list[str]:
+        """The overridden model names job ``job``'s record lists (read from Redis once per process)."""
+        names = self._overridden_names.get(job)
+        if names is None:
+            if len(self._overridden_names) > 10_000:
+                self._overridden_names.clear()  # bounded memory; a miss costs one HGET
+            raw = self.redis.hget(self.keys.job(job), JobField.OVERRIDDEN_MODELS)
+            try:
+                names = [str(n) for n in json.loads(raw)] if raw else []
+            except (ValueError, TypeError):
+                names = []
+            self._overridden_names[job] = names
+        return names
+
+    def _refuse(self, entry_id: str, outcome: Refuse) -> None:
+        """Answer an entry its job cannot count: a direct row, and a line in the job's ``errors``."""
+        log.warning("intake entry %s refused: %s", entry_id, outcome.row.error_message)
+        self._publish(entry_id, Reject(outcome.row, outcome.reply_to))
+        if outcome.job_id and outcome.job_error:
+            self.ops.job_error(outcome.job_id, f"entry {entry_id}: {outcome.job_error}")
+
+
+def _job_idx(fields: Fields) -> tuple[str, int] | None:
+    """The ``(job, idx)`` a raw entry names, when both read as such (else None: it is checked later)."""
+    job, idx = fields.get(b"job"), fields.get(b"idx")
+    if not job or idx is None:
+        return None
+    try:
+        return job.decode(), int(idx)
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _counted_in(outcome: Outcome) -> tuple[str, int] | None:
+    """``(job, idx)`` when ``outcome`` is counted in a job: staged, held, or a row in the job."""
+    if isinstance(outcome, Stage):
+        request = outcome.request
+        job, idx = request.job_id, request.idx
+    elif isinstance(outcome, Reject | Hold):
+        job, idx = outcome.row.job_id, outcome.row.idx
+    else:
+        return None
+    return (job, idx) if job and idx is not None else None

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the sink only calls the metrics it is handed
 log = logging.getLogger(__name__)
 
 CANCELLED_STATUSES = frozenset({JobStatus.CANCELLING, JobStatus.CANCELLED})
-VIEW_FIELDS = (JobField.STATUS, JobField.MODEL, JobField.EXPIRES_AT, JobField.PRIORITY)
+VIEW_FIELDS = (JobField.STATUS, JobField.MODEL, JobField.EXPIRES_AT, JobField.PRIORITY, JobField.TOTAL)
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class JobView:
     model: str | None = None
     expires_at: int | None = None
     priority: int = 0
+    total: int | None = None  # set once the job is closed (its submission ended)
 
     def ended_as(self) -> str | None:
         """The row status, ``"cancelled"`` or ``"expired"``, of the job's pending requests when they
@@ -82,14 +83,15 @@ class JobCache:
             if len(self._views) + len(stale) > self.max_entries:
                 self._views.clear()  # bounded memory; a miss costs one HMGET
             for job_id, values in zip(stale, pipe.execute(), strict=True):
-                status, model, expires, priority = parse_fields(VIEW_FIELDS, values).values()
+                status, model, expires, priority, total = parse_fields(VIEW_FIELDS, values).values()
                 view = JobView(job_id, exists=values[0] is not None, status=status, model=model,
-                               expires_at=expires, priority=priority or 0)
+                               expires_at=expires, priority=priority or 0, total=total)
                 self._views[job_id] = (now, view)
                 out[job_id] = view
         return out
 
     def forget(self, job_id: str) -> None:
+        """Drop ``job_id``'s view: the next ``get`` reads it again (after a job op changed it)."""
         self._views.pop(job_id, None)
 
 
@@ -102,24 +104,31 @@ class ServedModel:
 
 
 class ModelCache:
-    """Tokenizers per model, rebuilt when a model's tokenizer fingerprint changes."""
+    """Tokenizers per model name, rebuilt when a model's tokenizer fingerprint changes.
+
+    A name is a registered model or an alias of one (``--served-model-name``): an alias gives the
+    model it routes to, so ``served.info.name`` is always the canonical name.
+    """
 
     def __init__(self, registry: Registry, refresh: float = 5.0):
         self.registry, self.refresh = registry, refresh
         self._models: dict[str, tuple[float, ServedModel | None]] = {}
 
     def get(self, name: str) -> ServedModel | None:
-        """The served model ``name``, or None when no worker registered it (re-checked each refresh)."""
+        """The served model ``name`` names, or None when no worker registered it or an alias of that
+        name (re-checked each refresh)."""
         now = time.monotonic()
         hit = self._models.get(name)
         if hit and now - hit[0] < self.refresh:
             return hit[1]
         served = hit[1] if hit else None
-        fingerprint = self.registry.model_fingerprint(name)
+        target, fingerprint = name, self.registry.model_fingerprint(name)
+        if fingerprint is None and (canonical := self.registry.resolve_alias(name)) is not None:
+            target, fingerprint = canonical, self.registry.model_fingerprint(canonical)
         if fingerprint is None:
             served = None
-        elif served is None or served.info.fingerprint != fingerprint:
-            served = self._load(name)
+        elif served is None or served.info.name != target or served.info.fingerprint != fingerprint:
+            served = self._load(target)
         if len(self._models) > 1024:  # unknown names must not grow memory without bound
             self._models.clear()
         self._models[name] = (now, served)
@@ -147,7 +156,8 @@ class RowSink:
     def __init__(self, redis_client: redis.Redis, settings: Settings, keys: Keys,
                  metrics: SchedulerMetrics | None = None):
         self.redis, self.settings, self.metrics = redis_client, settings, metrics
-        self.publisher = Publisher(redis_client, keys)
+        self.publisher = Publisher(redis_client, keys, metrics=metrics,
+                                   direct_retention_s=settings.direct_results_retention_seconds)
 
     def publish(self, row: ResultRow, reply_to: str | None = None) -> bool:
         """Publish ``row``; returns whether this call wrote it."""

@@ -14,7 +14,10 @@ batch (MULTI: XADD batch + XDEL staging). A request is therefore always in exact
 intake group's pending list, a staging stream, the holding area (unknown model) or a batch.
 
 ``{p}:held`` (stream) is the holding area of requests for models no worker has registered yet:
-their original intake fields plus ``held_from`` (the intake entry id) and ``held_until`` (ms).
+their original intake fields plus ``held_from`` (the intake entry id), ``held_until`` (ms) and
+``held_model`` (the model it waits for). The MULTI that holds an entry adds 1 to
+``{p}:held_models[<model>]`` and to its job's ``held``; the one that releases it (served now,
+waited too long, job ended) subtracts 1 from both, so neither ever goes negative.
 """
 
 from __future__ import annotations

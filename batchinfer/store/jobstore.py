@@ -74,8 +74,12 @@ class JobField(str, Enum):
     METADATA = "metadata"
     TOTAL = "total"  # set when the submission ends
     SUBMITTED = "submitted"
-    COMPLETED = "completed"  # rows published with status completed
-    FAILED = "failed"  # every other row (failed, cancelled, expired)
+    # rows published, counted by row status (records written before cancelled and expired rows
+    # were counted apart have them in `failed`, and no cancelled / expired field: read as 0)
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
     ERRORS = "errors"
     CREATED_AT = "created_at"
     IN_PROGRESS_AT = "in_progress_at"
@@ -91,6 +95,11 @@ class JobField(str, Enum):
     EXPORT_REQUESTED_AT = "export_requested_at"
     EXPORTED_AT = "exported_at"
     EXPORT_ERROR = "export_error"
+    # intake, written by the scheduler: requests in the holding area now (model not served), and
+    # lines whose own `model` differed from the job's (which wins): how many, and up to 8 names
+    HELD = "held"
+    MODELS_OVERRIDDEN = "models_overridden"
+    OVERRIDDEN_MODELS = "overridden_models"
 
     def __str__(self) -> str:
         return self.value
@@ -98,10 +107,15 @@ class JobField(str, Enum):
 
 TERMINAL = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED})
 TIMESTAMPS = tuple(f.value for f in JobField if f.value.endswith("_at") and not f.value.startswith("export"))
-_INT_FIELDS = frozenset({JobField.PRIORITY, JobField.COMPLETION_WINDOW, JobField.TOTAL, JobField.SUBMITTED,
-                         JobField.COMPLETED, JobField.FAILED, *map(JobField, TIMESTAMPS),
+# a result row's status -> the job counter its publication bumps (publish.lua)
+ROW_COUNTERS = {"completed": JobField.COMPLETED, "failed": JobField.FAILED, "cancelled": JobField.CANCELLED,
+                "expired": JobField.EXPIRED}
+_INT_FIELDS = frozenset({JobField.HELD, JobField.MODELS_OVERRIDDEN,
+                         JobField.PRIORITY, JobField.COMPLETION_WINDOW, JobField.TOTAL, JobField.SUBMITTED,
+                         JobField.COMPLETED, JobField.FAILED, JobField.CANCELLED, JobField.EXPIRED,
+                         *map(JobField, TIMESTAMPS),
                          JobField.EXPORT_REQUESTED_AT, JobField.EXPORTED_AT})
-_JSON_FIELDS = frozenset({JobField.METADATA, JobField.ERRORS})
+_JSON_FIELDS = frozenset({JobField.METADATA, JobField.ERRORS, JobField.OVERRIDDEN_MODELS})
 
 
 def parse_status(raw: bytes | str | None) -> JobStatus | None:
@@ -168,6 +182,8 @@ class JobRecord:
     submitted: int = 0
     completed: int = 0
     failed: int = 0
+    cancelled: int = 0  # rows of requests the job's cancellation ended
+    expired: int = 0  # rows of requests its completion window ended
     errors: list[str] = field(default_factory=list)
     created_at: int | None = None
     in_progress_at: int | None = None
@@ -178,16 +194,23 @@ class JobRecord:
     expired_at: int | None = None
     cancelling_at: int | None = None
     cancelled_at: int | None = None
+    exported_at: int | None = None  # the results file is written (``output`` names it)
+    held: int = 0  # requests in the holding area now (their model is not served)
+    models_overridden: int = 0  # lines whose own `model` was overridden by the job's
+    overridden_models: list[str] = field(default_factory=list)  # up to 8 of those names
 
     @property
     def request_counts(self) -> dict[str, int]:
-        """``total`` (submitted so far while validating), ``completed``, ``failed``."""
+        """``total`` (submitted so far while validating), the rows in by status (``completed``,
+        ``failed``, ``cancelled``, ``expired``) and ``held`` (waiting for their model now)."""
         total = self.total if self.total is not None else self.submitted
-        return {"total": total, "completed": self.completed, "failed": self.failed}
+        return {"total": total, "completed": self.completed, "failed": self.failed,
+                "cancelled": self.cancelled, "expired": self.expired, "held": self.held}
 
     @property
     def done(self) -> int:
-        return self.completed + self.failed
+        """Requests that have their row, whatever its status."""
+        return self.completed + self.failed + self.cancelled + self.expired
 
     @property
     def terminal(self) -> bool:
@@ -212,6 +235,45 @@ class JobRecord:
             values[k] = parse_field(JobField(k), v)
         values["status"] = JobStatus(d.get(JobField.STATUS) or JobStatus.VALIDATING)
         return cls(**values)
+
+
+def _window(seconds: int) -> str:
+    """A completion window as OpenAI spells it (``"24h"``), in seconds when not whole hours."""
+    return f"{seconds // 3600}h" if seconds % 3600 == 0 else f"{seconds}s"
+
+
+def openai_batch(record: JobRecord) -> dict[str, Any]:
+    """The job as an OpenAI Batch object (``batchinfer status JOB --json --format openai``).
+
+    Statuses already have OpenAI's names; times are unix **seconds** (ours are ms); a job's
+    ``errors`` become ``{"object": "list", "data": [{"code", "message", "param", "line"}]}``.
+    ``request_counts`` has OpenAI's three keys, so ``failed`` there counts failed, cancelled and
+    expired requests together (``completed + failed == total`` once the job ended; our own
+    record keeps them apart). ``output_file_id`` is the results file once written (it may be a
+    path or a URI); error rows are in that same file, so ``error_file_id`` names it too when any
+    request did not complete. ``endpoint`` is null: a job may mix ``/v1/chat/completions`` and
+    ``/v1/completions`` lines (each row keeps its line's ``url``).
+    """
+    counts = record.request_counts
+    unsuccessful = record.failed + record.cancelled + record.expired
+    output = record.output if record.exported_at is not None else None
+
+    def seconds(ms: int | None) -> int | None:
+        return None if ms is None else ms // 1000
+
+    errors = ({"object": "list", "data": [{"code": "job_error", "message": e, "param": None, "line": None}
+                                          for e in record.errors]} if record.errors else None)
+    return {
+        "id": record.id, "object": "batch", "endpoint": None, "errors": errors,
+        "input_file_id": record.input_name, "completion_window": _window(record.completion_window),
+        "status": record.status.value, "output_file_id": output,
+        "error_file_id": output if unsuccessful else None,
+        **{name: seconds(getattr(record, name)) for name in (
+            "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
+            "expired_at", "cancelling_at", "cancelled_at")},
+        "request_counts": {"total": counts["total"], "completed": record.completed, "failed": unsuccessful},
+        "metadata": dict(record.metadata) or None,
+    }
 
 
 def _encode(value: Any) -> str:
@@ -305,7 +367,8 @@ class JobStore:
     def cancel(self, job_id: str) -> JobStatus | None:
         """Ask for cancellation: a live job goes ``cancelling`` and joins ``{bi}:cancelled``.
 
-        Returns the job's status after the call (unchanged when it had already ended), ``None``
+        Returns the job's status after the call (unchanged when it had already ended, or is
+        ``finalizing``: every request has its row, so nothing is left to cancel), ``None``
         for an unknown job. The scheduler turns pending requests into ``cancelled`` rows, workers
         abort running ones, and the job ends ``cancelled``.
         """

@@ -1,0 +1,62 @@
+"""docs/protocol.md's redis-cli example runs as written: a direct request and a whole job, with
+the ``redis-cli`` binary, against a scheduler and a worker serving the model the doc names."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from daemons import Stack
+
+from batchinfer.keys import Keys
+from batchinfer.store.registry import Registry
+from batchinfer.workers.testing import make_demo_model
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+MARKER = "<!-- tests/test_protocol_doc.py runs the commands of the next block with redis-cli -->"
+
+
+def doc_block() -> str:
+    text = DOC.read_text(encoding="utf-8")
+    assert MARKER in text, "the tested redis-cli block lost its marker"
+    m = re.search(r"```sh\n(.*?)```", text[text.index(MARKER):], re.S)
+    assert m
+    return m.group(1)
+
+
+def test_the_block_names_the_demo_model_and_unique_ids():
+    block = doc_block()
+    assert "MODEL=demo" in block  # the model `batchinfer run --model demo` serves
+    assert 'ID="my-service-$(date +%s)-$RANDOM"' in block  # a second run is a new request
+
+
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli is not on PATH")
+def test_the_redis_cli_example_runs_verbatim(redis_server, tmp_path):
+    demo = make_demo_model(tmp_path / "demo")  # served as "demo", as `batchinfer run --model demo` does
+    stack = Stack(redis_server.url, tmp_path, env={"BATCHINFER_PREFIX": "{bi}"})
+    try:
+        stack.start("scheduler", "scheduler")
+        stack.worker("w1", demo)
+        registry = Registry(redis_server.client(), Keys("{bi}"))
+        deadline = time.monotonic() + 120
+        while not registry.live_workers("demo"):
+            stack.check_alive()
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.2)
+        # the doc's commands, verbatim; only `redis-cli` is pointed at this test's server
+        script = f'set -eu\nredis-cli() {{ command redis-cli -p {redis_server.port} "$@"; }}\n{doc_block()}'
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, (out.stdout, out.stderr, stack.logs())
+        text = out.stdout
+        # the direct request's row came back on its reply stream
+        assert '"custom_id":"q1"' in text and text.count('"status":"completed"') >= 3, text
+        # the job's two rows, and its record: both completed, nothing failed
+        assert '"custom_id":"a"' in text and '"custom_id":"b"' in text
+        status, total, completed, failed = text.strip().splitlines()[-4:]
+        assert status in ("finalizing", "completed") and (total, completed, failed) == ("2", "2", "0"), text
+    finally:
+        stack.close()

@@ -190,6 +190,46 @@ def wait_for(cond: Callable[[], Any], what: str, timeout: float = 60.0,
         time.sleep(poll)
 
 
+def wait_until(cond: Callable[[], Any], timeout: float = 60.0, what: str = "condition",
+               tick: Callable[[], Any] | None = None) -> Any:
+    """Poll ``cond`` every 20 ms until it returns a truthy value (returned); ``tick()`` (e.g. one
+    scheduler pass) runs before each poll. For daemons in threads of the test's own process."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if tick is not None:
+            tick()
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class ThreadedWorker:
+    """A ``WorkerDaemon`` serving in a thread; ``stop()`` drains it and returns its exit code. An
+    exception ``run`` raised is kept in ``error`` (tests of refused starts look at it)."""
+
+    def __init__(self, daemon: Any):
+        self.daemon = daemon
+        self.stop_event = threading.Event()
+        self.error: BaseException | None = None
+        self.code: int | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.code = self.daemon.run(self.stop_event)
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            self.error = e
+
+    def stop(self) -> int | None:
+        self.stop_event.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "daemon did not drain"
+        return self.code
+
+
 def start_echo_job(stack: Stack, n: int, scheduler: str = "scheduler") -> str:
     """The fault tests' job: a scheduler named ``scheduler``, the exporter and two slow echo workers
     (``a``, ``b``) are started and live, then ``n`` requests ``r0`` .. ``r<n-1>`` are submitted to

@@ -10,6 +10,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
+from daemons import wait_until
 
 from batchinfer.cli.render import record_text
 from batchinfer.config import Settings
@@ -27,14 +28,6 @@ PREFIX = "{jc}"
 KEYS = Keys(PREFIX)
 
 
-def _wait(cond, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _row(job: str, idx: int, status: str) -> ResultRow:
@@ -139,13 +132,13 @@ def _wait_done(r, job: str) -> JobRecord:
     def done():
         rec = JobStore(r, KEYS).get(job)
         return rec if rec and rec.total is not None and rec.done >= rec.total else None
-    return _wait(done, what=f"every row of {job}")
+    return wait_until(done, what=f"every row of {job}")
 
 
 def test_a_slow_job_past_its_window_ends_expired_with_its_partial_results(daemons, redis_server, tmp_path):
     r = redis_server.client()
     d = daemons(EchoEngine(requests_per_step=1, max_num_seqs=1, step_delay=0.1))
-    _wait(lambda: r.exists(KEYS.model("echo")), what="the worker's registration")
+    wait_until(lambda: r.exists(KEYS.model("echo")), what="the worker's registration")
     _submit(r, "slow", 40, window=2)  # 40 requests x 4 steps x 0.1 s: far more than 2 s
     record = _wait_done(r, "slow")
     assert record.status is JobStatus.EXPIRED
@@ -171,9 +164,10 @@ def test_a_job_for_a_model_nobody_serves_ends_expired_not_completed(daemons, red
 def test_a_cancelled_job_counts_its_cancelled_rows_apart(daemons, redis_server, tmp_path):
     r = redis_server.client()
     d = daemons(EchoEngine(requests_per_step=1, max_num_seqs=1, step_delay=0.1))
-    _wait(lambda: r.exists(KEYS.model("echo")), what="the worker's registration")
+    wait_until(lambda: r.exists(KEYS.model("echo")), what="the worker's registration")
     _submit(r, "cx", 40)
-    _wait(lambda: (rec := JobStore(r, KEYS).get("cx")) and rec.completed >= 1, what="a first completed row")
+    wait_until(lambda: (rec := JobStore(r, KEYS).get("cx")) and rec.completed >= 1,
+               what="a first completed row")
     JobStore(r, KEYS).cancel("cx")
     record = _wait_done(r, "cx")
     d.close()

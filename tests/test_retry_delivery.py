@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from daemons import wait_until
 
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
@@ -30,14 +31,6 @@ def _settings() -> Settings:
     return Settings(prefix=PREFIX, heartbeat_seconds=0.3)
 
 
-def _wait(cond, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _rows(r, stream: str) -> list[ResultRow]:
@@ -99,7 +92,7 @@ def test_a_retry_to_a_new_reply_stream_gets_the_original_row_once(stack):
     assert stack.sched.admission.duplicates == 1
     assert r.xlen("{rd}:reply:b") == 0  # nothing published yet: the retry waits for the row
     stack.start_worker()
-    _wait(lambda: r.xlen("{rd}:reply:a") and r.xlen("{rd}:reply:b"), what="rows on both reply streams")
+    wait_until(lambda: r.xlen("{rd}:reply:a") and r.xlen("{rd}:reply:b"), what="rows on both reply streams")
     (a,), (b,) = _rows(r, "{rd}:reply:a"), _rows(r, "{rd}:reply:b")
     assert a.request_id == b.request_id == first and a.status == "completed"
     assert b.output_text == a.output_text
@@ -147,15 +140,15 @@ def test_a_reply_to_of_the_wrong_type_is_skipped_counted_and_the_worker_keeps_go
     stack.schedule()
     with caplog.at_level(logging.WARNING):
         worker = stack.start_worker()
-        _wait(lambda: r.xlen(KEYS.results("direct")) == 1, what="the row in results:direct")
+        wait_until(lambda: r.xlen(KEYS.results("direct")) == 1, what="the row in results:direct")
         # the worker is still serving: a second request (to a good reply stream) is answered
         stack.send("{rd}:reply:ok", crid=None)
         stack.schedule()
-        _wait(lambda: r.xlen("{rd}:reply:ok") == 1, what="the next request's row")
+        wait_until(lambda: r.xlen("{rd}:reply:ok") == 1, what="the next request's row")
         # a retry to a key of the wrong type (after publication) is not written either
         stack.send("{rd}:reply:a", crid="c2")
         stack.schedule()
-        _wait(lambda: r.xlen("{rd}:reply:a") == 1, what="c2's row")
+        wait_until(lambda: r.xlen("{rd}:reply:a") == 1, what="c2's row")
         stack.send("{rd}:reply:hash", crid="c2")
         stack.schedule()
     assert r.get("{rd}:reply:str") == b"not a stream" and r.hgetall("{rd}:reply:hash") == {b"x": b"1"}

@@ -8,10 +8,9 @@ model's stream and answered, its row naming the model as the request did.
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import pytest
+from daemons import ThreadedWorker, wait_until
 
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
@@ -32,40 +31,11 @@ def _settings() -> Settings:
     return Settings(prefix=PREFIX, heartbeat_seconds=0.2)
 
 
-def _wait(cond, timeout: float = 30.0, what: str = "condition", tick=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if tick is not None:
-            tick()
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
-class Serving:
+def Serving(r, engine, name, **kw) -> ThreadedWorker:  # noqa: N802 - reads as a class
     """A worker daemon in a thread; ``stop()`` drains it."""
-
-    def __init__(self, r, engine, name, **kw):
-        self.daemon = WorkerDaemon(r, _settings(), engine, name, **kw)
-        self.stop_event = threading.Event()
-        self.error: BaseException | None = None
-        self.code: int | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        try:
-            self.code = self.daemon.run(self.stop_event)
-        except BaseException as e:  # noqa: BLE001 - the test looks at it
-            self.error = e
-
-    def stop(self):
-        self.stop_event.set()
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive()
-        return self.code
+    return ThreadedWorker(WorkerDaemon(r, _settings(), engine, name, **kw))
 
 
 def _scheduler(r) -> Scheduler:
@@ -107,7 +77,7 @@ def test_a_request_naming_an_alias_is_answered_by_the_canonical_model(redis_serv
     assert r.xlen(KEYS.held) == 1
     worker = Serving(r, EchoEngine(requests_per_step=4), "w1",
                      served_model_names=["echo", "gpt-4o-mini", "hosted"])
-    _wait(lambda: Registry(r, KEYS).resolve_alias("hosted") == "echo", what="aliases registered")
+    wait_until(lambda: Registry(r, KEYS).resolve_alias("hosted") == "echo", what="aliases registered")
     JobStore(r, KEYS).create("j", model="hosted")
     bodies = [{"prompt": "hi there", "max_tokens": 2},
               {"prompt": "again", "max_tokens": 2, "model": "hosted"}]
@@ -116,8 +86,9 @@ def test_a_request_naming_an_alias_is_answered_by_the_canonical_model(redis_serv
     canonical_body = json.dumps({"prompt": "canonical", "model": "echo", "max_tokens": 2})
     r.xadd(KEYS.requests, IntakeEntry(body=canonical_body, reply_to="{s}:reply:b").to_fields())
     sched.timers["held"].last = float("-inf")  # sweep the holding area now
-    _wait(lambda: len(_rows(r, KEYS.results("j"))) == 2 and r.xlen("{s}:reply:a") and r.xlen("{s}:reply:b"),
-          tick=sched.run_once, what="every row")
+    wait_until(lambda: len(_rows(r, KEYS.results("j"))) == 2
+               and r.xlen("{s}:reply:a") and r.xlen("{s}:reply:b"),
+               tick=sched.run_once, what="every row")
     assert worker.stop() == 0
     job_rows = sorted(_rows(r, KEYS.results("j")), key=lambda row: row.idx)
     assert [row.status for row in job_rows] == ["completed", "completed"]
@@ -145,7 +116,7 @@ def test_requests_staged_under_an_alias_share_priority_with_the_canonical_queue(
     for body in ({"prompt": "low", "model": "echo"}, {"prompt": "high", "model": "alias", "priority": 5}):
         r.xadd(KEYS.requests, IntakeEntry(body=json.dumps({**body, "max_tokens": 2}),
                                           reply_to="{s}:reply:x").to_fields())
-    _wait(lambda: r.xlen(KEYS.batches("echo")) == 2, tick=sched.run_once, what="two batches")
+    wait_until(lambda: r.xlen(KEYS.batches("echo")) == 2, tick=sched.run_once, what="two batches")
     first, second = (json.loads(f[b"requests"]) for _, f in r.xrange(KEYS.batches("echo")))
     assert [q["model"] for q in first + second] == ["alias", "echo"]  # priority 5 first, from either queue
     assert not r.exists(KEYS.batches("alias"))
@@ -156,7 +127,7 @@ def test_requests_staged_under_an_alias_share_priority_with_the_canonical_queue(
 def test_an_alias_a_live_worker_of_another_model_serves_is_refused_at_start(redis_server):
     r = redis_server.client()
     first = Serving(r, EchoEngine(), "w1", served_model_names=["echo", "shared"])
-    _wait(lambda: Registry(r, KEYS).resolve_alias("shared") == "echo", what="first worker registered")
+    wait_until(lambda: Registry(r, KEYS).resolve_alias("shared") == "echo", what="first worker registered")
     other = Serving(r, EchoEngine("other"), "w2", served_model_names=["other", "shared"])
     other.thread.join(timeout=10)
     assert isinstance(other.error, ServedNameTaken)
@@ -170,7 +141,7 @@ def test_an_alias_a_live_worker_of_another_model_serves_is_refused_at_start(redi
     assert first.stop() == 0
     # once the first worker is gone, the name is free: the alias is re-pointed
     again = Serving(r, EchoEngine("other"), "w2", served_model_names=["other", "shared"])
-    _wait(lambda: Registry(r, KEYS).resolve_alias("shared") == "other", what="alias taken over")
+    wait_until(lambda: Registry(r, KEYS).resolve_alias("shared") == "other", what="alias taken over")
     assert again.stop() == 0 and again.error is None
 
 
@@ -181,7 +152,7 @@ def test_a_model_registered_under_a_name_that_becomes_an_alias_is_replaced(redis
     registry.register_model("old-name", engine.tokenizer_files(), engine.capacity())  # a worker long gone
     registry.register_aliases("elsewhere", ["echo"])  # "echo" was once an alias of a model now gone
     worker = Serving(r, engine, "w1", served_model_names=["echo", "old-name"])
-    _wait(lambda: registry.resolve_alias("old-name") == "echo", what="alias registered")
+    wait_until(lambda: registry.resolve_alias("old-name") == "echo", what="alias registered")
     assert registry.models() == ["echo"] and registry.get_model("old-name") is None
     assert registry.resolve_alias("echo") is None  # a name is a model or an alias, never both
     assert worker.stop() == 0

@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from daemons import ThreadedWorker, wait_until
 
 from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
@@ -60,34 +60,11 @@ def _rows(r, job: str) -> list[dict]:
     return [json.loads(f[b"row"]) for _, f in r.xrange(KEYS.results(job))]
 
 
-def _wait(cond, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
-class Running:
-    """A daemon serving in a thread; ``stop()`` drains it and returns its exit code."""
-
-    def __init__(self, r, engine, name="w1", settings=None, **kw):
-        self.daemon = WorkerDaemon(r, settings or _settings(), engine, name, **kw)
-        self.stop_event = threading.Event()
-        self.code: int | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        self.code = self.daemon.run(self.stop_event)
-
-    def stop(self) -> int | None:
-        self.stop_event.set()
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "daemon did not drain"
-        return self.code
+def Running(r, engine, name="w1", settings=None, **kw) -> ThreadedWorker:  # noqa: N802 - reads as a class
+    """A worker daemon serving in a thread; ``stop()`` drains it and returns its exit code."""
+    return ThreadedWorker(WorkerDaemon(r, settings or _settings(), engine, name, **kw))
 
 
 def test_each_request_published_once_batches_acked_and_export_enqueued(redis_server):
@@ -96,8 +73,8 @@ def test_each_request_published_once_batches_acked_and_export_enqueued(redis_ser
     r = redis_server.client()
     _job(r, "j1", 10, per_batch=3)
     worker = Running(r, EchoEngine(requests_per_step=2, max_num_seqs=4))
-    _wait(lambda: len(_rows(r, "j1")) == 10, what="10 rows")
-    _wait(lambda: r.hget(KEYS.job("j1"), "status") == b"finalizing")
+    wait_until(lambda: len(_rows(r, "j1")) == 10, what="10 rows")
+    wait_until(lambda: r.hget(KEYS.job("j1"), "status") == b"finalizing")
     rows = _rows(r, "j1")
     assert sorted(x["idx"] for x in rows) == list(range(10))
     row = next(x for x in rows if x["idx"] == 3)
@@ -106,14 +83,15 @@ def test_each_request_published_once_batches_acked_and_export_enqueued(redis_ser
     assert row["prompt_tokens"] == 5 and row["completion_tokens"] == 4
     assert row["created_at"] == 1 and row["started_at"] <= row["finished_at"]
     assert row["sampling_params"]["max_tokens"] == 4 and len(row["outputs"]) == 1
-    _wait(lambda: r.xlen(KEYS.batches("echo")) == 0, what="batches acked and deleted")
+    wait_until(lambda: r.xlen(KEYS.batches("echo")) == 0, what="batches acked and deleted")
     assert r.xpending(KEYS.batches("echo"), WORKERS_GROUP)["pending"] == 0
-    _wait(lambda: Queue("batchinfer", connection=r).count == 1, what="the export this worker made due")
+    wait_until(lambda: Queue("batchinfer", connection=r).count == 1, what="the export this worker made due")
     model = Registry(r, KEYS).get_model("echo")
     assert model.max_num_seqs == 4 and b"chat_template" in model.files["tokenizer_config.json"]
     # the heartbeat after the last flush reports all 10 rows this worker sent
-    live = _wait(lambda: [w for w in Registry(r, KEYS).live_workers("echo") if w.info["requests_done"] == 10],
-                 what="a heartbeat with requests_done == 10")
+    live = wait_until(lambda: [w for w in Registry(r, KEYS).live_workers("echo")
+                               if w.info["requests_done"] == 10],
+                      what="a heartbeat with requests_done == 10")
     assert [w.name for w in live] == ["w1"] and "tokens_per_s" in live[0].info
     assert worker.stop() == 0
     assert Registry(r, KEYS).live_workers() == []  # a clean stop unregisters
@@ -129,7 +107,7 @@ def test_redelivered_batch_runs_only_unpublished_requests(redis_server):
     r.xreadgroup(WORKERS_GROUP, "w1", {KEYS.batches("echo"): ">"}, count=1)
     seen: list[str] = []
     worker = Running(r, EchoEngine(fault_hook=seen.append))
-    _wait(lambda: len(_rows(r, "j2")) == 4)
+    wait_until(lambda: len(_rows(r, "j2")) == 4)
     assert worker.stop() == 0
     assert sorted(seen) == ["j2:2", "j2:3"]
     assert {x["idx"]: x["worker"] for x in _rows(r, "j2")} == {0: "dead", 1: "dead", 2: "w1", 3: "w1"}
@@ -144,7 +122,7 @@ def test_request_in_two_batches_runs_once_and_completes_both(redis_server):
     _dispatch(r, q[1:])  # a re-dispatch overlapping the first batch
     seen: list[str] = []
     worker = Running(r, EchoEngine(fault_hook=seen.append, step_delay=0.05, requests_per_step=1))
-    _wait(lambda: len(_rows(r, "j3")) == 3 and r.xlen(KEYS.batches("echo")) == 0)
+    wait_until(lambda: len(_rows(r, "j3")) == 3 and r.xlen(KEYS.batches("echo")) == 0)
     assert worker.stop() == 0
     assert sorted(seen) == ["j3:0", "j3:1", "j3:2"]
 
@@ -154,9 +132,9 @@ def test_cancellation_aborts_running_and_waiting_requests(redis_server):
     _job(r, "j4", 24, per_batch=8)
     engine = EchoEngine(requests_per_step=1, step_delay=0.05, max_num_seqs=4)
     worker = Running(r, engine, cancel_poll_seconds=0.05)
-    _wait(lambda: len(_rows(r, "j4")) >= 2)
+    wait_until(lambda: len(_rows(r, "j4")) >= 2)
     JobStore(r, KEYS).cancel("j4")
-    _wait(lambda: len(_rows(r, "j4")) == 24)
+    wait_until(lambda: len(_rows(r, "j4")) == 24)
     assert worker.stop() == 0
     rows = _rows(r, "j4")
     statuses = [x["status"] for x in rows]
@@ -173,10 +151,10 @@ def test_requests_cancelled_while_running_keep_their_started_at(redis_server):
     _job(r, "jc", 8, per_batch=8)
     engine = EchoEngine(requests_per_step=1, step_delay=0.3, max_num_seqs=2)
     worker = Running(r, engine, cancel_poll_seconds=0.02)
-    _wait(lambda: len(_rows(r, "jc")) >= 1 and len(worker.daemon.book.running) == 2, what="two running")
+    wait_until(lambda: len(_rows(r, "jc")) >= 1 and len(worker.daemon.book.running) == 2, what="two running")
     running = set(worker.daemon.book.running)
     JobStore(r, KEYS).cancel("jc")
-    _wait(lambda: len(_rows(r, "jc")) == 8)
+    wait_until(lambda: len(_rows(r, "jc")) == 8)
     assert worker.stop() == 0
     rows = {x["request_id"]: x for x in _rows(r, "jc")}
     aborted = [rows[rid] for rid in running if rows[rid]["status"] == "cancelled"]
@@ -208,7 +186,7 @@ def test_engine_errors_become_error_rows_and_the_worker_goes_on(redis_server):
     _dispatch(r, reqs[:5])
     _dispatch(r, reqs[5:])
     worker = Running(r, engine)
-    _wait(lambda: len(_rows(r, "j5")) == 10)
+    wait_until(lambda: len(_rows(r, "j5")) == 10)
     rows = {x["idx"]: x for x in _rows(r, "j5")}
     assert rows[2]["status"] == "failed" and rows[2]["error_code"] == "engine_error"
     assert "postprocessing blew up" in rows[2]["error_message"]
@@ -219,7 +197,7 @@ def test_engine_errors_become_error_rows_and_the_worker_goes_on(redis_server):
     assert len(rows) == 10 and len(_rows(r, "j5")) == 10
     # ... and it keeps serving.
     _dispatch(r, [_request("j5b", 0, [4, 4])])
-    _wait(lambda: len(_rows(r, "j5b")) == 1)
+    wait_until(lambda: len(_rows(r, "j5b")) == 1)
     assert worker.stop() == 0
 
 
@@ -245,7 +223,7 @@ def test_malformed_batch_goes_to_the_dead_letter_stream(redis_server):
     r.xadd(KEYS.batches("echo"), {"v": "1", "requests": json.dumps([{"job_id": "j7", "idx": 0}])})
     _dispatch(r, [_request("j7", 1, [3, 3, 3])])
     worker = Running(r, EchoEngine())
-    _wait(lambda: len(_rows(r, "j7")) == 2)
+    wait_until(lambda: len(_rows(r, "j7")) == 2)
     assert worker.stop() == 0
     rows = {x["idx"]: x for x in _rows(r, "j7")}
     assert rows[0]["error_code"] == "protocol_error" and rows[1]["status"] == "completed"
@@ -263,7 +241,7 @@ def test_leases_survive_a_long_step_but_lapse_when_the_loop_is_stuck(redis_serve
 
     _job(r, "j8", 1)
     worker = Running(r, EchoEngine(step_delay=4.0), settings=_settings(lease_seconds=1.5))
-    _wait(lambda: r.xpending(stream, WORKERS_GROUP)["pending"] == 1)
+    wait_until(lambda: r.xpending(stream, WORKERS_GROUP)["pending"] == 1)
     stolen = []
     while len(_rows(r, "j8")) < 1:  # a 4 s step: three leases long
         stolen += scheduler_claims(1500)
@@ -274,9 +252,9 @@ def test_leases_survive_a_long_step_but_lapse_when_the_loop_is_stuck(redis_serve
     _job(r, "j9", 1)
     worker = Running(r, EchoEngine(step_delay=4.0), name="w2", settings=_settings(lease_seconds=0.6),
                      stall_seconds=1.0)  # the loop is "stuck" in step() for longer than it may be
-    stolen = _wait(lambda: scheduler_claims(600), timeout=10, what="the lease to lapse")
+    stolen = wait_until(lambda: scheduler_claims(600), timeout=10, what="the lease to lapse")
     assert len(stolen) == 1
-    _wait(lambda: len(_rows(r, "j9")) == 1)  # the row is still published once
+    wait_until(lambda: len(_rows(r, "j9")) == 1)  # the row is still published once
     assert worker.stop() == 0
     pending = r.xpending_range(stream, WORKERS_GROUP, "-", "+", 10)
     assert [p["consumer"] for p in pending] in ([b"scheduler"], [])  # not taken back by the worker
@@ -292,9 +270,9 @@ def test_sigterm_drains_and_exits_zero(redis_server, tmp_path):
            "BATCHINFER_HEARTBEAT_SECONDS": "0.2"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path)
     try:
-        _wait(lambda: len(_rows(r, "jt")) >= 1, timeout=60, what="a first row")
+        wait_until(lambda: len(_rows(r, "jt")) >= 1, timeout=60, what="a first row")
         proc.send_signal(signal.SIGTERM)
-        _wait(lambda: r.hget(KEYS.worker("wt"), "state") == b"draining" or proc.poll() is not None)
+        wait_until(lambda: r.hget(KEYS.worker("wt"), "state") == b"draining" or proc.poll() is not None)
         late = _dispatch(r, [_request("late", 0, [1])])  # after SIGTERM: must not be pulled
         assert proc.wait(timeout=60) == 0
     finally:
@@ -329,7 +307,7 @@ def test_real_engine_matches_in_process_generation(redis_server, tiny_llama):
     _dispatch(r, reqs[:3], model=model)
     _dispatch(r, reqs[3:], model=model)
     worker = Running(r, engine(), name="wm")
-    _wait(lambda: len(_rows(r, "jm")) == 5, timeout=120)
+    wait_until(lambda: len(_rows(r, "jm")) == 5, timeout=120)
     assert worker.stop() == 0
     got = {x["idx"]: x["output_token_ids"] for x in _rows(r, "jm")}
     assert got == expected
@@ -365,15 +343,15 @@ def test_echo_engine_echoes_prompts_and_hands_out_aborts():
 def test_worker_survives_a_redis_restart(redis_server):
     r = redis_server.client()
     worker = Running(r, EchoEngine())
-    _wait(lambda: Registry(r, KEYS).get_model("echo"))
+    wait_until(lambda: Registry(r, KEYS).get_model("echo"))
     redis_server.stop()
     time.sleep(1.0)  # the worker backs off meanwhile
     redis_server.start()  # an empty Redis: no persistence in tests
     r = redis_server.client()
-    _wait(lambda: Registry(r, KEYS).get_model("echo"), what="the model registered again")
+    wait_until(lambda: Registry(r, KEYS).get_model("echo"), what="the model registered again")
     JobStore(r, KEYS).create("jr", model="echo")
     _dispatch(r, [_request("jr", 0, [7, 8, 9])])
-    _wait(lambda: len(_rows(r, "jr")) == 1, what="a row after the restart")
+    wait_until(lambda: len(_rows(r, "jr")) == 1, what="a row after the restart")
     assert worker.stop() == 0
 
 
@@ -395,8 +373,8 @@ def test_engine_failure_is_retried_then_dead_lettered_and_its_batch_completes(re
     _dispatch(r, reqs)
     engine = EchoEngine(requests_per_step=2, max_num_seqs=8, poison="POISON", fault_hook=once)
     worker = Running(r, engine, settings=_settings(max_attempts=3))
-    _wait(lambda: len(_rows(r, "jp")) == 8, what="8 rows")
-    _wait(lambda: r.xlen(KEYS.batches("echo")) == 0, what="every batch acked")
+    wait_until(lambda: len(_rows(r, "jp")) == 8, what="8 rows")
+    wait_until(lambda: r.xlen(KEYS.batches("echo")) == 0, what="every batch acked")
     assert worker.stop() == 0
     rows = {x["idx"]: x for x in _rows(r, "jp")}
     assert len(_rows(r, "jp")) == 8
@@ -434,7 +412,7 @@ def test_a_solo_batch_runs_alone_and_nothing_is_pulled_while_it_is_held(redis_se
     Publisher(r, KEYS).finish_submission("js", 9)
     engine = RecordingEcho(requests_per_step=1, max_num_seqs=8)
     worker = Running(r, engine)
-    _wait(lambda: len(_rows(r, "js")) == 9, what="9 rows")
+    wait_until(lambda: len(_rows(r, "js")) == 9, what="9 rows")
     assert worker.stop() == 0
     assert all(row["status"] == "completed" for row in _rows(r, "js"))
     with_solo = [i for i, inside in enumerate(engine.steps) if "js:4" in inside]

@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+from daemons import ThreadedWorker, wait_until
+
 from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.protocol.rows import BatchRequest
@@ -26,38 +28,15 @@ KEYS = Keys(PREFIX)
 BEAT = 0.2
 
 
-def _wait(cond, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
-class Serving:
-    def __init__(self, r, name=None, **kw):
-        self.hard = threading.Event()
-        self.daemon = WorkerDaemon(r, Settings(prefix=PREFIX, heartbeat_seconds=BEAT), EchoEngine(), name,
-                                   hard_stop=self.hard, **kw)
-        self.stop_event = threading.Event()
-        self.error: BaseException | None = None
-        self.code: int | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        try:
-            self.code = self.daemon.run(self.stop_event)
-        except BaseException as e:  # noqa: BLE001 - the test looks at it
-            self.error = e
-
-    def stop(self):
-        self.stop_event.set()
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive()
-        return self.code
+def Serving(r, name=None, **kw) -> ThreadedWorker:  # noqa: N802 - reads as a class
+    """An echo worker in a thread; ``.hard`` is its hard-stop event."""
+    hard = threading.Event()
+    settings = Settings(prefix=PREFIX, heartbeat_seconds=BEAT)
+    worker = ThreadedWorker(WorkerDaemon(r, settings, EchoEngine(), name, hard_stop=hard, **kw))
+    worker.hard = hard
+    return worker
 
 
 def _name_in_a_new_process() -> str:
@@ -79,7 +58,7 @@ def test_default_names_are_unique_per_process():
 def test_a_live_workers_name_is_refused(redis_server):
     r = redis_server.client()
     live = Serving(r)  # the default name, as two `worker --model X --device cpu` on one host had
-    _wait(lambda: Registry(r, KEYS).live_workers(), what="first worker live")
+    wait_until(lambda: Registry(r, KEYS).live_workers(), what="first worker live")
     began = time.monotonic()
     second = Serving(r)
     second.thread.join(timeout=10)
@@ -108,7 +87,7 @@ def test_a_restart_after_a_crash_takes_its_old_name_and_batches(redis_server):
     r.xreadgroup(WORKERS_GROUP, "w1", {KEYS.batches("echo"): ">"}, count=1)
     began = time.monotonic()
     worker = Serving(r, "w1")
-    _wait(lambda: r.xlen(KEYS.results("j")) == 1, timeout=10, what="the held batch answered")
+    wait_until(lambda: r.xlen(KEYS.results("j")) == 1, timeout=10, what="the held batch answered")
     assert time.monotonic() - began >= 0.5 * BEAT  # it waited for the old registration to lapse
     assert worker.error is None
     (live,) = registry.live_workers()

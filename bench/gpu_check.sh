@@ -32,9 +32,10 @@ fi
 print(f"gpu_check: {gpu}, torch {torch.__version__}")'
 
 SECTIONS=(
-  "kernel_tests|100|$PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels_triton.py"
-  "kernels|110|$PY bench/kernels_gpu.py --json $LOG_DIR/kernels.json"
-  "engine|100|$PY bench/engine_gpu.py --requests 128 --json $LOG_DIR/engine.json"
+  "kernel_tests|90|$PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels_triton.py tests/test_kernels_moe.py tests/test_gguf_dequant.py"
+  "kernels|80|$PY bench/kernels_gpu.py --json $LOG_DIR/kernels.json"
+  "engine|80|$PY bench/engine_gpu.py --requests 128 --json $LOG_DIR/engine.json"
+  "moe|50|$PY bench/moe_gpu.py --json $LOG_DIR/moe.json"
 )
 
 summary=()

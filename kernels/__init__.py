@@ -40,6 +40,7 @@ def paged_attention(
     scale: float | None = None,  # default head_dim ** -0.5
     sliding_window: int | None = None,  # a query at p sees keys p - W < k <= p
     backend: str | None = None,
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)
 ) -> torch.Tensor:  # [Tq, H, D]
     """Ragged causal attention of ``q`` over the paged cache; kernels/reference.py is the spec.
 
@@ -47,9 +48,9 @@ def paged_attention(
     """
     if torch.compiler.is_compiling():
         return ops.paged_attention_op(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                      scale, sliding_window, backend)
+                                      scale, sliding_window, backend, softcap)
     return dispatch.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                    scale, sliding_window, backend)
+                                    scale, sliding_window, backend, softcap)
 
 
 __all__ = ["BACKENDS", "available_backends", "paged_attention", "write_kv"]

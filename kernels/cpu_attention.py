@@ -15,6 +15,9 @@ Same contract and results as kernels/reference.py (the specification), but built
   with fresh ``mmap``s, so a new gather tensor per layer page-faults on every step and made
   the gather ~5x slower than the copy itself.
 
+Soft-capping (``softcap``) is applied to the scaled scores before the mask; the SDPA bucket
+path cannot apply it, so with a softcap a bucket computes its scores explicitly instead.
+
 Compute is float32 for float16/bfloat16/float8 caches (as in the reference) and float64 for
 float64; the output has ``q``'s dtype. Lengths are read with ``.tolist()`` once per call: on
 CPU tensors that is a ~2 us copy, not a device sync.
@@ -49,7 +52,9 @@ def _workspace(numel: int, dtype: torch.dtype, device: torch.device, slot: str) 
     spaces = _local.__dict__.setdefault("spaces", {})
     key = (slot, dtype, device)
     buf = spaces.get(key)
-    if buf is None or buf.numel() < numel:
+    # a buffer made under torch.inference_mode() cannot be written outside it: make a new one then
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or stale or buf.numel() < numel:
         buf = spaces[key] = torch.empty(2 * max(numel, 1), dtype=dtype, device=device)
     return buf[:numel]
 
@@ -87,6 +92,13 @@ def _check(cu: list[int], lens: list[int], num_tokens: int, block_size: int, max
                              f"but block_tables has {max_blocks} columns")
 
 
+def _softcap_(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` in place (no-op for None), as the reference computes it."""
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    return scores
+
+
 def decode_buckets(
     rows: list[tuple[int, int]], waste: float = PAD_WASTE, max_rows: int = MAX_BUCKET_ROWS,
     max_keys: int | None = None,
@@ -118,9 +130,10 @@ def decode_buckets(
 def _decode(
     q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, cu: list[int], bucket: list[tuple[int, int]], scale: float,
-    sliding_window: int | None, compute_dtype: torch.dtype,
+    sliding_window: int | None, compute_dtype: torch.dtype, softcap: float | None = None,
 ) -> None:
-    """Attend one bucket of decode rows (one query each) in a single SDPA call."""
+    """Attend one bucket of decode rows (one query each) in a single SDPA call (explicit scores
+    with a softcap, which SDPA cannot apply)."""
     _, H, D = q.shape
     bs, KVH = k_cache.shape[1], k_cache.shape[2]
     B, nb = len(bucket), -(-bucket[-1][1] // bs)
@@ -138,16 +151,21 @@ def _decode(
         visible &= pos > lengths - 1 - sliding_window
     rows = torch.tensor([cu[s] for s, _ in bucket])
     qg = q[rows].to(compute_dtype).view(B, KVH, H // KVH, D)  # a KV head's query heads as query rows
-    o = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None, None, :], scale=scale,
-    )  # [B, KVH, G, D]
+    if softcap is None:
+        o = F.scaled_dot_product_attention(
+            qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None, None, :], scale=scale,
+        )  # [B, KVH, G, D]
+    else:
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).mul_(scale)  # [B, KVH, G, L]
+        scores = _softcap_(scores, softcap).masked_fill_(~visible[:, None, None, :], float("-inf"))
+        o = torch.matmul(scores.softmax(-1), v.transpose(1, 2))  # [B, KVH, G, D]
     out[rows] = o.reshape(B, H, D).to(out.dtype)
 
 
 def _decode_one(
     q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_table: torch.Tensor, row: int, length: int, scale: float, sliding_window: int | None,
-    compute_dtype: torch.dtype,
+    compute_dtype: torch.dtype, softcap: float | None = None,
 ) -> None:
     """Attend one decode row over exactly its visible keys: no padding, so no mask."""
     _, H, D = q.shape
@@ -158,7 +176,7 @@ def _decode_one(
     v = _gather(v_cache, blocks, compute_dtype, "v")[0, lo:length]
     qg = q[row].to(compute_dtype).view(KVH, H // KVH, D)  # a KV head's query heads as query rows
     # Two batched matmuls and a softmax: ~3x faster than SDPA's CPU kernel on one query row.
-    scores = torch.bmm(qg, k.permute(1, 2, 0)).mul_(scale)  # [KVH, G, L]
+    scores = _softcap_(torch.bmm(qg, k.permute(1, 2, 0)).mul_(scale), softcap)  # [KVH, G, L]
     o = torch.bmm(scores.softmax(-1), v.transpose(0, 1))  # [KVH, G, D]
     out[row] = o.view(H, D).to(out.dtype)
 
@@ -166,7 +184,7 @@ def _decode_one(
 def _prefill(
     q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_table: torch.Tensor, start: int, end: int, length: int, scale: float,
-    sliding_window: int | None, compute_dtype: torch.dtype,
+    sliding_window: int | None, compute_dtype: torch.dtype, softcap: float | None = None,
 ) -> None:
     """Attend one sequence's query chunk ``q[start:end]`` (its last tokens) over its context.
 
@@ -193,6 +211,7 @@ def _prefill(
             hidden |= k_pos <= q_pos - sliding_window
         qc = qh[:, :, c0:c1].reshape(KVH, G * n, D)
         scores = torch.bmm(qc, k[:, k_lo:k_hi].transpose(1, 2)).mul_(scale)  # [KVH, G * n, Lk]
+        _softcap_(scores, softcap)
         scores.view(KVH, G, n, -1).masked_fill_(hidden, float("-inf"))
         o = torch.bmm(scores.softmax(-1), v[:, k_lo:k_hi])  # [KVH, G * n, D]
         out[start + c0:start + c1] = o.view(H, n, D).transpose(0, 1).to(out.dtype)
@@ -207,6 +226,7 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [S] int32, context length including this step's queries
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [Tq, H, D]
     """Causal attention of each sequence's queries (its last tokens) over its paged context.
 
@@ -223,11 +243,12 @@ def paged_attention(
         if len(bucket) == 1:
             (i, length), = bucket
             _decode_one(q, out, k_cache, v_cache, block_tables[i], cu[i], length, scale, sliding_window,
-                        compute_dtype)
+                        compute_dtype, softcap)
         else:
-            _decode(q, out, k_cache, v_cache, block_tables, cu, bucket, scale, sliding_window, compute_dtype)
+            _decode(q, out, k_cache, v_cache, block_tables, cu, bucket, scale, sliding_window, compute_dtype,
+                    softcap)
     for i, length in enumerate(lens):
         if cu[i + 1] - cu[i] > 1:  # zero-query sequences need nothing; decodes are done
             _prefill(q, out, k_cache, v_cache, block_tables[i], cu[i], cu[i + 1], length, scale,
-                     sliding_window, compute_dtype)
+                     sliding_window, compute_dtype, softcap)
     return out

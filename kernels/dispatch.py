@@ -16,6 +16,7 @@ from batchinfer.kernels import backends, cpu_attention, reference
 def check_attention_inputs(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, sliding_window: int | None,
+    softcap: float | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the first argument that breaks the contract."""
     if q.dim() != 3:
@@ -47,6 +48,8 @@ def check_attention_inputs(
             raise ValueError(f"paged_attention: {name} is on {t.device} but q is on {q.device}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"paged_attention: sliding_window must be >= 1 or None, got {sliding_window}")
+    if softcap is not None and not softcap > 0:  # also refuses NaN
+        raise ValueError(f"paged_attention: softcap must be > 0 or None, got {softcap}")
 
 
 def check_write_kv_inputs(
@@ -77,26 +80,42 @@ def _select(backend: str | None, device: torch.device, dtype: torch.dtype, block
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
-    sliding_window: int | None = None, backend: str | None = None,
+    sliding_window: int | None = None, backend: str | None = None, softcap: float | None = None,
 ) -> torch.Tensor:  # [Tq, H, D]
     """Check, select, run (see ``batchinfer.kernels.paged_attention``)."""
-    check_attention_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sliding_window)
+    check_attention_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sliding_window, softcap)
     name = _select(backend, q.device, k_cache.dtype, k_cache.shape[1], q.shape[2])
+    if name == "flash" and softcap is not None:
+        name = _flash_or_fallback(backend, q.device, k_cache.dtype)
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
     if name == "reference":
-        return reference.paged_attention(*args)
+        return reference.paged_attention(*args, softcap=softcap)
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"paged_attention[{name}]: q, k_cache and v_cache must share a dtype, "
                          f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if name == "cpu":
-        return cpu_attention.paged_attention(*args)
+        return cpu_attention.paged_attention(*args, softcap=softcap)
     if name == "triton":
         from batchinfer.kernels import triton_attention
 
-        return triton_attention.paged_attention(*args)
+        return triton_attention.paged_attention(*args, softcap=softcap)
     from batchinfer.kernels import flash
 
-    return flash.paged_attention(*args)
+    return flash.paged_attention(*args, softcap=softcap)
+
+
+def _flash_or_fallback(backend: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """``flash`` when its provider takes ``softcap``; else the next automatic choice, or a clear
+    ``RuntimeError`` when flash was asked for by name."""
+    from batchinfer.kernels import flash
+
+    if flash.supports_softcap():
+        return "flash"
+    if backend == "flash":
+        raise RuntimeError("attention backend 'flash' is unavailable: its flash_attn_varlen_func "
+                           "takes no softcap argument (needed by this model's soft-capped attention)")
+    triton_ok = backends.unavailable_reason("triton", device, dtype) is None
+    return "triton" if triton_ok else "reference"
 
 
 def write_kv(

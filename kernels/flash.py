@@ -9,7 +9,9 @@ layout, so no copies are made. Two providers are probed, best first:
   built with such blocks).
 
 Two API generations are handled: the newer one takes per-sequence key lengths as ``seqused_k``,
-the older one takes cumulative ``cu_seqlens_k``.
+the older one takes cumulative ``cu_seqlens_k``. Soft-capping goes as ``softcap`` (flash-attn
+>= 2.6 and vllm-flash-attn: ``softcap * tanh(scores / softcap)``, 0 = off); a provider without
+that argument never gets a soft-capped call (``dispatch`` falls back to Triton, or refuses).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class FlashProvider:
     block_multiple: int
     func: Callable
     takes_seqused_k: bool
+    takes_softcap: bool = False
 
 
 @functools.cache
@@ -51,7 +54,7 @@ def _probe() -> FlashProvider | str:
         if "block_table" not in params:
             tried.append(f"{module}.flash_attn_varlen_func has no block_table (too old)")
             continue
-        return FlashProvider(module, multiple, func, "seqused_k" in params)
+        return FlashProvider(module, multiple, func, "seqused_k" in params, "softcap" in params)
     return "; ".join(tried)
 
 
@@ -77,6 +80,12 @@ def unavailable_reason(
     return None
 
 
+def supports_softcap() -> bool:
+    """Whether the importable provider takes ``softcap`` (False when there is none)."""
+    provider = _probe()
+    return not isinstance(provider, str) and provider.takes_softcap
+
+
 def window_size(sliding_window: int | None) -> tuple[int, int]:
     """Our window (a query at p sees p - W < k <= p) as flash-attn's inclusive (left, right)."""
     return (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
@@ -91,11 +100,15 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [S] int32
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [Tq, H, D]
     """The contract's paged attention through ``flash_attn_varlen_func``."""
     provider = _probe()
     if isinstance(provider, str):
         raise RuntimeError(f"attention backend 'flash' is unavailable: {provider}")
+    if softcap is not None and not provider.takes_softcap:
+        raise RuntimeError(f"attention backend 'flash' is unavailable: {provider.module}."
+                           "flash_attn_varlen_func takes no softcap argument")
     # flash-attn sizes its grid from max_seqlen_q. Reading it costs a host sync, which CUDA-graph
     # capture forbids, so during capture the bound Tq (always >= the true maximum) is used.
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -108,6 +121,8 @@ def paged_attention(
         softmax_scale=scale, causal=True, window_size=window_size(sliding_window),
         block_table=block_tables,
     )
+    if softcap is not None:
+        kwargs["softcap"] = softcap
     if provider.takes_seqused_k:
         kwargs["seqused_k"] = seq_lens
     else:

@@ -18,17 +18,18 @@ from batchinfer.kernels import dispatch
 def paged_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
-    sliding_window: int | None = None, backend: str | None = None,
+    sliding_window: int | None = None, backend: str | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Ragged causal paged attention; see ``batchinfer.kernels.paged_attention``."""
     return dispatch.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                    scale, sliding_window, backend)
+                                    scale, sliding_window, backend, softcap)
 
 
 @paged_attention_op.register_fake
 def _paged_attention_fake(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale=None,
-                          sliding_window=None, backend=None):
-    dispatch.check_attention_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sliding_window)
+                          sliding_window=None, backend=None, softcap=None):
+    dispatch.check_attention_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sliding_window,
+                                    softcap)
     return torch.empty_like(q)  # [Tq, H, D]
 
 

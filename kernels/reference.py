@@ -46,8 +46,13 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [S] int32, context length including this step's queries
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [Tq, H, D]
-    """Causal attention of each sequence's queries (its last tokens) over its paged context."""
+    """Causal attention of each sequence's queries (its last tokens) over its paged context.
+
+    ``softcap`` (Gemma 2): scaled scores become ``softcap * tanh(scores / softcap)`` before the
+    mask and the softmax, as transformers' eager attention computes them.
+    """
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_cache.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
@@ -72,6 +77,8 @@ def paged_attention(
         k = gather_kv(k_cache, block_tables[i], length).float().repeat_interleave(group, dim=1)
         v = gather_kv(v_cache, block_tables[i], length).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale  # [H, Lq, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(length - num_q, length, device=q.device)[:, None]
         k_pos = torch.arange(length, device=q.device)[None, :]
         visible = k_pos <= q_pos

@@ -91,9 +91,11 @@ def dense_attention(
     v: torch.Tensor,  # [L, KVH, D]
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [Lq, H, D] float32
     """Textbook attention in float64 (torch SDPA, math kernel) with an explicit boolean mask built
-    from ``tril``/``triu`` — a construction independent of the backends': the tests' ground truth."""
+    from ``tril``/``triu`` — a construction independent of the backends': the tests' ground truth.
+    With ``softcap`` the float64 scores are capped (``cap * tanh(s / cap)``) and softmaxed by hand."""
     num_q, num_heads, head_dim = q.shape
     length, group = k.shape[0], num_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
@@ -103,15 +105,20 @@ def dense_attention(
         mask &= ones.triu(diagonal=length - num_q - sliding_window + 1)
     k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
     v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.double().transpose(0, 1), k, v, attn_mask=mask, scale=scale)  # [H, Lq, D]
+    qd = q.double().transpose(0, 1)  # [H, Lq, D]
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = softcap * torch.tanh(qd @ k.transpose(1, 2) * scale / softcap)  # [H, Lq, L]
+        out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v  # [H, Lq, D]
     return out.transpose(0, 1).float()
 
 
-def dense_reference(batch: PagedBatch, scale: float | None = None,
-                    sliding_window: int | None = None) -> torch.Tensor:  # [Tq, H, D] float32
+def dense_reference(batch: PagedBatch, scale: float | None = None, sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:  # [Tq, H, D] float32
     """``dense_attention`` for every sequence of ``batch``, concatenated like ``batch.q``."""
     cu = batch.cu_seqlens_q.tolist()
-    outs = [dense_attention(batch.q[cu[i]:cu[i + 1]], batch.keys[i], batch.values[i], scale, sliding_window)
+    outs = [dense_attention(batch.q[cu[i]:cu[i + 1]], batch.keys[i], batch.values[i], scale, sliding_window,
+                            softcap)
             for i in range(len(batch.keys))]
     return torch.cat(outs) if outs else batch.q.float()

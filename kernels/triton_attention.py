@@ -13,6 +13,11 @@ grid has ``Tq // BLOCK_Q + S`` query blocks, an upper bound; sequence i owns the
 Split-K (flash-decoding): when a decode batch is too small to fill the GPU, grid axis 2 splits
 each sequence's key range; partial outputs and their log-sum-exps are merged by a second kernel.
 
+Soft-capping (``SOFTCAP``, Gemma 2) maps each raw score ``x = q.k`` to
+``cap * tanh(x * scale / cap)``; tanh is built from ``exp2`` (``sign(y) (1 - e) / (1 + e)`` with
+``e = exp(-2|y|)``, exact to float32 rounding and portable to the interpreter), then the usual
+log2-domain online softmax follows.
+
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (the tests do this); matmul
 operands are then kept in float32 because the interpreter has no bfloat16 arithmetic.
 """
@@ -44,13 +49,14 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr, seq_lens_ptr,
     part_out_ptr, part_lse_ptr,  # split-K partials: [Tq, H, NUM_SPLITS, HEAD_DIM_PAD], [Tq, H, NUM_SPLITS]
-    qk_scale, window, num_seqs, num_heads,
+    qk_scale, cap_log2, window, num_seqs, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    # qk_scale: scale * log2(e), or scale / cap with SOFTCAP (then cap_log2 = cap * log2(e)).
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -108,6 +114,9 @@ def _paged_attention_kernel(
         k_ptrs = k_cache_ptr + (block * stride_kb + in_block * stride_ks + kv_off)[None, :] + dims[:, None]
         k_t = tl.load(k_ptrs, mask=k_ok[None, :] & dim_ok[:, None], other=0.0).to(DOT_DTYPE)  # [D, TILE_N]
         s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 domain
+        if SOFTCAP:
+            e = tl.exp2(-2.8853900817779268 * tl.abs(s))  # exp(-2|s|), s = scores / cap here
+            s = tl.where(s < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e) * cap_log2
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
@@ -164,6 +173,7 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     config: AttentionConfig | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [Tq, H, D]
     """The contract's paged attention with the Triton kernels (``config`` overrides the launch
     shape; the tests use it to force several key tiles and split-K on tiny inputs)."""
@@ -192,13 +202,15 @@ def paged_attention(
     grid = (num_tokens // cfg.block_q + num_seqs, num_kv_heads, cfg.num_splits)
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, part_out, part_lse,
-        scale * LOG2E, sliding_window or 0, num_seqs, num_heads,
+        scale * LOG2E if softcap is None else scale / softcap, (softcap or 0.0) * LOG2E,
+        sliding_window or 0, num_seqs, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
-        NUM_SPLITS=cfg.num_splits, USE_WINDOW=sliding_window is not None, DOT_DTYPE=dot_dtype,
+        NUM_SPLITS=cfg.num_splits, USE_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None,
+        DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -48,6 +48,21 @@ def test_cpu_sliding_window(window, block_size):
     torch.testing.assert_close(out, dense_reference(batch, sliding_window=window), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap,window", [(1.5, None), (0.7, 16), (20.0, 4)])
+def test_cpu_softcap(softcap, window, dtype):
+    """Soft-capping on every CPU path: decode buckets (explicit scores instead of SDPA), a row alone,
+    prefill chunks, with and without a window."""
+    batch = make_paged_batch(MIXED, 8, 2, 64, 16, dtype)
+    out, ref = _both(batch, softcap=softcap, sliding_window=window)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    torch.testing.assert_close(out.float(), dense_reference(batch, sliding_window=window, softcap=softcap),
+                               **TOL[dtype])
+    if softcap < 10:
+        assert not torch.allclose(out, kernels.paged_attention(*batch.args(), sliding_window=window,
+                                                               backend="cpu"), atol=1e-3)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.float64, 2e-5),
                                        (torch.float8_e4m3fn, 0.13)])  # fp8: one ulp at 1.0
 def test_other_dtypes_compute_in_float32_or_better(dtype, tol):
@@ -214,3 +229,14 @@ def test_default_backend_runs_the_cpu_path(monkeypatch):
     out = kernels.paged_attention(*batch.args())
     assert seen and set(seen) == {"k", "v"}
     torch.testing.assert_close(out, dense_reference(batch), **TOL[torch.float32])
+
+
+def test_workspace_made_in_inference_mode_is_not_reused_outside_it():
+    # the engine runs under inference_mode; a later call outside it (a test, a user) must still work
+    from batchinfer.kernels import cpu_attention
+
+    with torch.inference_mode():
+        inside = cpu_attention._workspace(16, torch.float32, torch.device("cpu"), "test-slot")
+    outside = cpu_attention._workspace(16, torch.float32, torch.device("cpu"), "test-slot")
+    assert inside.is_inference() and not outside.is_inference()
+    outside.fill_(1.0)  # raised "Inplace update to inference tensor outside InferenceMode" before

@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from batchinfer import kernels
-from batchinfer.kernels import backends, flash
+from batchinfer.kernels import backends, dispatch, flash
 from batchinfer.kernels.attention_config import choose_config
 from batchinfer.kernels.testing import dense_reference, make_paged_batch
 
@@ -33,6 +33,8 @@ def test_opcheck_paged_attention_and_write_kv():
     batch = make_paged_batch(MIXED, 4, 2, 64, 16)
     torch.library.opcheck(torch.ops.batchinfer.paged_attention.default,
                           (*batch.args(), None, None, "reference"))
+    torch.library.opcheck(torch.ops.batchinfer.paged_attention.default,
+                          (*batch.args(), 0.2, 8, "reference", 1.5))
     k = torch.randn(3, 2, 64)
     slots = torch.tensor([0, -1, 5])
     torch.library.opcheck(torch.ops.batchinfer.write_kv.default,
@@ -59,7 +61,7 @@ def test_torch_compile_traces_the_ops_without_graph_breaks():
 
 
 def _documented_flash(q, k_cache, v_cache, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, softmax_scale,
-                      causal, window_size, block_table, seqused_k=None, cu_seqlens_k=None):
+                      causal, window_size, block_table, seqused_k=None, cu_seqlens_k=None, softcap=0.0):
     """A torch stand-in written from flash_attn_varlen_func's docstring: bottom-right causal mask,
     keys in [i + Lk - Lq - left, i + Lk - Lq + right], paged K/V via block_table."""
     assert causal and (seqused_k is None) != (cu_seqlens_k is None)
@@ -75,6 +77,8 @@ def _documented_flash(q, k_cache, v_cache, *, max_seqlen_q, cu_seqlens_q, max_se
             centre = i + num_k - (end - start)
             lo = 0 if window_size[0] < 0 else max(0, centre - window_size[0])
             scores = torch.einsum("hd,khd->hk", q[start + i], k[lo:centre + 1]) * softmax_scale
+            if softcap > 0:  # flash-attn: softcap 0.0 means off
+                scores = softcap * torch.tanh(scores / softcap)
             out[start + i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[lo:centre + 1])
     return out
 
@@ -97,6 +101,34 @@ def test_flash_adapter_translates_the_contract(monkeypatch, takes_seqused_k, win
     out = flash.paged_attention(*batch.args(), scale=0.125, sliding_window=window)
     torch.testing.assert_close(out, dense_reference(batch, scale=0.125, sliding_window=window),
                                atol=2e-5, rtol=2e-5)
+
+
+def test_flash_adapter_passes_softcap(monkeypatch):
+    provider = flash.FlashProvider("stand_in", 16, _documented_flash, True, True)
+    monkeypatch.setattr(flash, "_probe", lambda: provider)
+    assert flash.supports_softcap()
+    batch = make_paged_batch(MIXED, 8, 2, 64, 16)
+    out = flash.paged_attention(*batch.args(), scale=0.125, sliding_window=5, softcap=0.9)
+    torch.testing.assert_close(out, dense_reference(batch, scale=0.125, sliding_window=5, softcap=0.9),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_flash_without_softcap_refuses_by_name_and_falls_back_automatically(monkeypatch):
+    def no_softcap(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, softmax_scale, causal, window_size,
+                   block_table, seqused_k=None):
+        raise AssertionError("a soft-capped call must never reach a provider without softcap")
+
+    provider = flash.FlashProvider("old_flash", 16, no_softcap, True, False)
+    monkeypatch.setattr(flash, "_probe", lambda: provider)
+    assert not flash.supports_softcap()
+    batch = make_paged_batch(MIXED, 8, 2, 64, 16)
+    with pytest.raises(RuntimeError, match="old_flash.flash_attn_varlen_func takes no softcap"):
+        flash.paged_attention(*batch.args(), softcap=1.0)
+    with pytest.raises(RuntimeError, match="'flash' is unavailable: .*no softcap"):
+        dispatch._flash_or_fallback("flash", torch.device("cpu"), torch.bfloat16)
+    # Chosen automatically, flash gives way to the next backend (reference here: Triton needs CUDA
+    # unless interpreting, and the interpreter is never an automatic choice on CPU).
+    assert dispatch._flash_or_fallback(None, torch.device("cpu"), torch.bfloat16) in ("triton", "reference")
 
 
 def test_flash_availability_reasons(monkeypatch):

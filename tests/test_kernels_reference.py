@@ -52,6 +52,25 @@ def test_scale_is_applied():
     assert not torch.allclose(out, default)
 
 
+@pytest.mark.parametrize("softcap,window", [(1.5, None), (0.7, 16), (50.0, None)])
+def test_reference_softcap(softcap, window):
+    """Gemma 2's attention-logit soft-capping: cap * tanh(scaled score / cap) before the mask."""
+    batch = make_paged_batch(MIXED, 8, 2, 64, 16)
+    out = kernels.paged_attention(*batch.args(), sliding_window=window, softcap=softcap, scale=0.3,
+                                  backend="reference")
+    expected = dense_reference(batch, scale=0.3, sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    uncapped = kernels.paged_attention(*batch.args(), sliding_window=window, scale=0.3, backend="reference")
+    assert softcap > 10 or not torch.allclose(out, uncapped, atol=1e-3)  # a small cap changes the result
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_softcap_must_be_positive(bad):
+    batch = make_paged_batch(MIXED, 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="softcap must be > 0"):
+        kernels.paged_attention(*batch.args(), softcap=bad, backend="reference")
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     seqs=st.lists(st.tuples(st.integers(1, 80), st.integers(0, 80)), min_size=1, max_size=5),

@@ -75,6 +75,28 @@ def test_decode_batch_matches_reference(dtype, window, config):
     _check(_batch(DECODE, 8, 2, 80, 16, dtype), dtype, window, config)
 
 
+@pytest.mark.parametrize("dtype,window,config", [
+    (torch.float32, None, AttentionConfig(16, 8, 16, 1)),  # prefill tiles, several key tiles
+    (torch.bfloat16, 7, None),  # default config with a window
+])
+def test_softcap_matches_reference(dtype, window, config):
+    batch = _batch(MIXED, 4, 2, 64, 16, dtype)
+    out = triton_attention.paged_attention(*batch.args(), sliding_window=window, config=config, softcap=1.5)
+    expected = dense_reference(batch, sliding_window=window, softcap=1.5).to(DEVICE)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    ref = kernels.paged_attention(*batch.args(), sliding_window=window, softcap=1.5, backend="reference")
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+def test_softcap_split_k_decode():
+    batch = _batch(DECODE, 8, 2, 80, 16)
+    out = kernels.paged_attention(*batch.args(), softcap=0.8, backend="triton")  # default decode config
+    split = triton_attention.paged_attention(*batch.args(), softcap=0.8, config=AttentionConfig(16, 1, 16, 4))
+    expected = dense_reference(batch, softcap=0.8).to(DEVICE)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    torch.testing.assert_close(split, expected, **TOL[torch.float32])
+
+
 def test_dispatcher_runs_triton_and_empty_batches():
     batch = _batch(MIXED, 4, 2, 64, 16)
     out = kernels.paged_attention(*batch.args(), backend="triton")

@@ -278,8 +278,8 @@ def test_unknown_architecture_and_unsupported_settings(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match=r"unsupported architecture GPT2LMHeadModel; supported: Llama"):
         load_model(model_dir)
     _edit_config(model_dir, architectures=["LlamaForCausalLM"],
-                 rope_scaling={"rope_type": "yarn", "factor": 2})
-    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"):
+                 rope_scaling={"rope_type": "mrope", "factor": 2})
+    with pytest.raises(ValueError, match="rope scaling type 'mrope' is not supported; supported: default"):
         load_model(model_dir)
     _edit_config(model_dir, rope_scaling={"rope_type": "linear"})
     with pytest.raises(ValueError, match="rope scaling 'linear' needs factor"):

@@ -17,19 +17,37 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # config.json files without "architectures" still name their family in "model_type".
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_ROPE_REQUIRED = {
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+_ROPE_REQUIRED = {  # fields the config itself must give (the others have transformers' defaults)
     "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "dynamic": ("factor",),
+    "yarn": (),  # factor: else max_position_embeddings / original_max_position_embeddings
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
 }
+# Layer types a transformers 5 ``rope_parameters`` may be nested under (one RoPE per kind of layer).
+_ROPE_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,7 @@ class ModelConfig:
     max_position_embeddings: int
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # None = plain RoPE; else has "rope_type"
+    partial_rotary_factor: float = 1.0  # share of head_dim that RoPE rotates (Phi-4-mini: 0.75)
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
@@ -54,10 +73,32 @@ class ModelConfig:
     qkv_bias: bool = False  # bias on q/k/v projections (Qwen2; Llama's attention_bias)
     o_bias: bool = False  # bias on the output projection (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    # Gemma 2 / 3 (``_gemma_fields``); the defaults are every other architecture's behaviour.
+    hidden_act: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32 before the cast
+    sandwich_norms: bool = False  # norms after attention and before/after the MLP (4 per layer)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), rounded to the model dtype
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim ** -0.5)
+    attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    rope_local_theta: float | None = None  # RoPE of sliding layers (Gemma 3); None = the global one
+    rope_local_scaling: dict[str, Any] | None = None
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (workers/models/moe.py); num_experts 0 = a dense MLP in every layer.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each routed expert's intermediate size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0 = none
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse block (the others are dense)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated channels of a head (the first ``rotary_dim``; transformers' ``int(head_dim * f)``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attention_bias(self) -> bool:
@@ -72,8 +113,18 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """Read ``config.json`` (required) and ``generation_config.json`` (optional) of a model dir."""
+        """Read ``config.json`` (required) and ``generation_config.json`` (optional) of a model dir.
+
+        A ``.gguf`` file (or a folder holding one and no safetensors): its metadata instead.
+        """
+        from batchinfer.workers.models.gguf.reader import GGUFFile, gguf_path
+
         model_dir = Path(model_dir)
+        found = gguf_path(model_dir)
+        if found is not None:
+            from batchinfer.workers.models.gguf.config import hf_config
+
+            return cls.from_dict(*hf_config(GGUFFile(found)), source=str(found))
         path = model_dir / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: config.json not found in model directory {model_dir}")
@@ -88,7 +139,8 @@ class ModelConfig:
     ) -> ModelConfig:
         """Build from parsed ``config.json`` (and ``generation_config.json``) dictionaries."""
         arch = _architecture(config, source)
-        is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                           "Qwen3MoeForCausalLM")
 
         def need(key: str) -> Any:
             if config.get(key) is None:
@@ -98,15 +150,21 @@ class ModelConfig:
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         layers = int(need("num_hidden_layers"))
-        if config.get("hidden_act", "silu") != "silu":
+        if arch not in _GEMMA and config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
         head_dim = config.get("head_dim") or hidden // heads
-        rope_theta, rope_scaling = _rope(config, source)
+        rope_theta, rope_scaling = _rope(config, source, arch=arch)
+        partial_rotary = _partial_rotary_factor(config, source, int(head_dim))
 
         sliding_window = config.get("sliding_window")
         if is_qwen and not config.get("use_sliding_window", False):
             sliding_window = None  # Qwen configs carry a window size even when it is off
         layer_types = config.get("layer_types")
+        if layer_types is None and arch in _GEMMA:
+            # transformers' rule: every `pattern`-th layer is global (Gemma 2 alternates, layer 0 slides).
+            pattern = 2 if arch == "Gemma2ForCausalLM" else int(config.get("sliding_window_pattern", 6))
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(layers)]
         if layer_types is None:
             # Mistral: every layer slides; Qwen: layers from max_window_layers on (transformers' rule).
             first = int(config.get("max_window_layers", layers)) if is_qwen else 0
@@ -119,6 +177,8 @@ class ModelConfig:
         attention_bias = bool(config.get("attention_bias", False))
         qkv_bias = True if arch == "Qwen2ForCausalLM" else attention_bias
         o_bias = False if arch == "Qwen2ForCausalLM" else attention_bias
+        if arch == "Qwen2MoeForCausalLM":
+            qkv_bias, o_bias = bool(config.get("qkv_bias", True)), False
 
         return cls(
             architecture=arch,
@@ -132,19 +192,93 @@ class ModelConfig:
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            partial_rotary_factor=partial_rotary,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", arch in _GEMMA)),
             sliding_window=int(sliding_window) if sliding_window is not None else None,
             layer_types=tuple(layer_types),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_merge_ids((generation_config or {}).get("eos_token_id"),
                                      config.get("eos_token_id")),
+            **_moe_fields(config, arch, layers, source),
+            **_gemma_fields(config, arch, source),
         )
+
+
+def _gemma_fields(config: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """Gemma 2 / 3 fields of ``ModelConfig`` (empty for the others), with transformers' defaults.
+
+    Gemma 3's model ignores ``attn_logit_softcapping`` (transformers never passes it to attention),
+    so it is dropped here too. Gemma 3's sliding layers have their own RoPE: transformers 5 nests
+    ``rope_parameters`` by layer type; 4.x gives ``rope_local_base_freq`` (never scaled).
+    """
+    if arch not in _GEMMA:
+        return {}
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"{source}: hidden_activation {act!r} is not supported for {arch} "
+                         "(only 'gelu_pytorch_tanh')")
+    if config.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: use_bidirectional_attention is not supported (causal decoding only)")
+    gemma3 = arch == "Gemma3ForCausalLM"
+
+    def cap(key: str, default: float | None) -> float | None:
+        value = config.get(key, default)
+        if value is not None and not float(value) > 0:
+            raise ValueError(f"{source}: {key} must be > 0 or null, got {value!r}")
+        return None if value is None else float(value)
+
+    fields: dict[str, Any] = {
+        "hidden_act": act, "norm_unit_offset": True, "sandwich_norms": True, "scale_embeddings": True,
+        "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar") or 256),
+        "attn_logit_softcapping": None if gemma3 else cap("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": cap("final_logit_softcapping", None if gemma3 else 30.0),
+    }
+    if gemma3:
+        params = config.get("rope_parameters")
+        nested = isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict)
+        local = config if nested else {**config, "rope_parameters": None, "rope_scaling": None,
+                                       "rope_theta": config.get("rope_local_base_freq", 10000.0)}
+        theta, scaling = _rope(local, source, "sliding_attention", arch)
+        fields["rope_local_theta"], fields["rope_local_scaling"] = theta, scaling
+    return fields
+
+
+def _moe_fields(config: dict[str, Any], arch: str, layers: int, source: str) -> dict[str, Any]:
+    """The MoE fields of ``ModelConfig`` (empty for dense architectures), with transformers' rules:
+    Mixtral routes in every layer and always renormalises; Qwen MoE layers are those with
+    ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers``, renormalised iff ``norm_topk_prob``."""
+    if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    mixtral = arch == "MixtralForCausalLM"
+    keys = ("num_local_experts" if mixtral else "num_experts", "num_experts_per_tok",
+            "intermediate_size" if mixtral else "moe_intermediate_size")
+    if not mixtral and config.get("num_experts") is None:  # transformers 5 writes Qwen3-MoE's this way
+        config = {**config, "num_experts": config.get("num_local_experts")}
+    missing = [k for k in keys if config.get(k) is None]
+    if arch == "Qwen2MoeForCausalLM" and config.get("shared_expert_intermediate_size") is None:
+        missing.append("shared_expert_intermediate_size")
+    if missing:
+        raise ValueError(f"{source}: required field {missing[0]!r} is missing ({arch})")
+    experts, top_k, inter = (int(config[k]) for k in keys)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{source}: num_experts_per_tok {top_k} must be in 1..{experts} "
+                         "(the number of experts)")
+    step = 1 if mixtral else int(config.get("decoder_sparse_step") or 1)
+    dense = set() if mixtral else {int(i) for i in config.get("mlp_only_layers") or []}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": inter,
+        "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0),
+        "norm_topk_prob": True if mixtral else bool(config.get("norm_topk_prob", False)),
+        "moe_layers": tuple(i for i in range(layers) if (i + 1) % step == 0 and i not in dense),
+    }
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -170,14 +304,23 @@ def _architecture(config: dict[str, Any], source: str) -> str:
     )
 
 
-def _rope(config: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling) from either ``rope_parameters`` (5.x) or ``rope_scaling`` (4.x)."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+def _rope(
+    config: dict[str, Any], source: str, layer_type: str = "full_attention", arch: str | None = None,
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) from ``rope_parameters`` (5.x) or ``rope_scaling`` + ``rope_theta`` (4.x).
+
+    The scaling dict is what ``rope.cos_sin_cache`` reads: ``rope_type`` and that type's fields,
+    with ``original_max_position_embeddings`` (and ``factor`` where transformers derives it)
+    filled in as transformers does. A ``rope_parameters`` nested by layer type (Gemma 3 in 5.x)
+    gives ``layer_type``'s entry. None = plain RoPE.
+    """
+    params = _rope_dict(config, layer_type, source)
     theta = float(params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if float(params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ValueError(f"{source}: partial_rotary_factor != 1 is not supported")
+    params.pop("partial_rotary_factor", None)  # read by _partial_rotary_factor
+    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # transformers' Phi3Config renames Phi-3's first names for LongRoPE
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"{source}: rope scaling type {rope_type!r} is not supported; "
@@ -186,12 +329,51 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | 
     if rope_type == "default":
         return theta, None
     missing = [k for k in _ROPE_REQUIRED[rope_type] if params.get(k) is None]
-    if rope_type == "llama3" and missing == ["original_max_position_embeddings"]:
-        params["original_max_position_embeddings"] = config.get("max_position_embeddings")
-        missing = []
     if missing:
         raise ValueError(f"{source}: rope scaling {rope_type!r} needs {', '.join(missing)}")
+    max_positions = int(config.get("max_position_embeddings", 2048))
+    if rope_type == "dynamic":
+        # transformers scales dynamic NTK from the model's own context length.
+        params["original_max_position_embeddings"] = max_positions
+    elif rope_type in ("yarn", "longrope", "llama3"):
+        original = params.get("original_max_position_embeddings")
+        if arch == "Phi3ForCausalLM":
+            # Phi3Config's own field (default 4096) wins over the one inside rope_scaling.
+            original = config.get("original_max_position_embeddings") or 4096
+        params["original_max_position_embeddings"] = int(original or max_positions)
+        if rope_type != "llama3" and params.get("factor") is None:
+            params["factor"] = max_positions / params["original_max_position_embeddings"]
+    for key in ("short_factor", "long_factor"):
+        if key in params and not (isinstance(params[key], list)
+                                  and all(isinstance(x, (int, float)) for x in params[key])):
+            raise ValueError(f"{source}: rope scaling {key} must be a list of numbers")
     return theta, {"rope_type": rope_type, **params}
+
+
+def _rope_dict(config: dict[str, Any], layer_type: str, source: str) -> dict[str, Any]:
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{source}: rope_parameters / rope_scaling must be an object, got {params!r}")
+    if any(isinstance(params.get(t), dict) for t in _ROPE_LAYER_TYPES):  # nested by layer type
+        params = params.get(layer_type) or {}
+    return dict(params)
+
+
+def _partial_rotary_factor(config: dict[str, Any], source: str, head_dim: int) -> float:
+    """The rope dict's ``partial_rotary_factor`` (5.x), else the config's own (4.x), else 1."""
+    params = _rope_dict(config, "full_attention", source)
+    factor = params.get("partial_rotary_factor")
+    factor = float(config.get("partial_rotary_factor", 1.0) if factor is None else factor)
+    rotary = int(head_dim * factor)
+    if not 0.0 < factor <= 1.0 or rotary < 2 or rotary % 2:
+        raise ValueError(f"{source}: partial_rotary_factor {factor} gives {rotary} rotary channels of "
+                         f"head_dim {head_dim}; it must be in (0, 1] and give an even number")
+    longrope = [k for k in ("short_factor", "long_factor") if isinstance(params.get(k), list)]
+    for key in longrope:
+        if len(params[key]) != rotary // 2:
+            raise ValueError(f"{source}: rope scaling {key} has {len(params[key])} entries; "
+                             f"{rotary // 2} expected (rotary dimension {rotary} / 2)")
+    return factor
 
 
 def _merge_ids(*values: Any) -> list[int]:

@@ -1,4 +1,4 @@
-"""The one decoder for Llama, Mistral, Qwen2 and Qwen3 checkpoints, over a paged KV cache.
+"""The one decoder for every architecture in config.py (Llama, Qwen, Gemma ...), over a paged KV cache.
 
 A step is a flat batch of tokens from many sequences (prefill chunks and decode tokens mixed):
 no padding, no batch dimension. Attention goes only through the kernels contract
@@ -6,6 +6,10 @@ no padding, no batch dimension. Attention goes only through the kernels contract
 
 Parameter layout differs from the checkpoint in two places (the loader fuses them):
 ``qkv_proj`` = rows of q_proj, k_proj, v_proj stacked; ``gate_up_proj`` = gate_proj then up_proj.
+
+Gemma is the same block with config switches: (1 + w) norms, four norms per layer ("sandwich"),
+GeGLU, scaled embeddings, ``query_pre_attn_scalar``, soft-capped attention (a ``paged_attention``
+argument) and logits, and for Gemma 3 a second RoPE table that the sliding layers read.
 """
 
 from __future__ import annotations
@@ -17,21 +21,33 @@ from batchinfer.kernels import paged_attention, write_kv
 from batchinfer.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
 from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.models.config import ModelConfig
+from batchinfer.workers.models.moe import SparseMoeBlock
 from batchinfer.workers.models.rope import cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
 
 class RMSNorm(nn.Module):
-    """Holds the weight; the op is ``kernels.fused.rms_norm`` (optionally fused with a residual add)."""
+    """Holds the weight; the op is ``kernels.fused.rms_norm`` (optionally fused with a residual add).
 
-    def __init__(self, dim: int, eps: float):
+    ``unit_offset`` (Gemma): scale by ``1 + weight`` in float32 and cast after, as transformers'
+    GemmaRMSNorm does (Llama's norm casts first, then multiplies by the weight in the model dtype).
+    """
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual)
+        if not self.unit_offset:
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())
+        return h.to(x.dtype) if residual is None else (h.to(x.dtype), x)
 
 
 class Attention(nn.Module):
@@ -44,15 +60,16 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping
         self.sliding_window = config.layer_sliding_window(layer)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
 
     def forward(
         self,
@@ -67,7 +84,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3/Gemma 3: per-head norm before RoPE
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
         q, k = rotary_embedding(positions, q, k, cos_sin)
@@ -75,22 +92,28 @@ class Attention(nn.Module):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
         o = paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
-            scale=self.scale, sliding_window=self.sliding_window, backend=meta.backend,
+            scale=self.scale, sliding_window=self.sliding_window, backend=meta.backend, softcap=self.softcap,
         )  # [T, H, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up in one matmul
+    (GeGLU with tanh-approximated GELU instead of SiLU for Gemma)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C] -> [T, C]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gelu_tanh:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(torch.nn.functional.gelu(gate, approximate="tanh").mul_(up))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -98,10 +121,15 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = (config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
+        self.input_layernorm = RMSNorm(*norm)
         self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(*norm)
+        # Gemma: the post-attention norm acts on the attention output alone; two more wrap the MLP.
+        self.pre_feedforward_layernorm = RMSNorm(*norm) if config.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(*norm) if config.sandwich_norms else None
+        # MoE: the sparse block in config.moe_layers, a dense MLP elsewhere (Qwen's mlp_only_layers).
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config) if layer in config.moe_layers else MLP(config)
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
         if residual is None:
@@ -109,6 +137,10 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            # Gemma: residual + norm(attn) is fused into the pre-MLP norm; norm(mlp) joins at the next norm.
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -127,15 +159,26 @@ class Decoder(nn.Module):
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
             self.lm_head = None
             if not config.tie_word_embeddings:
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.to(dtype).to_empty(device=device)
         # Kept float32 (transformers computes angles in float32, then casts cos/sin to the input dtype).
-        table = cos_sin_cache(config.max_position_embeddings, config.head_dim, config.rope_theta,
+        table = cos_sin_cache(config.max_position_embeddings, config.rotary_dim, config.rope_theta,
                               config.rope_scaling, device=device)
         self.register_buffer("cos_sin_cache", table, persistent=False)
+        # Gemma 3: sliding layers rotate with their own base; each layer picks its table.
+        local = None
+        if config.rope_local_theta is not None:
+            local = cos_sin_cache(config.max_position_embeddings, config.rotary_dim, config.rope_local_theta,
+                                  config.rope_local_scaling, device=device)
+        self.register_buffer("cos_sin_local", local, persistent=False)
+        self._local_rope = tuple(local is not None and config.layer_types[i] == "sliding_attention"
+                                 for i in range(config.num_hidden_layers))
+        # transformers multiplies by sqrt(hidden) rounded to the weights' dtype (a bf16 scalar in bf16).
+        self.embed_scale = (float(torch.tensor(config.hidden_size**0.5, dtype=dtype))
+                            if config.scale_embeddings else None)
 
     @property
     def num_layers(self) -> int:
@@ -172,9 +215,12 @@ class Decoder(nn.Module):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} entries for {self.num_layers} layers")
         x = self.embed_tokens(input_ids)  # [T, C]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.cos_sin_cache, kv_cache, attn_metadata)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            cos_sin = self.cos_sin_local if self._local_rope[i] else self.cos_sin_cache
+            x, residual = layer(x, residual, positions, cos_sin, kv_cache, attn_metadata)
         if residual is None:  # no layers
             return self.norm(x)
         x, _ = self.norm(x, residual)
@@ -183,4 +229,8 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, C] -> [N, V] float32
         """Vocabulary logits of the selected hidden states (usually each sequence's last token)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma: in the model dtype, as transformers does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

@@ -34,8 +34,17 @@ CAPACITY_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "k
 
 
 def read_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
-    """The :data:`TOKENIZER_FILES` of a model folder, as a worker registers them (tokenizer.json required)."""
+    """The :data:`TOKENIZER_FILES` of a model folder, as a worker registers them (tokenizer.json required).
+
+    A GGUF checkpoint (a ``.gguf`` file, or a folder holding one and no tokenizer.json) has its
+    files rebuilt from its metadata (``batchinfer.workers.models.gguf.tokenizer``)."""
     path = Path(model_dir)
+    if not (path / "tokenizer.json").is_file() and (
+            path.suffix.lower() == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))):
+        # imported here: only a worker serving a GGUF needs the gguf package (and numpy, torch)
+        from batchinfer.workers.models.gguf.tokenizer import tokenizer_files
+
+        return tokenizer_files(path)
     files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
     if "tokenizer.json" not in files:
         raise FileNotFoundError(f"{path / 'tokenizer.json'}: not found (only fast tokenizers are supported)")

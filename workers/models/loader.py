@@ -1,9 +1,10 @@
-"""Hugging Face model directory -> ``Decoder`` with its weights (safetensors, single or sharded).
+"""Hugging Face model directory (safetensors, single or sharded) or GGUF file -> ``Decoder`` with its weights.
 
 Checkpoint tensors are copied one at a time into the decoder's parameters, fusing q/k/v into
 ``qkv_proj`` and gate/up into ``gate_up_proj`` on the way, so peak host memory stays near one
-tensor. Only safetensors are read (never pickled ``.bin`` files), and no code from the model
-directory is ever imported.
+tensor. Only safetensors and GGUF files are read (never pickled ``.bin`` files), and no code from
+the model directory is ever imported. A GGUF file's tensors are dequantized one at a time
+(``workers/models/gguf/``) and renamed to the Hugging Face names, so both paths share one loop.
 """
 
 from __future__ import annotations
@@ -19,6 +20,17 @@ from safetensors import safe_open
 from batchinfer.ops.progress import bytes_progress
 from batchinfer.workers.models.config import ModelConfig
 from batchinfer.workers.models.decoder import Decoder
+from batchinfer.workers.models.gguf import (
+    GGUFFile,
+    dequantize,
+    gguf_path,
+    hf_config,
+    hf_name,
+    needs_unpermute,
+    unpermute_qk,
+)
+from batchinfer.workers.models.gguf.names import has_norm_offset
+from batchinfer.workers.models.moe import checkpoint_target, part_bounds
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -79,25 +91,36 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
 ) -> Decoder:
-    """Build the decoder of a Hugging Face directory and load its weights.
+    """Build the decoder of a Hugging Face directory or a GGUF checkpoint and load its weights.
+
+    ``model_dir``: a folder with ``config.json`` + safetensors, a ``.gguf`` file, or a folder
+    holding exactly one ``.gguf`` (and no safetensors). GGUF tensors are dequantized into ``dtype``
+    on ``device``; ``"auto"`` is float32 for them (a GGUF file names no torch dtype).
 
     ``progress`` shows a bytes progress bar on stderr when stderr is a terminal. Raises
     ``FileNotFoundError`` for a missing config / weights file / shard and ``ValueError`` for an
-    unsupported architecture, a missing or unexpected tensor, or a shape mismatch.
+    unsupported architecture or GGUF tensor type, a missing or unexpected tensor, or a shape mismatch.
     """
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"{model_dir}: model directory not found")
-    config = ModelConfig.from_dir(model_dir)
-    files = weight_files(model_dir)
+    gguf = _open_gguf(model_dir)  # None: a Hugging Face folder
+    if gguf is None:
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"{model_dir}: model directory not found")
+        config = ModelConfig.from_dir(model_dir)
+        files = weight_files(model_dir)
+    else:
+        config = ModelConfig.from_dict(*hf_config(gguf), source=str(gguf.path))
     model = Decoder(config, dtype=resolve_dtype(dtype, config), device=device)
     params = dict(model.named_parameters())
     sizes = _fused_sizes(config)
     pending = {(name, part) for name in params for part in sizes.get(name.split(".", 2)[-1], [None])}
 
-    total = sum(f.stat().st_size for f in files)
+    if gguf is None:
+        total, tensors = sum(f.stat().st_size for f in files), _tensors(files)
+    else:
+        total, tensors = _gguf_tensors(gguf, config, resolve_dtype(dtype, config), device)
     with torch.no_grad(), bytes_progress("loading weights", total, quiet=not progress) as bar:
-        for path, name, tensor in _tensors(files):
+        for path, name, tensor in tensors:
             bar.advance(tensor.numel() * tensor.element_size())
             target = _target(name, config)
             if target is None:
@@ -111,7 +134,9 @@ def load_model(
                 raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dest.shape)} from config.json")
             dest.copy_(tensor)
-            pending.discard((pname, part))
+            # A checkpoint that is already fused (Phi-3's qkv_proj, gate_up_proj) fills every part.
+            parts: list[str | None] = [part] if part else list(sizes.get(pname.split(".", 2)[-1], {}))
+            pending.difference_update({(pname, p) for p in parts or [None]})
     if pending:
         missing = sorted(f"{p}" + (f" ({part} part)" if part else "") for p, part in pending)
         raise ValueError(f"{model_dir}: checkpoint lacks tensors for {', '.join(missing[:8])}"
@@ -126,6 +151,40 @@ def _tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
                 yield path, name, f.get_tensor(name)
 
 
+def _open_gguf(path: Path) -> GGUFFile | None:
+    """The GGUF checkpoint ``path`` names (a .gguf file, a folder holding one), else None."""
+    found = gguf_path(path)
+    return None if found is None else GGUFFile(found)
+
+
+def _gguf_tensors(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
+                  device: str | torch.device) -> tuple[int, Iterator[tuple[Path, str, torch.Tensor]]]:
+    """(bytes after dequantization, the tensors under Hugging Face names, dequantized on ``device``).
+
+    Lazy: one tensor is dequantized at a time, straight into ``dtype`` on the decoder's device.
+    """
+    arch = gguf.architecture
+    heads = {"q": config.num_attention_heads, "k": config.num_key_value_heads}
+    size = torch.empty((), dtype=dtype).element_size()
+    total = sum(t.n_elements for t in gguf.tensors.values()) * size
+
+    def tensors() -> Iterator[tuple[Path, str, torch.Tensor]]:
+        for t in gguf.tensors.values():
+            try:
+                name = hf_name(t.name, arch)
+            except ValueError as e:
+                raise ValueError(f"{gguf.path.name}: {e}") from None
+            tensor = dequantize(t, dtype, device)
+            part = needs_unpermute(t.name, arch)
+            if part is not None:  # llama.cpp interleaved q/k rows for its RoPE: restore HF's order
+                tensor = unpermute_qk(tensor, heads[part])
+            if has_norm_offset(t.name, arch):  # Gemma: llama.cpp stored w + 1 for the (1 + w) norm
+                tensor = tensor - 1
+            yield gguf.path, name, tensor
+
+    return total, tensors()
+
+
 def _target(name: str, config: ModelConfig) -> tuple[str, str | None] | None:
     """Our (parameter name, fused part) for a checkpoint tensor name; None = ignore it."""
     if _SKIPPED.search(name):
@@ -133,6 +192,9 @@ def _target(name: str, config: ModelConfig) -> tuple[str, str | None] | None:
     if name == "lm_head.weight":
         return None if config.tie_word_embeddings else (name, None)  # tied: the embedding serves
     name = name.removeprefix("model.")
+    expert = checkpoint_target(name)  # one expert's tensor -> its slice of the stacked w13 / w2
+    if expert is not None:
+        return expert
     match = re.fullmatch(r"(layers\.\d+\.)(\w+\.\w+)\.(weight|bias)", name)
     if match and match.group(2) in _FUSED:
         fused, part = _FUSED[match.group(2)]
@@ -140,21 +202,29 @@ def _target(name: str, config: ModelConfig) -> tuple[str, str | None] | None:
     return name, None
 
 
-def _fused_sizes(config: ModelConfig) -> dict[str, dict[str, tuple[int, int]]]:
+def _fused_sizes(config: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
     """Row ranges of each part inside a fused parameter, keyed by the name after ``layers.N.``."""
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     inter = config.intermediate_size
-    qkv = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
-    gate_up = {"gate": (0, inter), "up": (inter, 2 * inter)}
+    qkv: dict[str, tuple[int, ...]] = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+    gate_up: dict[str, tuple[int, ...]] = {"gate": (0, inter), "up": (inter, 2 * inter)}
     return {
         "self_attn.qkv_proj.weight": qkv, "self_attn.qkv_proj.bias": qkv,
         "mlp.gate_up_proj.weight": gate_up, "mlp.gate_up_proj.bias": gate_up,
+        **part_bounds(config),  # MoE: (expert, start, end) of stacked experts; the shared expert's gate/up
     }
 
 
 def _slice(param: torch.Tensor, pname: str, part: str | None, sizes) -> torch.Tensor:
     if part is None:
         return param.data
-    start, end = sizes[pname.split(".", 2)[-1]][part]
+    bounds = sizes[pname.split(".", 2)[-1]].get(part)
+    if bounds is None:  # e.g. experts.9 in a checkpoint whose config.json says 8 experts
+        raise ValueError(f"checkpoint tensor for {pname!r} part {part!r} has no place in the model "
+                         "built from config.json (does config.json match the weights?)")
+    if len(bounds) == 3:  # (expert, start, end): rows of one expert in a stacked MoE parameter
+        expert, start, end = bounds
+        return param.data[expert, start:end]
+    start, end = bounds
     return param.data[start:end]

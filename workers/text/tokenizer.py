@@ -51,9 +51,13 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Read tokenizer.json (required), tokenizer_config.json, generation_config.json and
-        chat_template.jinja (which newer transformers write instead of the config's field)."""
+        chat_template.jinja (which newer transformers write instead of the config's field).
+
+        A ``.gguf`` file, or a folder holding one and no tokenizer.json, goes to ``from_gguf``."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
+        if not tok_file.is_file() and looks_like_gguf(path):
+            return cls.from_gguf(path)
         if not tok_file.is_file():
             raise FileNotFoundError(f"{tok_file}: tokenizer.json not found "
                                     "(only fast tokenizers are supported)")
@@ -66,6 +70,17 @@ class Tokenizer:
         return cls.from_files(tok_file.read_bytes(), read("tokenizer_config.json"),
                               read("generation_config.json"),
                               template.decode("utf-8") if template is not None else None)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer a GGUF file's metadata describes (a ``.gguf`` file or a folder holding one):
+        see ``batchinfer.workers.models.gguf.tokenizer``."""
+        # Imported here: the scheduler loads this module but never reads a GGUF (Redis has the files)
+        from batchinfer.workers.models.gguf.tokenizer import tokenizer_files
+
+        files = tokenizer_files(path)
+        return cls.from_files(files["tokenizer.json"], files.get("tokenizer_config.json"),
+                              files.get("generation_config.json"))
 
     @classmethod
     def from_files(
@@ -188,6 +203,14 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def looks_like_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is a ``.gguf`` file or a folder holding ``.gguf`` files (checked by name only)."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return True
+    return path.is_dir() and any(p.suffix.lower() == ".gguf" for p in path.iterdir())
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:

@@ -1,0 +1,213 @@
+"""GGUF checkpoints end to end: written with gguf's writer from tiny random HF checkpoints, loaded
+by ``load_model`` / ``LLM``, and compared with the safetensors original and with transformers'
+own GGUF loading (``from_pretrained(dir, gguf_file=...)``, which dequantizes with gguf's numpy).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from batchinfer import LLM, SamplingParams  # noqa: E402
+from batchinfer.workers.models import ModelConfig, load_model  # noqa: E402
+from batchinfer.workers.models.gguf import GGUFFile, dequantize, gguf_path, unpermute_qk  # noqa: E402
+from batchinfer.workers.models.gguf.writer import write_gguf  # noqa: E402
+from batchinfer.workers.testing import make_tiny_model  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+# transformers' GGUF config for qwen3 ignores attention.key_length (head_dim stays its default
+# 128): give the tiny Qwen3 that head_dim so the reference builds the same model.
+SHAPES = {"Qwen3ForCausalLM": {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+                               "head_dim": 128}}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def gguf_folder(tmp_path, arch: str, qtype) -> tuple:
+    """(HF folder, GGUF folder holding m.gguf and the tiny tokenizer files)."""
+    hf = make_tiny_model(tmp_path / arch, architecture=arch, **SHAPES.get(arch, {}))
+    folder = tmp_path / f"{arch}-{qtype.name}"
+    folder.mkdir()
+    write_gguf(hf, folder / "m.gguf", qtype)
+    for name in TOKENIZER_FILES:
+        shutil.copy(hf / name, folder / name)
+    return hf, folder
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_f32_gguf_loads_the_checkpoint_exactly(tmp_path, arch):
+    # Names, the undone q/k permutation (llama), biases (qwen2), q/k norms (qwen3), tied embeddings.
+    hf, folder = gguf_folder(tmp_path, arch, Q.F32)
+    ours, ref = load_model(folder / "m.gguf"), load_model(hf)
+    a, b = ours.state_dict(), ref.state_dict()
+    assert a.keys() == b.keys()
+    for name in b:
+        assert torch.equal(a[name], b[name]), name
+    assert ours.config.tie_word_embeddings == ref.config.tie_word_embeddings
+    skip = {"torch_dtype", "eos_token_ids"}
+    for field in ModelConfig.__dataclass_fields__:
+        if field not in skip:
+            assert getattr(ours.config, field) == getattr(ref.config, field), field
+    assert ours.config.eos_token_ids[0] == ref.config.eos_token_ids[0]
+    # A folder holding one .gguf (and no safetensors) is the same checkpoint; so is from_dir.
+    assert ModelConfig.from_dir(folder) == ours.config
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda t: t.name)
+def test_quantized_tensors_match_gguf_numpy(tmp_path, qtype):
+    _, folder = gguf_folder(tmp_path, "LlamaForCausalLM", qtype)
+    f = GGUFFile(folder)
+    assert {t.tensor_type for t in f.tensors.values()} == {qtype, Q.F32}  # norms stay F32
+    model = load_model(folder)
+    params = dict(model.named_parameters())
+    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    q_rows = heads * model.config.head_dim
+    for name, t in f.tensors.items():
+        ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+        ref = ref.reshape(tuple(reversed(t.shape.tolist())))
+        torch.testing.assert_close(dequantize(t), ref, rtol=0, atol=0)
+        if name == "blk.0.attn_q.weight":  # lands, unpermuted, in the fused qkv rows
+            qkv = params["layers.0.self_attn.qkv_proj.weight"]
+            torch.testing.assert_close(qkv[:q_rows], unpermute_qk(ref, heads), rtol=0, atol=0)
+        if name == "blk.0.attn_k.weight":
+            qkv = params["layers.0.self_attn.qkv_proj.weight"]
+            k = qkv[q_rows:q_rows + kv * model.config.head_dim]
+            torch.testing.assert_close(k, unpermute_qk(ref, kv), rtol=0, atol=0)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 70)]
+
+
+def _hf_greedy(hf, prompt: list[int], max_new: int):
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                      eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [s[0].float() for s in out.logits]
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_and_logits_match_transformers_gguf(tmp_path, arch, qtype):
+    _, folder = gguf_folder(tmp_path, arch, qtype)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="m.gguf",
+                                                           dtype=torch.float32).eval()
+    llm = LLM(folder, max_num_batched_tokens=32)  # chunked prefill for the longer prompts
+    prompts, n = _prompts(), 8
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            tokens, logits = _hf_greedy(hf, prompt, n)
+        completion = out.outputs[0]
+        assert completion.token_ids == tokens, f"{len(prompt)}-token prompt diverges"
+        ref = torch.log_softmax(logits[-1], dim=-1)  # the final step's logits, up to a shift
+        for token, lp in completion.logprobs[-1].items():
+            assert abs(lp.logprob - ref[token].item()) < 1e-4
+
+
+def test_served_name_of_a_gguf_file_is_its_stem(tmp_path):
+    from batchinfer.workers.config import EngineConfig
+    from batchinfer.workers.engine.engine import Engine
+    from batchinfer.workers.text.tokenizer import Tokenizer
+
+    hf, folder = gguf_folder(tmp_path, "LlamaForCausalLM", Q.Q8_0)
+    assert LLM(folder).engine.model_name == folder.name  # a folder: its name, as for HF folders
+    engine = Engine(EngineConfig(model=str(folder / "m.gguf")), tokenizer=Tokenizer.from_dir(hf))
+    assert engine.model_name == "m"  # a file: its stem (SmolLM2-135M-Instruct.Q4_1 for the demo)
+
+
+def test_folder_with_several_ggufs_is_refused(tmp_path):
+    _, folder = gguf_folder(tmp_path, "LlamaForCausalLM", Q.F32)
+    shutil.copy(folder / "m.gguf", folder / "n.gguf")
+    with pytest.raises(ValueError, match=r"holds 2 \.gguf files \(m\.gguf, n\.gguf\); give the file"):
+        load_model(folder)
+    assert gguf_path(folder / "n.gguf") == folder / "n.gguf"
+
+
+def test_missing_gguf_file_and_folder_without_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        load_model(tmp_path / "nope.gguf")
+    with pytest.raises(FileNotFoundError, match=r"no \.gguf file in this folder"):
+        GGUFFile(tmp_path)
+
+
+def _write(path, arch="llama", qtype=Q.F32, tensor_bytes=None):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_context_length(64)
+    w.add_token_list([f"t{i}" for i in range(8)])
+    if tensor_bytes is None:
+        w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    else:
+        w.add_tensor("token_embd.weight", tensor_bytes, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path):
+    path = _write(tmp_path / "x.gguf", arch="bert")
+    with pytest.raises(ValueError, match=r"GGUF architecture 'bert' is not supported; supported: llama"):
+        load_model(path)
+
+
+def test_unsupported_tensor_type_names_type_and_tensor(tmp_path):
+    block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
+    raw = np.zeros((8, 32 // block * size), np.uint8)
+    path = _write(tmp_path / "x.gguf", qtype=Q.IQ4_NL, tensor_bytes=raw)
+    with pytest.raises(ValueError, match=r"token_embd\.weight: GGUF tensor type IQ4_NL is not supported"):
+        load_model(path)
+
+
+def test_missing_tensors_are_named(tmp_path):
+    path = _write(tmp_path / "x.gguf")
+    with pytest.raises(ValueError, match="checkpoint lacks tensors for"):
+        load_model(path)
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_matches_transformers(tmp_path):
+    from batchinfer.workers.testing import demo_gguf
+
+    try:
+        path = demo_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    start = time.perf_counter()
+    model = load_model(path, progress=False)
+    seconds = time.perf_counter() - start
+    print(f"SmolLM2-135M-Instruct Q4_1: load_model {seconds:.2f} s")
+    assert model.config.architecture == "LlamaForCausalLM" and model.config.vocab_size == 49152
+    assert model.config.num_hidden_layers == 30 and model.config.tie_word_embeddings
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    # The GGUF (linked) next to the tiny tokenizer: token ids in, token ids out.
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    (folder / path.name).symlink_to(path)
+    hf_dir = make_tiny_model(tmp_path / "tiny")
+    for name in TOKENIZER_FILES:
+        shutil.copy(hf_dir / name, folder / name)
+    llm = LLM(folder, max_model_len=256)
+    prompt = [1, 504, 3458, 282, 4649, 314, 1345, 28, 2]  # token ids (no tokenizer needed)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        tokens, _ = _hf_greedy(hf, prompt, 12)
+    assert out.token_ids == tokens
+    assert seconds < 60
+

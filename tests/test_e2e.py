@@ -251,11 +251,13 @@ def test_batchinfer_run_end_to_end(tiny_llama, llm, tmp_path):
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{logs}"
     assert json.loads(proc.stdout)["status"] == "completed"
     rows = read_rows(out)
-    assert len(rows) == 13
+    n = len((REPO / "examples" / "prompts.jsonl").read_text().splitlines())
+    assert len(rows) == n
     failed = {r["line"]: r["error_code"] for r in rows if r["status"] != "completed"}
-    assert failed == {12: "invalid_request", 13: "invalid_json"}
-    hello = next(r for r in rows if r["custom_id"] == "hello")
-    assert hello["output_token_ids"] == reference(llm, "Hello world!", max_tokens=12, temperature=0)
+    assert failed == {n - 1: "invalid_request", n: "invalid_json"}  # the two deliberately bad lines
+    japan = next(r for r in rows if r["custom_id"] == "japan")
+    expected = reference(llm, "The capital of Japan is", max_tokens=48, temperature=0, stop=["."])
+    assert japan["output_token_ids"] == expected
 
 
 def _processes_mentioning(text: str) -> list[int]:

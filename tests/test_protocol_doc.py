@@ -14,7 +14,7 @@ from daemons import Stack
 
 from batchinfer.keys import Keys
 from batchinfer.store.registry import Registry
-from batchinfer.workers.testing import make_demo_model
+from batchinfer.workers.testing import make_tiny_demo_model
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 MARKER = "<!-- tests/test_protocol_doc.py runs the commands of the next block with redis-cli -->"
@@ -36,7 +36,8 @@ def test_the_block_names_the_demo_model_and_unique_ids():
 
 @pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli is not on PATH")
 def test_the_redis_cli_example_runs_verbatim(redis_server, tmp_path):
-    demo = make_demo_model(tmp_path / "demo")  # served as "demo", as `batchinfer run --model demo` does
+    # the tiny model in a folder named "demo": served as "demo", the name `batchinfer run --model demo` uses
+    demo = make_tiny_demo_model(tmp_path / "demo")
     stack = Stack(redis_server.url, tmp_path, env={"BATCHINFER_PREFIX": "{bi}"})
     try:
         stack.start("scheduler", "scheduler")

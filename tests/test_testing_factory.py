@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.models import load_model
-from batchinfer.workers.testing import make_demo_model, make_tiny_model, tokenizer_files
+from batchinfer.workers.testing import make_tiny_demo_model, make_tiny_model, tokenizer_files
 from batchinfer.workers.text.tokenizer import Tokenizer
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -98,8 +98,8 @@ def greedy(model, prompt: list[int], steps: int) -> list[int]:
     return out
 
 
-def test_demo_model(tmp_path):
-    path = make_demo_model(tmp_path / "demo")
+def test_tiny_demo_model(tmp_path):
+    path = make_tiny_demo_model(tmp_path / "tiny")
     model = load_model(path, progress=False)
     assert (model.num_layers, model.config.hidden_size) == (4, 128)
     assert sum(p.numel() for p in model.parameters()) > 500_000

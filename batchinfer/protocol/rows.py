@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import sys
 import time
+from array import array
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -25,6 +28,37 @@ def now_ms() -> int:
     next one (a timestamp later than the instant it records).
     """
     return time.time_ns() // 1_000_000
+
+
+TASKS = ("generate", "embed")
+
+
+def encode_vector(values: Any) -> str:
+    """One embedding as the protocol carries it: base64 of little-endian float32 (OpenAI's
+    ``encoding_format: "base64"`` form, a third of JSON floats' size and exact).
+
+    ``values``: a sequence of floats, or anything with ``tobytes()`` of float32 (a numpy array).
+    """
+    if hasattr(values, "tobytes") and getattr(values, "dtype", None) is not None:
+        raw = values.astype("<f4", copy=False).tobytes()
+    else:
+        arr = array("f", values)
+        if sys.byteorder == "big":
+            arr.byteswap()
+        raw = arr.tobytes()
+    return base64.b64encode(raw).decode("ascii")
+
+
+def decode_vector(text: str | bytes) -> list[float]:
+    """The floats of :func:`encode_vector`'s text (``ValueError`` if it is not whole float32s)."""
+    raw = base64.b64decode(text, validate=True)
+    if len(raw) % 4:
+        raise ValueError(f"an embedding of {len(raw)} bytes is not a whole number of float32s")
+    arr = array("f")
+    arr.frombytes(raw)
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tolist()
 
 
 def request_id_for(job_id: str | None, idx: int | None, entry_id: str | None = None) -> str:
@@ -91,9 +125,21 @@ class BatchRequest:
     created_at: int | None = None
     attempts: int = 0
     url: str | None = None  # OpenAI endpoint of an OpenAI Batch line (shapes OpenAI output)
+    # Embedding requests (task "embed"): the token ids of each input, one vector each, and
+    # PoolingParams.to_dict(); prompt_token_ids is then empty and sampling_params {}.
+    task: str = "generate"
+    inputs: list[list[int]] | None = None
+    pooling_params: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The tokens this request puts through the model's prompt pass (every input's, for "embed")."""
+        if self.inputs is not None:
+            return sum(len(ids) for ids in self.inputs)
+        return len(self.prompt_token_ids)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BatchRequest:
@@ -133,6 +179,10 @@ class ResultRow:
     sampling_params: dict[str, Any] | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     url: str | None = None  # OpenAI endpoint of an OpenAI Batch line; not a Parquet column
+    # Embedding rows: one vector per input, in input order, each encode_vector()'s base64 float32;
+    # pooling_params as the request gave them (encoding_format shapes the OpenAI output line).
+    embeddings: list[str] | None = None
+    pooling_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.status not in ROW_STATUSES:
@@ -163,6 +213,10 @@ class ResultRow:
     @property
     def ok(self) -> bool:
         return self.status == "completed"
+
+    def vectors(self) -> list[list[float]] | None:
+        """The row's embeddings as floats (None for a generation or error row)."""
+        return None if self.embeddings is None else [decode_vector(v) for v in self.embeddings]
 
     @classmethod
     def for_request(cls, request: BatchRequest, output: RequestOutput, *, worker: str | None = None,

@@ -45,6 +45,7 @@ class Engine(WorkerEngine):
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         path = Path(config.model)
         self.model_name = path.stem if path.is_file() else path.name  # x.gguf is served as "x"
+        self.task = "generate"
         mc = self.model.config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "

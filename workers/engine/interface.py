@@ -25,6 +25,15 @@ class WorkerEngine(Protocol):
 
     # -- identity, registered once at start ------------------------------------------------------
 
+    task: str
+    """``"generate"`` (completions: :class:`RequestOutput`) or ``"embed"`` (vectors:
+    :class:`~batchinfer.workers.engine.outputs.PooledRequestOutput`). An ``"embed"`` engine's
+    ``add_request`` also takes ``inputs`` (a list of token-id lists: one vector each) and
+    ``pooling_params`` (``PoolingParams`` or its dict) as keywords, instead of sampling parameters;
+    it also has ``embedding_dim`` (the width of its vectors) and ``matryoshka`` (whether a request
+    may ask for fewer ``dimensions``). Registered with the model, so that the scheduler routes
+    ``/v1/embeddings`` lines only to embedding workers."""
+
     model_name: str
     """The model name batches are routed by (``{p}:batches:<model_name>``) unless the daemon is
     given one."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -58,3 +59,48 @@ class RequestOutput:
     # Set when the engine finished this request as aborted because it failed (e.g. an exception
     # while processing it); the worker daemon publishes it as an ``engine_error`` row.
     error: str | None = None
+
+
+# -- embeddings ---------------------------------------------------------------------------------
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's vector, as vLLM's ``EmbeddingOutput``."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt, shaped as vLLM's: ``out.outputs.embedding``."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class PooledRequestOutput:
+    """An embedding request's result as the embedding engine hands it to the worker daemon.
+
+    One request of the queue may carry several inputs (an OpenAI ``input`` list); it finishes when
+    every input is pooled, with one vector per input in input order. ``data`` is a CPU float32
+    tensor ``[num_inputs, dim]`` (typed ``Any`` so this module stays torch-free), already pooled,
+    truncated to the request's ``dimensions`` and normalised as asked.
+    """
+
+    request_id: str
+    prompt_token_ids: list[list[int]]  # per input, as the engine ran them (after any truncation)
+    data: Any = None  # torch.Tensor [num_inputs, dim] float32 on the CPU; None when ``error`` is set
+    finished: bool = True
+    error: str | None = None  # set when the engine failed this request (published as engine_error)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompt_token_ids)

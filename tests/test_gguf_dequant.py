@@ -1,7 +1,8 @@
-"""The torch dequantizers against gguf's own numpy reference, type by type.
+"""The torch dequantizers against gguf's own numpy reference, type by type, value for value.
 
 Types gguf can quantize get real quantized data; the K-quants (gguf has no quantizer for them)
-get random block bytes whose fp16 scale fields are set to small finite values.
+get random block bytes whose fp16 scale fields are set to small finite values. The dequantizers
+do gguf's float32 operations in gguf's order, so the values must be bit-identical.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 FP16_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
                Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,)}
 K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+BLOCK_TYPES = [*FP16_FIELDS]
 SHAPE = (6, 512)  # rows x columns: 512 columns = 2 K-blocks or 16 small blocks per row
+# Over a million values: two CPU slices of the dequantizer (2^20 values, the last one partial), and an
+# output large enough to be advised onto huge pages.
+LARGE = (2050, 512)
 
 
 def _random_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -52,7 +57,36 @@ def test_k_quant_blocks_match_gguf(qtype):
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
     got = dequantize_bytes(raw, qtype, SHAPE)
     assert tuple(got.shape) == SHAPE and torch.isfinite(got).all()
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_large_tensor_in_slices_matches_gguf(qtype):
+    # Random bytes also exercise codes the quantizer never emits (every 4/5/6-bit value).
+    raw = _random_blocks(qtype, *LARGE, seed=5)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    got = dequantize_bytes(raw, qtype, LARGE)
+    assert tuple(got.shape) == LARGE and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_single_block_matches_gguf(qtype):
+    # One block: its fields sit at their in-block offsets, not at word-aligned ones.
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    raw = _random_blocks(qtype, 1, block, seed=7)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32)).view(block)
+    torch.testing.assert_close(dequantize_bytes(raw, qtype, (block,)), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_engine_dtype_is_the_float32_value_rounded_once(qtype, dtype):
+    raw = _random_blocks(qtype, *LARGE, seed=6)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32)).to(dtype)
+    got = dequantize_bytes(raw, qtype, LARGE, dtype=dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_q8_k_is_scale_times_int8():
@@ -72,8 +106,8 @@ def test_output_dtype_and_1d_shape(dtype):
     data = gguf.quants.quantize(x, Q.Q8_0)
     got = dequantize_bytes(data, Q.Q8_0, (64,), dtype=dtype)
     assert got.dtype == dtype and tuple(got.shape) == (64,)
-    torch.testing.assert_close(got.float(), torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0)),
-                               rtol=1e-2, atol=1e-2)
+    expected = torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0)).to(dtype)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_unsupported_type_names_type_and_tensor():
@@ -97,10 +131,10 @@ def test_supported_types_cover_the_issue():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 def test_dequantizes_on_the_gpu(qtype):
     raw = _random_blocks(qtype, *SHAPE)
     got = dequantize_bytes(raw, qtype, SHAPE, device="cuda")
     assert got.is_cuda
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
-    torch.testing.assert_close(got.cpu(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-6, atol=1e-6)  # GPU may fuse mul+add

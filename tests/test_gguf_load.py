@@ -15,10 +15,18 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+import gguf_helpers  # noqa: E402
+from gguf_helpers import (  # noqa: E402
+    TOKENIZER_FILES,
+    assert_matches_transformers,
+    assert_same_model,
+    hf_greedy,
+    prompts,
+)
+
 from batchinfer import LLM, SamplingParams  # noqa: E402
 from batchinfer.workers.models import ModelConfig, load_model  # noqa: E402
 from batchinfer.workers.models.gguf import GGUFFile, dequantize, gguf_path, unpermute_qk  # noqa: E402
-from batchinfer.workers.models.gguf.writer import write_gguf  # noqa: E402
 from batchinfer.workers.testing import make_tiny_model  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -27,37 +35,22 @@ ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 # 128): give the tiny Qwen3 that head_dim so the reference builds the same model.
 SHAPES = {"Qwen3ForCausalLM": {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
                                "head_dim": 128}}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def gguf_folder(tmp_path, arch: str, qtype) -> tuple:
     """(HF folder, GGUF folder holding m.gguf and the tiny tokenizer files)."""
     hf = make_tiny_model(tmp_path / arch, architecture=arch, **SHAPES.get(arch, {}))
-    folder = tmp_path / f"{arch}-{qtype.name}"
-    folder.mkdir()
-    write_gguf(hf, folder / "m.gguf", qtype)
-    for name in TOKENIZER_FILES:
-        shutil.copy(hf / name, folder / name)
-    return hf, folder
+    return hf, gguf_helpers.gguf_folder(hf, tmp_path / f"{arch}-{qtype.name}", qtype)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_f32_gguf_loads_the_checkpoint_exactly(tmp_path, arch):
     # Names, the undone q/k permutation (llama), biases (qwen2), q/k norms (qwen3), tied embeddings.
     hf, folder = gguf_folder(tmp_path, arch, Q.F32)
-    ours, ref = load_model(folder / "m.gguf"), load_model(hf)
-    a, b = ours.state_dict(), ref.state_dict()
-    assert a.keys() == b.keys()
-    for name in b:
-        assert torch.equal(a[name], b[name]), name
-    assert ours.config.tie_word_embeddings == ref.config.tie_word_embeddings
-    skip = {"torch_dtype", "eos_token_ids"}
-    for field in ModelConfig.__dataclass_fields__:
-        if field not in skip:
-            assert getattr(ours.config, field) == getattr(ref.config, field), field
-    assert ours.config.eos_token_ids[0] == ref.config.eos_token_ids[0]
+    config = assert_same_model(folder / "m.gguf", hf)  # every parameter bit-equal, every field
+    assert config.eos_token_ids[0] == ModelConfig.from_dir(hf).eos_token_ids[0]
     # A folder holding one .gguf (and no safetensors) is the same checkpoint; so is from_dir.
-    assert ModelConfig.from_dir(folder) == ours.config
+    assert ModelConfig.from_dir(folder) == config
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda t: t.name)
@@ -82,36 +75,11 @@ def test_quantized_tensors_match_gguf_numpy(tmp_path, qtype):
             torch.testing.assert_close(k, unpermute_qk(ref, kv), rtol=0, atol=0)
 
 
-def _prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 70)]
-
-
-def _hf_greedy(hf, prompt: list[int], max_new: int):
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                      eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [s[0].float() for s in out.logits]
-
-
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_1], ids=lambda t: t.name)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_and_logits_match_transformers_gguf(tmp_path, arch, qtype):
     _, folder = gguf_folder(tmp_path, arch, qtype)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="m.gguf",
-                                                           dtype=torch.float32).eval()
-    llm = LLM(folder, max_num_batched_tokens=32)  # chunked prefill for the longer prompts
-    prompts, n = _prompts(), 8
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            tokens, logits = _hf_greedy(hf, prompt, n)
-        completion = out.outputs[0]
-        assert completion.token_ids == tokens, f"{len(prompt)}-token prompt diverges"
-        ref = torch.log_softmax(logits[-1], dim=-1)  # the final step's logits, up to a shift
-        for token, lp in completion.logprobs[-1].items():
-            assert abs(lp.logprob - ref[token].item()) < 1e-4
+    assert_matches_transformers(folder, prompts())  # chunked prefill (32) for the longer prompts
 
 
 def test_served_name_of_a_gguf_file_is_its_stem(tmp_path):
@@ -140,8 +108,14 @@ def test_missing_gguf_file_and_folder_without_one(tmp_path):
         GGUFFile(tmp_path)
 
 
-def _write(path, arch="llama", qtype=Q.F32, tensor_bytes=None):
+def _write(path, arch="llama", qtype=Q.F32, tensor_bytes=None, keys=None, tensors=None):
+    """A one-layer file: 32 wide, 2 heads (head_dim 16), 8 tokens; ``keys`` (suffix -> uint32 value)
+    and ``tensors`` (name -> F32 array) added."""
     w = gguf.GGUFWriter(str(path), arch)
+    for suffix, value in (keys or {}).items():
+        w.add_uint32(f"{arch}.{suffix}", value)
+    for name, array in (tensors or {}).items():
+        w.add_tensor(name, array)
     w.add_block_count(1)
     w.add_embedding_length(32)
     w.add_feed_forward_length(64)
@@ -161,8 +135,28 @@ def _write(path, arch="llama", qtype=Q.F32, tensor_bytes=None):
 
 def test_unsupported_architecture_lists_the_supported(tmp_path):
     path = _write(tmp_path / "x.gguf", arch="bert")
-    with pytest.raises(ValueError, match=r"GGUF architecture 'bert' is not supported; supported: llama"):
+    with pytest.raises(ValueError, match=r"GGUF architecture 'bert' is not supported; supported: llama, "
+                                         r"mistral, qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe, qwen3moe"):
         load_model(path)
+
+
+def test_partial_rotary_outside_phi3_is_refused(tmp_path):
+    path = _write(tmp_path / "x.gguf", keys={"rope.dimension_count": 8})
+    with pytest.raises(ValueError, match=r"rope.dimension_count 8 != head_dim 16 \(partial rotary\) is not "
+                                         r"supported for llama files"):
+        ModelConfig.from_dir(path)
+
+
+def test_moe_files_missing_their_expert_tensors_are_refused(tmp_path):
+    router = {"blk.0.ffn_gate_inp.weight": np.zeros((4, 32), np.float32)}
+    path = _write(tmp_path / "a.gguf", "qwen2moe", keys={"expert_count": 4, "expert_used_count": 2})
+    with pytest.raises(ValueError, match=r"a Qwen2MoeForCausalLM file needs qwen2moe.expert_count > 0 and "
+                                         r"router tensors blk.N.ffn_gate_inp"):
+        ModelConfig.from_dir(path)
+    path = _write(tmp_path / "b.gguf", "qwen2moe", keys={"expert_count": 4, "expert_used_count": 2,
+                                                         "expert_feed_forward_length": 16}, tensors=router)
+    with pytest.raises(ValueError, match=r"a qwen2moe file needs the shared expert \(ffn_\*_shexp tensors\)"):
+        ModelConfig.from_dir(path)
 
 
 def test_unsupported_tensor_type_names_type_and_tensor(tmp_path):
@@ -207,7 +201,7 @@ def test_smollm2_q4_1_matches_transformers(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
     with torch.no_grad():
-        tokens, _ = _hf_greedy(hf, prompt, 12)
+        tokens, _ = hf_greedy(hf, prompt, 12)
     assert out.token_ids == tokens
     assert seconds < 60
 

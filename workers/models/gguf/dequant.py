@@ -1,15 +1,25 @@
 """GGUF tensor bytes -> torch tensors: vectorised dequantizers for ggml's block layouts.
 
 Each quantized type stores blocks of ``block_size`` values in ``type_size`` bytes (``gguf``'s
-``GGML_QUANT_SIZES``). Every dequantizer here takes the blocks as a ``(n_blocks, type_size)``
-uint8 tensor and returns ``(n_blocks, block_size)`` float32, with whole-tensor torch ops (no
-per-block Python), on whatever device the bytes are on: the worker's GPU when it has one. The
-layouts follow ggml-quants.c, and ``gguf.quants``' numpy dequantizers, which the tests compare
-against, line by line.
+``GGML_QUANT_SIZES``). Every dequantizer here takes a slice of blocks as a ``(n, type_size)``
+uint8 tensor and writes its ``(n, block_size)`` float32 values into ``out``, with whole-slice
+torch ops (no per-block Python), on whatever device the bytes are on: the worker's GPU when it
+has one. The layouts follow ggml-quants.c, and ``gguf.quants``' numpy dequantizers, which the
+tests compare against value for value: the same float32 operations in the same order.
+
+What makes it fast on a CPU (docs/benchmarks.md, GGUF dequantization): bit fields are shifted
+and masked over whole contiguous runs of bytes and stacked into one contiguous uint8 tensor, so
+the one uint8 -> float32 conversion (written straight into the output) and the in-place scale
+and offset ops all run on torch's vectorised contiguous path; the tensor goes through in slices
+of a million values, so temporaries are reused rather than faulted in afresh; and a large
+output is advised onto transparent huge pages, because faulting a fresh output in 4 KiB at a
+time costs about as much as the arithmetic.
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -20,122 +30,187 @@ Q = GGMLQuantizationType
 _U8 = torch.uint8
 
 
-def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 field at byte ``start`` of every block, as ``(n_blocks, 1)`` float32."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``x`` at offset 0: viewing bytes as wider words needs aligned strides.
+
+    (``.contiguous()`` would hand back a one-block slice as it is, at its odd offset.)
+    """
+    return x.clone(memory_format=torch.contiguous_format)
 
 
-def _shifted(x: torch.Tensor, shifts: Sequence[int], mask: int) -> torch.Tensor:
-    """``(x[..., None, :] >> shift) & mask`` for each shift: ``(..., k)`` -> ``(..., len(shifts), k)``."""
-    s = torch.tensor(shifts, dtype=_U8, device=x.device).view(-1, 1)
-    return (x.unsqueeze(-2) >> s) & mask
+def _f16(b: torch.Tensor, start: int, count: int = 1) -> torch.Tensor:
+    """The ``count`` fp16 fields from byte ``start`` of every block, as ``(n, count)`` float32.
+
+    Adjacent fields (d and m) come out of one small copy of their bytes.
+    """
+    return _packed(b[:, start:start + 2 * count]).view(torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """Low nibbles then high nibbles of each block's bytes: ``(n, k)`` -> ``(n, 2k)``."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+def _fields(b: torch.Tensor, start: int, end: int, shifts: Sequence[int], mask: int,
+            groups: int = 1) -> torch.Tensor:
+    """Bit fields of bytes ``start:end`` of each block: ``(n, type_size)`` -> ``(n, groups, s, k)`` uint8.
 
-
-def _bits32(qh: torch.Tensor) -> torch.Tensor:
-    """The 32 bits of a little-endian uint32 stored as 4 bytes: ``(n, 4)`` -> ``(n, 32)`` of 0/1."""
-    return _shifted(qh, range(8), 1).transpose(-1, -2).reshape(qh.shape[0], 32)
-
-
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * (_nibbles(b[:, 2:]).float() - 8)
-
-
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * _nibbles(b[:, 4:]).float() + _f16(b, 2)
-
-
-def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[:, 6:]) | (_bits32(b[:, 2:6]) << 4)
-    return _f16(b, 0) * (q.float() - 16)
-
-
-def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[:, 8:]) | (_bits32(b[:, 4:8]) << 4)
-    return _f16(b, 0) * q.float() + _f16(b, 2)
-
-
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * b[:, 2:].view(torch.int8).float()
-
-
-def _q8_k(b: torch.Tensor) -> torch.Tensor:
-    d = b[:, :4].contiguous().view(torch.float32)
-    return d * b[:, 4:260].view(torch.int8).float()
-
-
-def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    ``[..., i, :]`` is ``(byte >> shifts[i]) & mask`` for each of the ``groups`` runs of ``k``
+    bytes (ggml's order: a run's low fields, then its next fields). The region is copied out
+    contiguous once; each shift and mask then runs over it as int64 words (8 bytes an element,
+    the mask repeated in every byte), and ``torch.stack`` gathers the results, all contiguous,
+    into one contiguous tensor. Nothing strided reaches the uint8 -> float32 cast that follows:
+    that is ~20x slower than casting a contiguous tensor.
+    """
     n = b.shape[0]
-    scales, qs = b[:, :16], b[:, 16:80]
-    dl = (_f16(b, 80) * (scales & 0x0F).float()).view(n, 16, 1)
-    ml = (_f16(b, 82) * (scales >> 4).float()).view(n, 16, 1)
-    q = _shifted(qs.reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 16, 16).float()
-    return (dl * q - ml).reshape(n, 256)
+    region = _packed(b[:, start:end])  # (n, end - start)
+    if (end - start) % 8 == 0:
+        region, mask = region.view(torch.int64), mask * 0x0101010101010101
+    parts = [(region >> s if s else region) & mask for s in shifts]
+    stacked = torch.stack([p.view(n, groups, -1) for p in parts], dim=2)  # (n, groups, s, words)
+    return stacked.view(_U8).view(n, groups, len(shifts), -1)
 
 
-def _q3_k(b: torch.Tensor) -> torch.Tensor:
+def _nibbles(b: torch.Tensor, start: int, end: int | None = None, groups: int = 1) -> torch.Tensor:
+    """4-bit values of bytes ``start:end``: ``(n, type_size)`` -> ``(n, groups, 2, k)``, low then high."""
+    return _fields(b, start, b.shape[1] if end is None else end, (0, 4), 0x0F, groups)
+
+
+def _fifth_bits(b: torch.Tensor, start: int) -> torch.Tensor:
+    """Q5_0 / Q5_1: bit i of the little-endian uint32 at byte ``start``, moved to 16: ``(n, 32)`` uint8."""
+    qh = _packed(b[:, start:start + 4]).view(torch.int32)  # (n, 1)
+    shifts = torch.arange(32, dtype=torch.int32, device=b.device)
+    return torch.bitwise_right_shift(qh, shifts).bitwise_and_(1).to(_U8).bitwise_left_shift_(4)
+
+
+# --- the 32-value blocks: out = d * q (+ m) ---------------------------------------------------
+
+def _q4_0(b: torch.Tensor, out: torch.Tensor) -> None:
+    # (n, 18): fp16 d, 16 bytes of nibbles -> (n, 1, 2, 16) = (n, 32) codes 0..15
+    out.copy_(_nibbles(b, 2).view(-1, 32)).sub_(8).mul_(_f16(b, 0))
+
+
+def _q4_1(b: torch.Tensor, out: torch.Tensor) -> None:
+    dm = _f16(b, 0, 2)  # (n, 20): fp16 d, fp16 m, 16 bytes of nibbles; dm is (n, 2)
+    out.copy_(_nibbles(b, 4).view(-1, 32)).mul_(dm[:, :1]).add_(dm[:, 1:])
+
+
+def _q5_0(b: torch.Tensor, out: torch.Tensor) -> None:
+    q = _nibbles(b, 6).view(-1, 32).bitwise_or_(_fifth_bits(b, 2))  # (n, 22): d, qh, qs -> 0..31
+    out.copy_(q).sub_(16).mul_(_f16(b, 0))
+
+
+def _q5_1(b: torch.Tensor, out: torch.Tensor) -> None:
+    dm = _f16(b, 0, 2)  # (n, 2): d, m
+    q = _nibbles(b, 8).view(-1, 32).bitwise_or_(_fifth_bits(b, 4))  # (n, 24): d, m, qh, qs
+    out.copy_(q).mul_(dm[:, :1]).add_(dm[:, 1:])
+
+
+def _q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
+    # (n, 34): fp16 d, 32 int8 codes
+    out.copy_(b[:, 2:].contiguous().view(torch.int8)).mul_(_f16(b, 0))
+
+
+def _q8_k(b: torch.Tensor, out: torch.Tensor) -> None:
+    # (n, 292): fp32 d, 256 int8 codes, 16 int16 sums (unused here)
+    out.copy_(b[:, 4:260].contiguous().view(torch.int8)).mul_(_packed(b[:, :4]).view(torch.float32))
+
+
+# --- the 256-value K-quant super-blocks: 16 or 8 sub-blocks, each with its own scale ----------
+
+def _q2_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
-    hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
-    # 16 six-bit scales: low 4 bits in bytes 0-7 (two per byte), high 2 bits in bytes 8-11.
-    low = _shifted(scales[:, :8], (0, 4), 0x0F).reshape(n, 16)
-    high = _shifted(scales[:, 8:12], (0, 2, 4, 6), 0x03).reshape(n, 16)
-    sc = (low | (high << 4)).float() - 32
-    dl = (_f16(b, 108) * sc).view(n, 16, 1)
-    ql = _shifted(qs.reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 16, 16)
-    qh = _shifted(hmask.reshape(n, 1, 32), range(8), 1).reshape(n, 16, 16) ^ 1  # set bit = no offset
-    q = ql.float() - (qh << 2).float()
-    return (dl * q).reshape(n, 256)
+    scales = b[:, :16]
+    dmin = _f16(b, 80, 2)  # (n, 2): d, dmin
+    dl = (dmin[:, :1] * (scales & 0x0F).float()).view(n, 16, 1)
+    ml = (dmin[:, 1:] * (scales >> 4).float()).view(n, 16, 1)
+    q = _fields(b, 16, 80, (0, 2, 4, 6), 3, groups=2)  # (n, 2, 4, 32) = 16 x 16
+    out.copy_(q.view(n, 256)).view(n, 16, 16).mul_(dl).sub_(ml)
 
 
-def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: eight 6-bit scales and eight 6-bit mins packed in 12 bytes."""
-    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+def _q3_k(b: torch.Tensor, out: torch.Tensor) -> None:
+    n = b.shape[0]
+    # 16 six-bit scales: low 4 bits in bytes 96-103 (two per byte), high 2 bits in 104-107.
+    low = _nibbles(b, 96, 104).view(n, 16)
+    high = _fields(b, 104, 108, (0, 2, 4, 6), 3).view(n, 16)
+    dl = (_f16(b, 108) * ((low | (high << 4)).float() - 32)).view(n, 16, 1)
+    ql = _fields(b, 32, 96, (0, 2, 4, 6), 3, groups=2).view(n, 256)  # 2 x 4 x 32
+    qh = _fields(b, 0, 32, range(8), 1).view(n, 256)  # bit j of hmask byte c -> value 32 j + c
+    q = ql.sub_(qh.bitwise_xor_(1).bitwise_left_shift_(2))  # a set bit = no -4; wraps to -4..3
+    out.copy_(q.view(torch.int8)).view(n, 16, 16).mul_(dl)
+
+
+def _k_scale_min(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: eight 6-bit scales and eight 6-bit mins packed in bytes 4-15, as float32."""
+    d, m, md = b[:, 4:8], b[:, 8:12], b[:, 12:16]
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
     return sc.float(), mn.float()
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
+def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
-    sc, mn = _k_scale_min(b[:, 4:16])
-    d = (_f16(b, 0) * sc).view(n, 8, 1)
-    dm = (_f16(b, 2) * mn).view(n, 8, 1)
-    q = _shifted(b[:, 16:144].reshape(n, 4, 32), (0, 4), 0x0F).reshape(n, 8, 32).float()
-    return (d * q - dm).reshape(n, 256)
+    sc, mn = _k_scale_min(b)
+    dmin = _f16(b, 0, 2)  # (n, 2): d, dmin
+    d = (dmin[:, :1] * sc).view(n, 8, 1)
+    dm = (dmin[:, 1:] * mn).view(n, 8, 1)
+    q = _nibbles(b, 16, groups=4)  # (n, 4, 2, 32) = 8 sub-blocks of 32
+    out.copy_(q.view(n, 256)).view(n, 8, 32).mul_(d).sub_(dm)
 
 
-def _q5_k(b: torch.Tensor) -> torch.Tensor:
+def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
-    sc, mn = _k_scale_min(b[:, 4:16])
-    d = (_f16(b, 0) * sc).view(n, 8, 1)
-    dm = (_f16(b, 2) * mn).view(n, 8, 1)
-    ql = _shifted(b[:, 48:176].reshape(n, 4, 32), (0, 4), 0x0F).reshape(n, 8, 32)
-    qh = _shifted(b[:, 16:48].reshape(n, 1, 32), range(8), 1).reshape(n, 8, 32)
-    q = (ql | (qh << 4)).float()
-    return (d * q - dm).reshape(n, 256)
+    sc, mn = _k_scale_min(b)
+    dmin = _f16(b, 0, 2)  # (n, 2): d, dmin
+    d = (dmin[:, :1] * sc).view(n, 8, 1)
+    dm = (dmin[:, 1:] * mn).view(n, 8, 1)
+    ql = _nibbles(b, 48, groups=4).view(n, 8, 32)
+    qh = _fields(b, 16, 48, range(8), 1).view(n, 8, 32)  # bit j of byte c -> value 32 j + c
+    q = ql.bitwise_or_(qh.bitwise_left_shift_(4))
+    out.copy_(q.view(n, 256)).view(n, 8, 32).mul_(d).sub_(dm)
 
 
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
+def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
-    ql, qh, scales = b[:, :128], b[:, 128:192], b[:, 192:208]
-    d = (_f16(b, 208) * scales.view(torch.int8).float()).view(n, 16, 1)
-    low = _shifted(ql.reshape(n, 2, 64), (0, 4), 0x0F).reshape(n, 8, 32)
-    high = _shifted(qh.reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 8, 32)
-    q = (low | (high << 4)).float().reshape(n, 16, 16) - 32
-    return (d * q).reshape(n, 256)
+    d = (_f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()).view(n, 16, 1)
+    low = _nibbles(b, 0, 128, groups=2).view(n, 2, 4, 32)  # halves x (lo 64, hi 64)
+    high = _fields(b, 128, 192, (0, 2, 4, 6), 3, groups=2)  # (n, 2, 4, 32)
+    q = low.bitwise_or_(high.bitwise_left_shift_(4)).sub_(32)  # uint8 wraps: as int8, -32..31
+    out.copy_(q.view(n, 256).view(torch.int8)).view(n, 16, 16).mul_(d)
 
 
-_BLOCKS: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {
+_BLOCKS: dict[Q, Callable[[torch.Tensor, torch.Tensor], None]] = {
     Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q8_K: _q8_k,
     Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
 }
 _PLAIN = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
-_CPU_CHUNK = 1 << 19  # values per dequantization step on a CPU
+# Values per dequantization step on a CPU. Fewer, larger steps win while their temporaries stay
+# small enough for malloc to reuse (not fault in afresh): 2^20 measured best of 2^17..2^23.
+_CPU_CHUNK = 1 << 20
+_HUGE_PAGES_FROM = 1 << 22  # bytes: outputs this large are advised onto transparent huge pages
 SUPPORTED_TYPES: tuple[str, ...] = tuple(t.name for t in (*_PLAIN, *_BLOCKS))
+
+
+def _madvise_huge(t: torch.Tensor) -> None:
+    """Ask Linux to back ``t``'s whole pages with 2 MiB pages before anything touches them.
+
+    A fresh output is faulted in page by page on its first write; at 4 KiB a page that took
+    ~1.6 ns per float32 on the 2-core VM, more than dequantizing it (docs/benchmarks.md). Advice
+    only: a no-op where transparent huge pages are off (``never``), skipped off Linux.
+    """
+    if _MADVISE is None:
+        return
+    start = t.data_ptr()
+    first, last = (start + 4095) & ~4095, (start + t.numel() * t.element_size()) & ~4095
+    if last > first:
+        _MADVISE(first, last - first, 14)  # MADV_HUGEPAGE; the result is advisory, unchecked
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    if sys.platform != "linux":
+        return None
+    fn = getattr(ctypes.CDLL(None), "madvise", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise()
 
 
 def dequantize_bytes(
@@ -149,8 +224,9 @@ def dequantize_bytes(
     """Dequantize one tensor's raw data (its bytes, or its F32/F16 values) to ``shape`` in ``dtype``.
 
     ``shape`` is in torch order (rows first: the reverse of ggml's ``ne``). The bytes move to
-    ``device`` before they are unpacked, so a GPU does the arithmetic. ``ValueError`` names the
-    tensor and its type when the type has no dequantizer here or the byte count does not fit.
+    ``device`` before they are unpacked, so a GPU does the arithmetic. The values are computed in
+    float32 (as gguf's numpy does) and rounded once to ``dtype``. ``ValueError`` names the tensor
+    and its type when the type has no dequantizer here or the byte count does not fit.
     """
     try:
         qtype = Q(int(qtype))
@@ -173,13 +249,21 @@ def dequantize_bytes(
     if numel % block_size or raw.numel() != numel // block_size * type_size:
         raise ValueError(f"{name}: {raw.numel()} bytes of {qtype.name} do not hold shape {tuple(shape)} "
                          f"({block_size} values per {type_size}-byte block)")
-    blocks = raw.view(-1, type_size)
+    blocks = raw.view(-1, type_size)  # (n_blocks, type_size)
     out = torch.empty((blocks.shape[0], block_size), dtype=dtype, device=raw.device)
-    # On a CPU, slices of ~half a million values keep each step's temporaries in cache: twice the
-    # throughput of one pass over a large tensor. A GPU takes the tensor whole.
-    step = blocks.shape[0] if raw.device.type != "cpu" else max(1, _CPU_CHUNK // block_size)
+    on_cpu = raw.device.type == "cpu"
+    if on_cpu and out.numel() * out.element_size() >= _HUGE_PAGES_FROM:
+        _madvise_huge(out)
+    # A GPU takes the tensor whole; a CPU goes in slices whose temporaries stay in cache.
+    step = max(1, _CPU_CHUNK // block_size) if on_cpu else blocks.shape[0]
     for start in range(0, blocks.shape[0], step):
-        out[start:start + step] = _BLOCKS[qtype](blocks[start:start + step])
+        chunk, dest = blocks[start:start + step], out[start:start + step]  # (m, type_size), (m, block)
+        if dtype == torch.float32:
+            _BLOCKS[qtype](chunk, dest)
+        else:  # float32 first, as gguf's numpy computes, then one rounding into the engine's dtype
+            f32 = torch.empty(dest.shape, device=raw.device)
+            _BLOCKS[qtype](chunk, f32)
+            dest.copy_(f32)
     return out.reshape(tuple(shape))
 
 

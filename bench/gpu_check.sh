@@ -32,10 +32,12 @@ fi
 print(f"gpu_check: {gpu}, torch {torch.__version__}")'
 
 SECTIONS=(
-  "kernel_tests|90|$PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels_triton.py tests/test_kernels_moe.py tests/test_gguf_dequant.py"
-  "kernels|80|$PY bench/kernels_gpu.py --json $LOG_DIR/kernels.json"
-  "engine|80|$PY bench/engine_gpu.py --requests 128 --json $LOG_DIR/engine.json"
-  "moe|50|$PY bench/moe_gpu.py --json $LOG_DIR/moe.json"
+  "kernel_tests|80|$PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels_triton.py tests/test_kernels_moe.py tests/test_gguf_dequant.py"
+  "noncausal|30|$PY -m pytest -q -p no:cacheprovider tests/test_kernels_noncausal.py -k 'gpu or triton_non_causal'"
+  "kernels|60|$PY bench/kernels_gpu.py --json $LOG_DIR/kernels.json"
+  "engine|60|$PY bench/engine_gpu.py --requests 128 --json $LOG_DIR/engine.json"
+  "moe|40|$PY bench/moe_gpu.py --json $LOG_DIR/moe.json"
+  "embed|30|$PY -P bench/embed_cpu.py --tiny-cuda --texts 4096 && $PY -m pytest -q -p no:cacheprovider tests/test_embed_engine.py -k cuda"
 )
 
 summary=()

@@ -5,7 +5,8 @@
 2. timings with CUDA events, median of many launches over rotated inputs (block tables and
    queries change every launch): decode at batch 64/256 with 1k/4k contexts, reported as achieved
    HBM bandwidth against a device-to-device copy measured in the same run, and 2k-token
-   prefills against torch's flash SDPA on the same (dense) tensors.
+   prefills (causal, and ``causal=False`` as encoders run them) against torch's flash SDPA on the
+   same (dense) tensors.
 
 Prints one table last. Exit status: 0 when every correctness row passes (speed goals are
 reported, never enforced), 1 when one fails, 2 without CUDA. ``--dry-run`` runs the whole script
@@ -44,12 +45,13 @@ class Shape:
     block_size: int = 16
     decode: tuple[tuple[int, int], ...] = ((64, 1024), (64, 4096), (256, 1024), (256, 4096))  # (batch, ctx)
     prefill: tuple[tuple[int, int], ...] = ((1, 2048), (4, 2048))  # (sequences, tokens each)
+    encoder: tuple[tuple[int, int], ...] = ((4, 2048),)  # causal=False prefills (sequences, tokens each)
     copy_bytes: int = 1 << 30
     rotations: int = 4
 
 
 DRY = Shape(num_heads=4, num_kv_heads=2, head_dim=64, decode=((2, 64), (4, 128)), prefill=((1, 64),),
-            copy_bytes=1 << 22, rotations=2)
+            encoder=((2, 32),), copy_bytes=1 << 22, rotations=2)
 
 
 @dataclass
@@ -101,13 +103,15 @@ def correctness(shape: Shape, device: torch.device, backends: list[str]) -> list
         else [(1, 1), (70, 1), (40, 9), (17, 17)]
     batch = make_paged_batch(seqs, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size,
                              torch.bfloat16, device)
-    for window in (None, 256):
-        ref = kernels.paged_attention(*batch.args(), sliding_window=window, backend="reference").float()
+    for window, causal in ((None, True), (256, True), (None, False)):
+        kw = dict(sliding_window=window, causal=causal)
+        ref = kernels.paged_attention(*batch.args(), **kw, backend="reference").float()
         for name in backends:
-            out = kernels.paged_attention(*batch.args(), sliding_window=window, backend=name).float()
+            out = kernels.paged_attention(*batch.args(), **kw, backend=name).float()
             err = (out - ref).abs().max().item()
             ok = torch.allclose(out, ref, atol=2e-2, rtol=2e-2)
-            rows.append(Row("correct", f"paged_attention window={window}", name, metric=f"max err {err:.4f}",
+            case = f"paged_attention window={window}" + ("" if causal else " causal=False")
+            rows.append(Row("correct", case, name, metric=f"max err {err:.4f}",
                             goal="atol=rtol=2e-2", status="PASS" if ok else "FAIL"))
     k = torch.randn(64, shape.num_kv_heads, shape.head_dim, device=device, dtype=torch.bfloat16)
     slots = torch.randperm(batch.k_cache.shape[0] * shape.block_size, device=device)[:64]
@@ -212,16 +216,19 @@ def decode_rows(shape: Shape, device: torch.device, backends: list[str], timer: 
 
 def prefill_rows(shape: Shape, device: torch.device, backends: list[str], timer: Timer):
     rows = []
-    for num_seqs, length in shape.prefill:
+    cases = [(n, length, True) for n, length in shape.prefill] + [(n, length, False) for n, length in
+                                                                  shape.encoder]
+    for num_seqs, length, causal in cases:
         sets = _paged_inputs(shape, device, num_seqs, length, length, torch.bfloat16)
-        flops = 2 * num_seqs * length * length * shape.num_heads * shape.head_dim  # causal: half of 4*L^2*H*D
+        flops = (2 if causal else 4) * num_seqs * length * length * shape.num_heads * shape.head_dim
         dense = _dense(shape, device, num_seqs, length, length)
-        sdpa_us = timer([lambda dense=dense: _sdpa(*dense, causal=True)])
-        case = f"prefill {num_seqs}x{length}"
+        sdpa_us = timer([lambda dense=dense, causal=causal: _sdpa(*dense, causal=causal)])
+        case = f"prefill {num_seqs}x{length}" + ("" if causal else " causal=False")
         rows.append(Row("prefill", case, "torch sdpa (dense)", sdpa_us,
                         f"{flops / sdpa_us / 1e6:.0f} TFLOP/s"))
         for name in backends:
-            us = timer([lambda s=s, name=name: kernels.paged_attention(*s, backend=name) for s in sets])
+            us = timer([lambda s=s, name=name, causal=causal: kernels.paged_attention(
+                *s, backend=name, causal=causal) for s in sets])
             ratio = us / sdpa_us
             rows.append(Row("prefill", case, name, us, f"{flops / us / 1e6:.0f} TFLOP/s", "time / sdpa time",
                             ratio, f"<= {PREFILL_GOAL}x", "PASS" if ratio <= PREFILL_GOAL else "MISS"))

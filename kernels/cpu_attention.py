@@ -11,6 +11,10 @@ Same contract and results as kernels/reference.py (the specification), but built
 - Prefill chunks (several queries, possibly over a cached prefix) compute scores, mask and
   softmax explicitly, ``PREFILL_CHUNK`` queries at a time over only the keys they can see:
   ~2x faster than CPU SDPA here, whose causal kernel reached ~15 GFLOP/s.
+- ``causal=False`` (encoders): prefill chunks see all their sequence's keys (a window W: the
+  band |p - k| < W); decode rows are unchanged (a last-position query sees the same keys).
+  ``varlen_attention`` (no cache) comes here as one-token blocks: the gather is then a plain
+  copy of each sequence's keys (~3% of the attention time; slicing k/v directly was measured).
 - Gathered K/V land in reused per-thread workspaces: glibc serves allocations above 32 MiB
   with fresh ``mmap``s, so a new gather tensor per layer page-faults on every step and made
   the gather ~5x slower than the copy itself.
@@ -185,36 +189,61 @@ def _prefill(
     q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_table: torch.Tensor, start: int, end: int, length: int, scale: float,
     sliding_window: int | None, compute_dtype: torch.dtype, softcap: float | None = None,
+    causal: bool = True,
 ) -> None:
-    """Attend one sequence's query chunk ``q[start:end]`` (its last tokens) over its context.
+    """Attend one sequence's query chunk ``q[start:end]`` (its last tokens) over its paged context."""
+    nb = -(-length // k_cache.shape[1])
+    blocks = block_table[None, :nb].long()  # [1, nb]
+    k = _gather(k_cache, blocks, compute_dtype, "k")[0, :length].transpose(0, 1)  # [KVH, L, D]
+    v = _gather(v_cache, blocks, compute_dtype, "v")[0, :length].transpose(0, 1)
+    _attend(q[start:end], out[start:end], k, v, scale, sliding_window, compute_dtype, softcap, causal)
+
+
+def _attend(
+    q: torch.Tensor,  # [Lq, H, D]: the sequence's last Lq tokens
+    out: torch.Tensor,  # [Lq, H, D], written
+    k: torch.Tensor,  # [KVH, L, D] in compute_dtype (any strides with a unit last one)
+    v: torch.Tensor,  # [KVH, L, D]
+    scale: float, sliding_window: int | None, compute_dtype: torch.dtype, softcap: float | None,
+    causal: bool,
+) -> None:
+    """Dense attention of several queries over one sequence's keys.
 
     Explicit scores and softmax per ``PREFILL_CHUNK`` queries, each over only the keys its
     queries can see (CPU SDPA ran this at ~15 GFLOP/s; batched matmuls reach ~150). A KV head's
     ``G`` query heads are stacked as ``G * chunk`` query rows over the same keys.
     """
-    _, H, D = q.shape
-    bs, KVH = k_cache.shape[1], k_cache.shape[2]
-    G, num_q, nb = H // KVH, end - start, -(-length // bs)
-    blocks = block_table[None, :nb].long()  # [1, nb]
-    k = _gather(k_cache, blocks, compute_dtype, "k")[0, :length].transpose(0, 1)  # [KVH, L, D]
-    v = _gather(v_cache, blocks, compute_dtype, "v")[0, :length].transpose(0, 1)
-    qh = q[start:end].to(compute_dtype).permute(1, 0, 2).reshape(KVH, G, num_q, D)  # [KVH, G, Lq, D]
+    num_q, H, D = q.shape
+    KVH, length = k.shape[0], k.shape[1]
+    G = H // KVH
+    qh = q.to(compute_dtype).permute(1, 0, 2).reshape(KVH, G, num_q, D)  # [KVH, G, Lq, D]
     first = length - num_q  # position of the first query
     for c0 in range(0, num_q, PREFILL_CHUNK):
         c1 = min(c0 + PREFILL_CHUNK, num_q)
-        n, k_hi = c1 - c0, first + c1  # the chunk's last query sees keys < k_hi
+        n = c1 - c0
+        # Keys the chunk's queries (positions first + c0 .. first + c1 - 1) can see: [k_lo, k_hi).
+        if causal:
+            k_hi = first + c1
+        else:
+            k_hi = length if sliding_window is None else min(length, first + c1 - 1 + sliding_window)
         k_lo = 0 if sliding_window is None else max(0, first + c0 - sliding_window + 1)
+        hidden = None  # [n, Lk] keys inside [k_lo, k_hi) that a query still cannot see
         q_pos = torch.arange(first + c0, first + c1)[:, None]  # [n, 1]
         k_pos = torch.arange(k_lo, k_hi)[None, :]  # [1, Lk]
-        hidden = k_pos > q_pos  # [n, Lk]
+        if causal:
+            hidden = k_pos > q_pos
         if sliding_window is not None:
-            hidden |= k_pos <= q_pos - sliding_window
+            outside = k_pos <= q_pos - sliding_window
+            if not causal:
+                outside |= k_pos >= q_pos + sliding_window
+            hidden = outside if hidden is None else hidden | outside
         qc = qh[:, :, c0:c1].reshape(KVH, G * n, D)
         scores = torch.bmm(qc, k[:, k_lo:k_hi].transpose(1, 2)).mul_(scale)  # [KVH, G * n, Lk]
         _softcap_(scores, softcap)
-        scores.view(KVH, G, n, -1).masked_fill_(hidden, float("-inf"))
+        if hidden is not None:
+            scores.view(KVH, G, n, -1).masked_fill_(hidden, float("-inf"))
         o = torch.bmm(scores.softmax(-1), v[:, k_lo:k_hi])  # [KVH, G * n, D]
-        out[start + c0:start + c1] = o.view(H, n, D).transpose(0, 1).to(out.dtype)
+        out[c0:c1] = o.view(H, n, D).transpose(0, 1).to(out.dtype)
 
 
 def paged_attention(
@@ -227,10 +256,13 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:  # [Tq, H, D]
-    """Causal attention of each sequence's queries (its last tokens) over its paged context.
+    """Attention of each sequence's queries (its last tokens) over its paged context.
 
-    CPU tensors only (``dispatch`` checks shapes, devices and that q/k/v share a dtype).
+    A decode row's one query sits at its sequence's last position, where causal and non-causal
+    attention see the same keys: only prefill chunks look at ``causal``. CPU tensors only
+    (``dispatch`` checks shapes, devices and that q/k/v share a dtype).
     """
     scale = q.shape[2] ** -0.5 if scale is None else scale
     compute_dtype = torch.float64 if k_cache.dtype == torch.float64 else torch.float32
@@ -250,5 +282,5 @@ def paged_attention(
     for i, length in enumerate(lens):
         if cu[i + 1] - cu[i] > 1:  # zero-query sequences need nothing; decodes are done
             _prefill(q, out, k_cache, v_cache, block_tables[i], cu[i], cu[i + 1], length, scale,
-                     sliding_window, compute_dtype, softcap)
+                     sliding_window, compute_dtype, softcap, causal)
     return out

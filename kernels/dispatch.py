@@ -81,6 +81,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
     sliding_window: int | None = None, backend: str | None = None, softcap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:  # [Tq, H, D]
     """Check, select, run (see ``batchinfer.kernels.paged_attention``)."""
     check_attention_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sliding_window, softcap)
@@ -89,19 +90,19 @@ def paged_attention(
         name = _flash_or_fallback(backend, q.device, k_cache.dtype)
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
     if name == "reference":
-        return reference.paged_attention(*args, softcap=softcap)
+        return reference.paged_attention(*args, softcap=softcap, causal=causal)
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"paged_attention[{name}]: q, k_cache and v_cache must share a dtype, "
                          f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if name == "cpu":
-        return cpu_attention.paged_attention(*args, softcap=softcap)
+        return cpu_attention.paged_attention(*args, softcap=softcap, causal=causal)
     if name == "triton":
         from batchinfer.kernels import triton_attention
 
-        return triton_attention.paged_attention(*args, softcap=softcap)
+        return triton_attention.paged_attention(*args, softcap=softcap, causal=causal)
     from batchinfer.kernels import flash
 
-    return flash.paged_attention(*args, softcap=softcap)
+    return flash.paged_attention(*args, softcap=softcap, causal=causal)
 
 
 def _flash_or_fallback(backend: str | None, device: torch.device, dtype: torch.dtype) -> str:
@@ -116,6 +117,92 @@ def _flash_or_fallback(backend: str | None, device: torch.device, dtype: torch.d
                            "takes no softcap argument (needed by this model's soft-capped attention)")
     triton_ok = backends.unavailable_reason("triton", device, dtype) is None
     return "triton" if triton_ok else "reference"
+
+
+def check_varlen_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+    sliding_window: int | None, softcap: float | None,
+) -> None:
+    """Raise ``ValueError`` naming the first argument of ``varlen_attention`` that breaks its
+    contract (shapes, dtypes, devices only)."""
+    if q.dim() != 3:
+        raise ValueError(f"varlen_attention: q must be [num_tokens, num_heads, head_dim], got shape "
+                         f"{tuple(q.shape)}")
+    if k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"varlen_attention: k and v must both be [num_tokens={q.shape[0]}, num_kv_heads, "
+                         f"head_dim={q.shape[2]}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"varlen_attention: num_heads {q.shape[1]} must be a multiple of num_kv_heads "
+                         f"{k.shape[1]}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"varlen_attention: cu_seqlens must be a 1-D int32 (or int64) tensor of "
+                         f"num_seqs + 1 offsets, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if q.dtype != k.dtype or v.dtype != k.dtype:
+        raise ValueError(f"varlen_attention: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    for name, t in (("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
+        if t.device != q.device:
+            raise ValueError(f"varlen_attention: {name} is on {t.device} but q is on {q.device}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"varlen_attention: sliding_window must be >= 1 or None, got {sliding_window}")
+    if softcap is not None and not softcap > 0:  # also refuses NaN
+        raise ValueError(f"varlen_attention: softcap must be > 0 or None, got {softcap}")
+
+
+def _check_offsets(cu: list[int], num_tokens: int) -> None:
+    """The value check of ``cu_seqlens`` (on its host copy): 0 = cu[0] <= cu[1] <= ... = num_tokens."""
+    if cu[0] != 0 or cu[-1] != num_tokens:
+        raise ValueError(f"varlen_attention: cu_seqlens must run from 0 to num_tokens={num_tokens}, "
+                         f"got {cu[0]}..{cu[-1]}")
+    for i in range(len(cu) - 1):
+        if cu[i + 1] < cu[i]:
+            raise ValueError(f"varlen_attention: cu_seqlens must not decrease, got cu_seqlens[{i}:{i + 2}] = "
+                             f"{cu[i:i + 2]}")
+
+
+def varlen_as_paged(
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    cu_seqlens: torch.Tensor,  # [S + 1] int
+    max_len: int,  # >= every sequence's length
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed k/v as a paged cache without a copy: one-token blocks, so token t is block t and
+    sequence i's block table is ``cu_seqlens[i], cu_seqlens[i] + 1, ...`` (no sequence needs to
+    start on a block boundary). Returns ``(k_cache, v_cache, block_tables, seq_lens)``:
+    ``[T, 1, KVH, D]`` views, ``[S, max_len]`` int32 (columns past a sequence clamped in range),
+    ``[S]`` int32."""
+    starts = cu_seqlens[:-1].to(torch.int32)
+    seq_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+    cols = torch.arange(max_len, dtype=torch.int32, device=k.device)
+    tables = (starts[:, None] + cols[None, :]).clamp_(max=max(k.shape[0] - 1, 0))  # [S, max_len]
+    return k.unsqueeze(1), v.unsqueeze(1), tables, seq_lens
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
+    scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """Check, select, run (see ``batchinfer.kernels.varlen_attention``): ``paged_attention`` over
+    the one-token-block view of ``varlen_as_paged``. flash (blocks: multiples of 16) cannot take
+    that layout: chosen automatically, Triton serves instead; named, it raises ``RuntimeError``."""
+    check_varlen_inputs(q, k, v, cu_seqlens, sliding_window, softcap)
+    try:
+        name = _select(backend, q.device, k.dtype, 1, q.shape[2])
+    except RuntimeError as exc:
+        raise RuntimeError(f"varlen_attention lays k/v out as one-token blocks: {exc}") from None
+    num_tokens = q.shape[0]
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        max_len = num_tokens  # reading lengths would sync; any bound >= the longest works
+    else:
+        cu = cu_seqlens.tolist()  # CPU: a ~2 us copy; CUDA: one sync per call
+        _check_offsets(cu, num_tokens)
+        max_len = max((b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), default=0)
+    if num_tokens == 0:
+        return torch.empty_like(q)
+    k_cache, v_cache, tables, seq_lens = varlen_as_paged(k, v, cu_seqlens, max_len)
+    return paged_attention(q, k_cache, v_cache, tables, cu_seqlens, seq_lens, scale, sliding_window, name,
+                           softcap, causal)
 
 
 def write_kv(

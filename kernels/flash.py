@@ -86,9 +86,12 @@ def supports_softcap() -> bool:
     return not isinstance(provider, str) and provider.takes_softcap
 
 
-def window_size(sliding_window: int | None) -> tuple[int, int]:
-    """Our window (a query at p sees p - W < k <= p) as flash-attn's inclusive (left, right)."""
-    return (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+def window_size(sliding_window: int | None, causal: bool = True) -> tuple[int, int]:
+    """Our window (a query at p sees p - W < k <= p; |p - k| < W when not causal) as flash-attn's
+    inclusive (left, right)."""
+    if sliding_window is None:
+        return (-1, -1)
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
 def paged_attention(
@@ -101,8 +104,10 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:  # [Tq, H, D]
-    """The contract's paged attention through ``flash_attn_varlen_func``."""
+    """The contract's paged attention through ``flash_attn_varlen_func`` (its mask is aligned
+    bottom-right, as ours: queries are their sequence's last tokens, causal or not)."""
     provider = _probe()
     if isinstance(provider, str):
         raise RuntimeError(f"attention backend 'flash' is unavailable: {provider}")
@@ -118,7 +123,7 @@ def paged_attention(
     max_seqlen_k = block_tables.shape[1] * k_cache.shape[1]  # an upper bound is all it needs
     kwargs = dict(
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, cu_seqlens_q=cu_seqlens_q,
-        softmax_scale=scale, causal=True, window_size=window_size(sliding_window),
+        softmax_scale=scale, causal=causal, window_size=window_size(sliding_window, causal),
         block_table=block_tables,
     )
     if softcap is not None:

@@ -47,9 +47,12 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:  # [Tq, H, D]
-    """Causal attention of each sequence's queries (its last tokens) over its paged context.
+    """Attention of each sequence's queries (its last tokens) over its paged context.
 
+    ``causal``: a query at position p sees keys k <= p (p - W < k <= p with a sliding window W);
+    ``causal=False``: it sees all ``seq_lens[i]`` keys (|p - k| < W with a window: symmetric).
     ``softcap`` (Gemma 2): scaled scores become ``softcap * tanh(scores / softcap)`` before the
     mask and the softmax, as transformers' eager attention computes them.
     """
@@ -81,9 +84,11 @@ def paged_attention(
             scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(length - num_q, length, device=q.device)[:, None]
         k_pos = torch.arange(length, device=q.device)[None, :]
-        visible = k_pos <= q_pos
+        visible = (k_pos <= q_pos) | (not causal)  # [Lq, L]
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
+            if not causal:
+                visible &= k_pos < q_pos + sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

@@ -2,7 +2,8 @@
 
 ``make_paged_batch`` lays each sequence's keys/values into randomly chosen (shuffled, never
 contiguous) cache blocks with ``reference.write_kv`` and keeps the dense copies, so any backend
-can be checked against ``dense_attention`` built from the very same K/V.
+can be checked against ``dense_attention`` built from the very same K/V. ``make_packed`` and
+``dense_varlen`` do the same for ``varlen_attention`` (packed sequences, no cache).
 """
 
 from __future__ import annotations
@@ -92,17 +93,23 @@ def dense_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:  # [Lq, H, D] float32
     """Textbook attention in float64 (torch SDPA, math kernel) with an explicit boolean mask built
     from ``tril``/``triu`` — a construction independent of the backends': the tests' ground truth.
-    With ``softcap`` the float64 scores are capped (``cap * tanh(s / cap)``) and softmaxed by hand."""
+    With ``softcap`` the float64 scores are capped (``cap * tanh(s / cap)``) and softmaxed by hand.
+    ``causal=False``: every query sees every key (with a window W: the band |p - k| < W)."""
     num_q, num_heads, head_dim = q.shape
     length, group = k.shape[0], num_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
     ones = torch.ones(num_q, length, dtype=torch.bool, device=q.device)
-    mask = ones.tril(diagonal=length - num_q)  # query i sits at position length - num_q + i
+    offset = length - num_q  # query i sits at position offset + i
+    if causal:
+        mask = ones.tril(diagonal=offset)
+    else:
+        mask = ones if sliding_window is None else ones.tril(diagonal=offset + sliding_window - 1)
     if sliding_window is not None:
-        mask &= ones.triu(diagonal=length - num_q - sliding_window + 1)
+        mask &= ones.triu(diagonal=offset - sliding_window + 1)
     k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
     v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
     qd = q.double().transpose(0, 1)  # [H, Lq, D]
@@ -115,10 +122,37 @@ def dense_attention(
 
 
 def dense_reference(batch: PagedBatch, scale: float | None = None, sliding_window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:  # [Tq, H, D] float32
+                    softcap: float | None = None, causal: bool = True) -> torch.Tensor:  # [Tq, H, D] float32
     """``dense_attention`` for every sequence of ``batch``, concatenated like ``batch.q``."""
     cu = batch.cu_seqlens_q.tolist()
     outs = [dense_attention(batch.q[cu[i]:cu[i + 1]], batch.keys[i], batch.values[i], scale, sliding_window,
-                            softcap)
+                            softcap, causal)
             for i in range(len(batch.keys))]
     return torch.cat(outs) if outs else batch.q.float()
+
+
+def make_packed(
+    lengths: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random packed sequences for ``varlen_attention``: ``(q [T, H, D], k [T, KVH, D], v, cu_seqlens
+    [S + 1] int32)``; k and v are strided views of one fused [T, 2, KVH, D] tensor, as a model's
+    fused projection gives them."""
+    gen = generator or torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(total, num_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
+    kv = torch.randn(total, 2, num_kv_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    return q, kv[:, 0], kv[:, 1], cu.to(device)
+
+
+def dense_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
+                 scale: float | None = None, sliding_window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:  # [T, H, D] float32
+    """``dense_attention`` of each packed sequence over its own keys (every token a query)."""
+    cu = cu_seqlens.tolist()
+    outs = [dense_attention(q[a:b], k[a:b], v[a:b], scale, sliding_window, softcap, causal) if b > a
+            else q[a:b].float() for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    return torch.cat(outs) if outs else q.float()

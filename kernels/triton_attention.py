@@ -13,6 +13,9 @@ grid has ``Tq // BLOCK_Q + S`` query blocks, an upper bound; sequence i owns the
 Split-K (flash-decoding): when a decode batch is too small to fill the GPU, grid axis 2 splits
 each sequence's key range; partial outputs and their log-sum-exps are merged by a second kernel.
 
+``CAUSAL=False`` (encoders) lets every query see all its sequence's keys: the key range of a
+tile becomes ``[0, seq_len)`` (with a window W, ``|p - k| < W`` around each query position).
+
 Soft-capping (``SOFTCAP``, Gemma 2) maps each raw score ``x = q.k`` to
 ``cap * tanh(x * scale / cap)``; tanh is built from ``exp2`` (``sign(y) (1 - e) / (1 + e)`` with
 ``e = exp(-2|y|)``, exact to float32 rounding and portable to the interpreter), then the usual
@@ -54,7 +57,8 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # qk_scale: scale * log2(e), or scale / cap with SOFTCAP (then cap_log2 = cap * log2(e)).
     q_block = tl.program_id(0)
@@ -76,7 +80,8 @@ def _paged_attention_kernel(
     first = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of this tile, in the sequence
     if first >= num_q:
         return  # a spare block of the upper-bound grid
-    context = tl.load(seq_lens_ptr + seq) - num_q  # tokens cached before this step's queries
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - num_q  # tokens cached before this step's queries
 
     rows = tl.arange(0, BLOCK_M)
     q_idx = first + rows // GROUP  # [BLOCK_M] query index within the sequence
@@ -90,7 +95,13 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, D]
 
     # Keys this tile's queries can see: [lo, hi). Split-K takes a contiguous share of the tiles.
-    hi = context + tl.minimum(first + BLOCK_Q, num_q)
+    last_pos = context + tl.minimum(first + BLOCK_Q, num_q) - 1  # the tile's last query position
+    if CAUSAL:
+        hi = last_pos + 1
+    elif USE_WINDOW:
+        hi = tl.minimum(last_pos + window, seq_len)
+    else:
+        hi = seq_len
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(context + first - window + 1, 0)
@@ -117,9 +128,13 @@ def _paged_attention_kernel(
         if SOFTCAP:
             e = tl.exp2(-2.8853900817779268 * tl.abs(s))  # exp(-2|s|), s = scores / cap here
             s = tl.where(s < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e) * cap_log2
-        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        visible = tl.broadcast_to(k_ok[None, :], (BLOCK_M, TILE_N))
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            if not CAUSAL:
+                visible = visible & (k_pos[None, :] < q_pos[:, None] + window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -174,6 +189,7 @@ def paged_attention(
     sliding_window: int | None = None,
     config: AttentionConfig | None = None,
     softcap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:  # [Tq, H, D]
     """The contract's paged attention with the Triton kernels (``config`` overrides the launch
     shape; the tests use it to force several key tiles and split-K on tiny inputs)."""
@@ -210,7 +226,7 @@ def paged_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
         NUM_SPLITS=cfg.num_splits, USE_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None,
-        DOT_DTYPE=dot_dtype,
+        CAUSAL=causal, DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

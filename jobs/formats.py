@@ -1,7 +1,9 @@
 """Result rows as output records: the typed Parquet schema, JSONL lines, OpenAI batch output lines.
 
 A result row arrives as the JSON object of docs/protocol.md (``row`` field of a results stream
-entry). Everything here is pure: dict in, Arrow table or text line out.
+entry). Everything here is pure: dict in, Arrow table or text line out. Embedding rows carry
+their vectors as base64 float32 (``embeddings``); :mod:`batchinfer.jobs.vectors` turns them into
+the Parquet array columns and back.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pyarrow as pa
+
+from batchinfer.jobs.vectors import VECTOR_FIELDS, decoded_vectors, vector_arrays, vector_type_of
+from batchinfer.protocol.rows import encode_vector
 
 FORMATS = ("parquet", "jsonl", "openai")
 EXTENSIONS = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
@@ -63,9 +68,24 @@ RESULT_SCHEMA = pa.schema((  # a tuple: pyarrow's stubs type a list of mixed fie
     pa.field("metadata", pa.string()),
 ))
 
-_JSON_COLUMNS = ("sampling_params", "metadata")
+_JSON_COLUMNS = ("sampling_params", "metadata", "pooling_params")
 _OUTPUT_KEYS = ("index", "text", "token_ids", "finish_reason", "cumulative_logprob")
 _TOKEN_KEYS = ("token_id", "token", "logprob")
+
+
+def result_schema(vector: pa.DataType | None = None) -> pa.Schema:
+    """The Parquet schema of a file whose vectors are of type ``vector`` (None: no embedding rows).
+
+    Without embedding rows it is :data:`RESULT_SCHEMA` itself (generation files are unchanged);
+    with them three columns follow it: ``pooling_params`` (JSON text), ``embedding`` (the row's
+    first vector, ``vector``: ``fixed_size_list<float32>[dim]`` when every vector of the file has
+    one width, else ``list<float32>``) and ``embeddings`` (``list<vector>``: every vector of a row
+    that has more than one, i.e. a list ``input``; null otherwise).
+    """
+    if vector is None:
+        return RESULT_SCHEMA
+    return pa.schema((*RESULT_SCHEMA, pa.field("pooling_params", pa.string()),
+                      pa.field("embedding", vector), pa.field("embeddings", pa.list_(vector))))
 
 
 def check_format(fmt: str) -> str:
@@ -97,11 +117,13 @@ def _json_text(value: Any) -> str | None:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def arrow_record(row: Mapping[str, Any]) -> dict[str, Any]:
-    """One row's values for :data:`RESULT_SCHEMA` (unknown keys dropped, JSON columns as text)."""
-    rec = {name: row.get(name) for name in RESULT_SCHEMA.names}
+def arrow_record(row: Mapping[str, Any], schema: pa.Schema = RESULT_SCHEMA) -> dict[str, Any]:
+    """One row's values for ``schema`` but its vector columns (unknown keys dropped, JSON columns
+    as text); :func:`arrow_table` adds the vectors."""
+    rec = {name: row.get(name) for name in schema.names if name not in VECTOR_FIELDS}
     for name in _JSON_COLUMNS:
-        rec[name] = _json_text(rec[name])
+        if name in rec:
+            rec[name] = _json_text(rec[name])
     outs = rec["outputs"]
     if outs is not None:
         rec["outputs"] = [{**{k: o.get(k) for k in _OUTPUT_KEYS},
@@ -123,24 +145,71 @@ def _arrow_logprobs(steps: Any) -> list[dict[str, Any]] | None:
             for s in steps]
 
 
-def arrow_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
-    """Rows as a table of :data:`RESULT_SCHEMA`; a value of the wrong type raises naming the row."""
-    records = [arrow_record(r) for r in rows]
+def arrow_table(rows: Iterable[Mapping[str, Any]], vector: pa.DataType | None | str = "auto") -> pa.Table:
+    """Rows as a table of ``result_schema(vector)``; a value of the wrong type raises naming the row.
+
+    ``vector="auto"``: the type the rows' own vectors call for (:func:`vector_type_of`). A row with
+    vectors in a table without vector columns, or of a width the type cannot hold, raises.
+    """
+    rows = list(rows)
+    if vector == "auto":
+        vector = vector_type_of(rows)
+    elif isinstance(vector, str):
+        raise ValueError(f"vector must be a pyarrow type, None or 'auto', got {vector!r}")
+    schema = result_schema(vector)
+    plain = pa.schema([f for f in schema if f.name not in VECTOR_FIELDS])
+    records = [arrow_record(r, plain) for r in rows]
     try:
-        return pa.Table.from_pylist(records, schema=RESULT_SCHEMA)
+        table = pa.Table.from_pylist(records, schema=plain)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
         # Find the offending row so the error can name it.
         for rec in records:
             try:
-                pa.Table.from_pylist([rec], schema=RESULT_SCHEMA)
+                pa.Table.from_pylist([rec], schema=plain)
             except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as one:
                 raise ValueError(f"result row {rec.get('request_id')!r} does not fit the result schema: "
                                  f"{one}") from None
         raise ValueError(f"result rows do not fit the result schema: {e}") from None
+    if vector is None:
+        for r in rows:
+            if r.get("embeddings"):
+                raise ValueError(f"result row {r.get('request_id')!r} has embeddings, but the file was "
+                                 "started without embedding columns")
+        return table
+    for name, array in zip(VECTOR_FIELDS, vector_arrays(rows, vector), strict=True):
+        table = table.append_column(schema.field(name), array)
+    return table
+
+
+def protocol_row(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """A Parquet row read back (``to_pylist``) as the protocol's row dict: ms timestamps, JSON
+    columns parsed, the ``embedding`` / ``embeddings`` arrays as ``embeddings`` base64 float32."""
+    row = dict(rec)
+    for name in ("created_at", "started_at", "finished_at"):
+        value = row.get(name)
+        if value is not None and hasattr(value, "timestamp"):
+            row[name] = int(value.timestamp() * 1000)
+    for name in _JSON_COLUMNS:
+        if isinstance(row.get(name), str):
+            row[name] = json.loads(row[name])
+    if "embedding" in row:
+        first, every = row.pop("embedding"), row.pop("embeddings", None)
+        vectors = every if every is not None else None if first is None else [first]
+        row["embeddings"] = None if vectors is None else [encode_vector(v) for v in vectors]
+    return row
 
 
 def jsonl_line(row: Mapping[str, Any]) -> str:
-    """The row itself (docs/protocol.md field names), one JSON object per line."""
+    """The row itself (docs/protocol.md field names), one JSON object per line.
+
+    A row with the ``embeddings`` field has its vectors as JSON floats, in the Parquet columns'
+    shape: ``embedding`` the first vector, ``embeddings`` every vector when there are several
+    (else null); the base64 text is not written.
+    """
+    if "embeddings" in row:
+        vectors = decoded_vectors(row)
+        row = {**row, "embedding": vectors[0] if vectors else None,
+               "embeddings": vectors if vectors is not None and len(vectors) > 1 else None}
     return json.dumps(row, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -153,7 +222,8 @@ def openai_line(row: Mapping[str, Any]) -> str:
     """One line of the OpenAI batch output format: ``id``, ``custom_id``, ``response``, ``error``.
 
     Completed rows get ``response.status_code`` 200 and a ``chat.completion`` body (when the row's
-    ``url`` / ``endpoint`` says ``/v1/chat/completions``) or a ``text_completion`` body, with usage.
+    ``url`` / ``endpoint`` says ``/v1/chat/completions``), an embeddings ``list`` body (a row with
+    vectors, or ``/v1/embeddings``) or a ``text_completion`` body, with usage.
     Other rows get ``response: null`` and ``error`` {``code``, ``message``}.
     """
     request_id = row.get("request_id")
@@ -193,6 +263,8 @@ def _error_message(row: Mapping[str, Any]) -> str:
 
 
 def _openai_body(row: Mapping[str, Any]) -> dict[str, Any]:
+    if row.get("embeddings") is not None or (row.get("url") or row.get("endpoint")) == "/v1/embeddings":
+        return _openai_embeddings(row)
     chat = (row.get("url") or row.get("endpoint")) == "/v1/chat/completions"
     outputs = row.get("outputs") or [{"index": 0, "text": row.get("output_text") or "",
                                       "finish_reason": row.get("finish_reason")}]
@@ -218,6 +290,21 @@ def _openai_body(row: Mapping[str, Any]) -> dict[str, Any]:
                   "total_tokens": prompt + completion,
                   "prompt_tokens_details": {"cached_tokens": row.get("cached_tokens") or 0}},
     }
+
+
+def _openai_embeddings(row: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenAI's embeddings response: one ``data`` item per input, floats, or the row's own base64
+    float32 text when the request asked ``encoding_format: "base64"`` (OpenAI's base64 is that)."""
+    params = row.get("pooling_params")
+    if isinstance(params, str):
+        params = json.loads(params)
+    as_text = isinstance(params, Mapping) and params.get("encoding_format") == "base64"
+    texts = row.get("embeddings") or []
+    vectors = texts if as_text else decoded_vectors(row) or []
+    prompt = row.get("prompt_tokens") or 0
+    return {"object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "model": row.get("model"), "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
 
 
 def _openai_logprobs(steps: Any, chat: bool) -> dict[str, Any] | None:

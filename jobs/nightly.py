@@ -14,6 +14,10 @@ the chain survives a failed run; :func:`schedule_nightly` is idempotent (one rq 
 ``date`` is a DATE partition (:data:`PARTITIONING`, date32): DuckDB and polars infer that type from
 ``date=YYYY-MM-DD``, while pyarrow's own Hive discovery infers a string, so read the dataset with
 :func:`direct_dataset` / :func:`read_direct` (or pass ``partitioning=PARTITIONING`` to pyarrow).
+
+Vectors of direct embedding requests are stored as ``list<float32>`` (:data:`DIRECT_FILE_SCHEMA`),
+not the job files' ``fixed_size_list``: the partitions of different days must share one schema
+whatever widths (or none) their rows had.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ import pyarrow.fs as pafs
 import redis
 
 from batchinfer.config import Settings
-from batchinfer.jobs.export import RESULT_SCHEMA, RETRY_INTERVALS, _connection, iter_stream, rq_job_id
+from batchinfer.jobs.export import RETRY_INTERVALS, _connection, iter_stream, rq_job_id
+from batchinfer.jobs.formats import result_schema
 from batchinfer.jobs.output import Destination, resolve, write_rows
+from batchinfer.jobs.vectors import VARIABLE_VECTOR
 from batchinfer.keys import DIRECT, RQ_QUEUE, Keys
 
 log = logging.getLogger(__name__)
@@ -43,8 +49,12 @@ _PART = re.compile(r"^part-(\d+)-(\d+)\.parquet$")
 
 #: The dataset's Hive partitioning: ``date=YYYY-MM-DD`` directories holding a DATE (date32) value.
 PARTITIONING = pads.partitioning(pa.schema([pa.field("date", pa.date32())]), flavor="hive")
-#: The columns of a direct dataset read back: the job files' columns, then the partition's ``date``.
-DIRECT_SCHEMA = RESULT_SCHEMA.append(pa.field("date", pa.date32()))
+#: The columns of every file of the dataset: the job files' columns with the embedding columns
+#: always present and always ``list<float32>`` (days of different widths, or none, share it).
+DIRECT_FILE_SCHEMA = result_schema(VARIABLE_VECTOR)
+#: The columns of a direct dataset read back: the files' columns, then the partition's ``date``.
+#: Files written before the embedding columns existed read with those columns null.
+DIRECT_SCHEMA = DIRECT_FILE_SCHEMA.append(pa.field("date", pa.date32()))
 
 
 def _day(entry_id: bytes) -> dt.date:
@@ -118,7 +128,8 @@ def export_direct(*, prefix: str | None = None, root: str | None = None, until_m
             # An empty range writes nothing and the next run starts from the same place.
             rel = f"/{partition_dir(day)}/part-{start}-{cutoff}.parquet"
             dest = Destination(base.fs, base.path.rstrip("/") + rel, base.location.rstrip("/") + rel)
-            written.append(write_rows((json.loads(fields[b"row"]) for _, fields in group), dest, "parquet"))
+            rows = (json.loads(fields[b"row"]) for _, fields in group)
+            written.append(write_rows(rows, dest, "parquet", vector=VARIABLE_VECTOR))
         keep_from = cutoff - settings.results_ttl_seconds * 1000
         if keep_from > 0:
             r.xtrim(stream, minid=f"{keep_from}-0", approximate=False)

@@ -10,23 +10,26 @@ once complete, so a reader never sees a partial file.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchinfer.jobs.formats import (
-    RESULT_SCHEMA,
     arrow_table,
     check_format,
     jsonl_line,
     openai_line,
+    result_schema,
     row_dict,
 )
+from batchinfer.jobs.vectors import vector_type_of
 
 ROW_GROUP_ROWS = 64 * 1024  # rows per Parquet row group (and per conversion chunk)
 _TEXT_BUFFER = 1 << 20
@@ -92,34 +95,52 @@ def _split(path: str) -> tuple[str, str]:
 
 
 def write_rows(rows: Iterable[Any], path_or_uri: str | Destination, fmt: str = "parquet", *,
-               results_root: str = ".", row_group_rows: int = ROW_GROUP_ROWS) -> str:
+               results_root: str = ".", row_group_rows: int = ROW_GROUP_ROWS,
+               vector: pa.DataType | None | str = "auto") -> str:
     """Write result rows, in the order given, to a file; returns its location.
 
     ``rows`` are dicts, ``ResultRow`` objects or their JSON. Memory stays bounded by one row group,
-    whatever the number of rows. ``fmt``: ``parquet`` (:data:`RESULT_SCHEMA`), ``jsonl`` (the rows'
-    JSON) or ``openai`` (OpenAI batch output lines).
+    whatever the number of rows. ``fmt``: ``parquet`` (``result_schema(vector)``), ``jsonl`` (the
+    rows' JSON) or ``openai`` (OpenAI batch output lines).
+
+    ``vector``: the Parquet ``embedding`` column's type (None: no embedding columns), which must be
+    fixed before the first row group is written. ``"auto"`` takes it from the first row group's
+    rows: exact for files of one row group; a later row that does not fit it raises, so a caller
+    streaming more rows passes the type it learnt from all of them (the export does).
     """
     check_format(fmt)
     dest = path_or_uri if isinstance(path_or_uri, Destination) else resolve(path_or_uri, results_root)
     with atomic_output(dest) as stream:
         if fmt == "parquet":
-            _write_parquet(rows, stream, row_group_rows)
+            _write_parquet(rows, stream, row_group_rows, vector)
         else:
             line = jsonl_line if fmt == "jsonl" else openai_line
             _write_lines((line(row_dict(r)) for r in rows), stream)
     return dest.location
 
 
-def _write_parquet(rows: Iterable[Any], stream: Any, row_group_rows: int) -> None:
-    with pq.ParquetWriter(stream, RESULT_SCHEMA, compression="zstd") as writer:
-        chunk: list[dict] = []
-        for r in rows:
-            chunk.append(row_dict(r))
-            if len(chunk) >= row_group_rows:
-                writer.write_table(arrow_table(chunk), row_group_size=row_group_rows)
-                chunk = []
-        if chunk:
-            writer.write_table(arrow_table(chunk), row_group_size=row_group_rows)
+def _chunks(rows: Iterable[Any], size: int) -> Iterator[list[dict]]:
+    chunk: list[dict] = []
+    for r in rows:
+        chunk.append(row_dict(r))
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _write_parquet(rows: Iterable[Any], stream: Any, row_group_rows: int,
+                   vector: pa.DataType | None | str) -> None:
+    chunks = _chunks(rows, row_group_rows)
+    first = next(chunks, [])
+    if vector == "auto":
+        vector = vector_type_of(first)
+    elif isinstance(vector, str):
+        raise ValueError(f"vector must be a pyarrow type, None or 'auto', got {vector!r}")
+    with pq.ParquetWriter(stream, result_schema(vector), compression="zstd") as writer:
+        for chunk in itertools.chain([first] if first else [], chunks):
+            writer.write_table(arrow_table(chunk, vector), row_group_size=row_group_rows)
 
 
 def _write_lines(lines: Iterable[str], stream: Any) -> None:

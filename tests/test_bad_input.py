@@ -100,7 +100,8 @@ CASES: dict[str, dict[int, Bad]] = {
         4: bad(IR, "unknown field(s): sampling_params"), 5: bad(IR, "messages[0] has unknown field(s): foo"),
         6: bad(IR, "unknown field(s) in OpenAI Batch line: priority_class")},
     "openai_url_stream.jsonl": {
-        2: bad("unsupported_url", "url '/v1/embeddings' is not supported"),
+        # an embeddings line is understood, and routed: the job's model generates, so an error row
+        2: bad(IR, "model 'echo' is a generation model", "/v1/embeddings needs an embedding model"),
         3: bad("unsupported_url", "url '/v1/responses' is not supported"),
         4: bad(IR, 'method must be "POST"', "GET"),
         5: bad(IR, "stream: true is not supported"), 6: bad(IR, "stream: true is not supported")},

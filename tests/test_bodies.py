@@ -152,8 +152,8 @@ BAD_BODIES = [
     ({"prompt": "x", "max_tokens": 3, "max_completion_tokens": 4}, "invalid_request", "max_completion_tokens",
      ["one of max_tokens and max_completion_tokens"]),
     # OpenAI Batch lines
-    ({"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
-     "unsupported_url", "url", ["/v1/embeddings", "/v1/chat/completions"]),
+    ({"custom_id": "a", "method": "POST", "url": "/v1/moderations", "body": {"input": "x"}},
+     "unsupported_url", "url", ["/v1/moderations", "/v1/chat/completions", "/v1/embeddings"]),
     ({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}},
      "invalid_request", "method", ["POST", "GET"]),
     ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}, "invalid_request", "method",

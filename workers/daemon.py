@@ -1,4 +1,5 @@
-"""The worker daemon: pull batches for one model, drive an ``Engine``, publish each result once.
+"""The worker daemon: pull batches for one model, drive an ``Engine`` (or an ``EmbeddingEngine``:
+``task == "embed"``, inputs and pooling parameters in, vectors out), publish each result once.
 
 One loop, one screen (:meth:`WorkerDaemon._iteration`): publish finished rows and ack complete
 batches -> forget batches whose lease was lost -> poll cancellations -> pull a batch when the
@@ -32,7 +33,8 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import redis
 
@@ -49,7 +51,7 @@ from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import NameConflict, Registry, ServedNameTaken, WorkerNameTaken
 from batchinfer.workers.config import WorkerConfig
 from batchinfer.workers.engine.interface import WorkerEngine
-from batchinfer.workers.engine.outputs import RequestOutput
+from batchinfer.workers.engine.outputs import PooledRequestOutput, RequestOutput
 from batchinfer.workers.inflight import Book, Held, Quarantine
 from batchinfer.workers.keeper import Keeper
 from batchinfer.workers.outbox import DeadLetter, Outbox
@@ -58,6 +60,15 @@ log = logging.getLogger(__name__)
 
 BACKOFF_START_S, BACKOFF_CAP_S = 0.5, 10.0  # waits after a failed iteration: 0.5, 1, 2, 4, 8, 10 s
 EXIT_ENGINE_BROKEN = 3
+
+
+@runtime_checkable
+class EmbedderInfo(Protocol):
+    """What an ``"embed"`` engine has besides :class:`WorkerEngine` (see ``WorkerEngine.task``):
+    registered with the model, so the scheduler checks ``dimensions`` against it."""
+
+    embedding_dim: int
+    matryoshka: bool
 
 
 class WorkerDaemon:
@@ -88,6 +99,7 @@ class WorkerDaemon:
         self.stream = self.keys.batches(self.model)
         self.publisher = Publisher(r, self.keys, direct_retention_s=settings.direct_results_retention_seconds)
         self.capacity = dict(engine.capacity())
+        self.task = engine.task  # "embed": PoolingParams in, vectors out
         self.max_seqs = int(self.capacity["max_num_seqs"])
         self.tokenizer_files = tokenizer_files if tokenizer_files is not None else engine.tokenizer_files()
         self.block_ms, self.max_failed_steps = block_ms, max_failed_steps
@@ -242,7 +254,11 @@ class WorkerDaemon:
         keeper's re-registration after a Redis restart)."""
         eos = list(self.engine.eos_token_ids)
         registry = Registry(self.redis, self.keys)
-        registry.register_model(self.model, self.tokenizer_files, self.capacity, eos)
+        dim, matryoshka = None, False
+        if self.task == "embed" and isinstance(self.engine, EmbedderInfo):
+            dim, matryoshka = self.engine.embedding_dim, bool(self.engine.matryoshka)
+        registry.register_model(self.model, self.tokenizer_files, self.capacity, eos, task=self.task,
+                                embedding_dim=dim, matryoshka=matryoshka)
         registry.register_aliases(self.model, self.config.aliases)
 
     def _ensure_group(self) -> None:
@@ -322,8 +338,14 @@ class WorkerDaemon:
             return False
         engine_id = self.book.start(held, now_ms())
         try:
-            self.engine.add_request(engine_id, prompt_token_ids=req.prompt_token_ids,
-                                    sampling_params=req.params())
+            if req.task != self.task:
+                raise ValueError(self._wrong_task(req.task))
+            if self.task == "embed":
+                add: Any = self.engine.add_request  # an embed engine's takes inputs + pooling_params
+                add(engine_id, inputs=req.inputs, pooling_params=req.pooling_params or {})
+            else:
+                self.engine.add_request(engine_id, prompt_token_ids=req.prompt_token_ids,
+                                        sampling_params=req.params())
             self.metrics.request_started(engine_id)
         except ValueError as e:
             self._end(held, "failed", "invalid_request", str(e), started=False)  # it never ran
@@ -333,6 +355,13 @@ class WorkerDaemon:
             self._engine_failed(held, f"{type(e).__name__}: {e}")
             return False
         return True
+
+    def _wrong_task(self, task: str) -> str:
+        """Why a request of ``task`` cannot run here (the scheduler routes by task: a batch entry
+        written by hand, or a model name re-registered for another task, can still bring one)."""
+        mine = "an embedding model" if self.task == "embed" else "a generation model"
+        asked = "an embeddings request" if task == "embed" else f"a request of task {task!r}"
+        return f"model {self.model!r} is {mine} on worker {self.name}; {asked} cannot run on it"
 
     def _step(self) -> None:
         computed, began = self.engine.num_computed_tokens, time.monotonic()
@@ -347,7 +376,7 @@ class WorkerDaemon:
             if out.finished:
                 self._finished(out, finished_at)
 
-    def _step_done(self, outputs: list[RequestOutput], seconds: float, num_batched_tokens: int) -> None:
+    def _step_done(self, outputs: Sequence[Any], seconds: float, num_batched_tokens: int) -> None:
         engine = self.engine
         self.metrics.step_done(outputs, seconds, num_batched_tokens=num_batched_tokens)
         self.metrics.set_engine_state(engine.num_running, engine.num_waiting, engine.kv_usage,
@@ -355,16 +384,20 @@ class WorkerDaemon:
         self.failed_steps = 0
         self.steps += 1
 
-    def _finished(self, out: RequestOutput, finished_at: int) -> None:
+    def _finished(self, out: RequestOutput | PooledRequestOutput, finished_at: int) -> None:
         """A request's final output: its result row, or an engine failure when it carries an error."""
         held = self.book.resolve(out.request_id)
         if held is None:
             return  # aborted by us
-        if out.error:
-            self._engine_failed(held, str(out.error))
+        if out.error or (isinstance(out, PooledRequestOutput) and out.data is None):
+            self._engine_failed(held, str(out.error or "the engine returned no vectors"))
             return
-        row = ResultRow.for_request(held.request, out, worker=self.name, started_at=held.started_at,
-                                    finished_at=finished_at)
+        if isinstance(out, PooledRequestOutput):
+            row = ResultRow.for_embedding(held.request, out, worker=self.name, started_at=held.started_at,
+                                          finished_at=finished_at)
+        else:
+            row = ResultRow.for_request(held.request, out, worker=self.name, started_at=held.started_at,
+                                        finished_at=finished_at)
         self._queue(held, row)
 
     def _step_failed(self, error: Exception) -> None:

@@ -22,18 +22,28 @@ from tqdm import tqdm
 
 from batchinfer.ops.progress import show_progress
 from batchinfer.workers.config import EngineConfig
+from batchinfer.workers.engine.embedder import EmbeddingEngine
 from batchinfer.workers.engine.engine import Engine
-from batchinfer.workers.engine.outputs import RequestOutput
+from batchinfer.workers.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from batchinfer.workers.engine.sequence import Request
+from batchinfer.workers.models.pooling import is_embedding_model
+from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.text.tokenizer import Tokenizer
+from batchinfer.workers.text.tokenizer import Tokenizer, truncate_text_ids
 
 Prompt = str | Mapping[str, Any]
+# What LLM.embed takes per prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}.
+EmbedPrompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 
 
 class LLM:
-    """A model loaded in this process; ``generate`` runs prompts to completion with continuous batching."""
+    """A model loaded in this process; ``generate`` runs prompts to completion with continuous batching.
+
+    An embedding model folder (``is_embedding_model``: BERT-family encoders, decoder base models,
+    sentence-transformers folders) gets an ``EmbeddingEngine`` instead, and ``embed`` instead of
+    ``generate`` / ``chat``.
+    """
 
     def __init__(
         self,
@@ -53,8 +63,20 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len, **engine_kwargs,
         )
-        self.engine = Engine(config)
+        self.engine: Engine | EmbeddingEngine = (
+            EmbeddingEngine(config) if is_embedding_model(config.model) else Engine(config))
         self._ids = itertools.count()
+
+    @property
+    def task(self) -> str:
+        """``"generate"`` or ``"embed"``: which of ``generate`` / ``embed`` this model supports."""
+        return self.engine.task
+
+    def _generator(self, method: str) -> Engine:
+        if not isinstance(self.engine, Engine):
+            raise ValueError(f"LLM.{method}() is only supported for generative models; "
+                             f"{self.engine.model_name} is an embedding model (use LLM.embed())")
+        return self.engine
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -72,6 +94,7 @@ class LLM:
         before any runs: a bad one raises ``ValueError`` naming the prompt and the field.
         ``use_tqdm``: draw a progress bar on stderr; ``None`` (the default) = when stderr is a terminal.
         """
+        engine = self._generator("generate")
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -84,8 +107,117 @@ class LLM:
                                  "(give one for all, or one per prompt)")
         requests = [self._request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         for req in requests:
-            self.engine.enqueue(req)
+            engine.enqueue(req)
         return self._run(requests, use_tqdm)
+
+    def embed(
+        self,
+        prompts: EmbedPrompt | Sequence[EmbedPrompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt, as vLLM's ``LLM.embed``: ``outs[i].outputs.embedding`` (a list of floats).
+
+        ``prompts``: a string, a list of token ids, ``{"prompt_token_ids": [...]}`` / ``{"prompt": ...}``,
+        or a list of these. ``pooling_params``: one for all prompts or one per prompt (``None``: the
+        model's pooling, normalisation and full width). ``truncate_prompt_tokens`` (vLLM's argument)
+        keeps each prompt's last N tokens. Every prompt is validated before any runs: a bad one
+        raises ``ValueError`` naming it. On a generation model: ``ValueError``.
+        """
+        engine = self.engine
+        if not isinstance(engine, EmbeddingEngine):
+            raise ValueError(f"LLM.embed() is only supported for embedding models; {engine.model_name} "
+                             "is a generative model (use LLM.generate())")
+        if isinstance(prompts, (str, Mapping)) or (
+                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [cast(EmbedPrompt, prompts)]
+        prompts = list(cast("Sequence[EmbedPrompt]", prompts))
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"pooling_params: {len(params)} given for {len(prompts)} prompts "
+                                 "(give one for all, or one per prompt)")
+        if truncate_prompt_tokens is not None:
+            params = [PoolingParams(**{**p.to_dict(), "truncate_prompt_tokens": truncate_prompt_tokens})
+                      for p in params]
+        inputs, texts = self._embed_inputs(prompts, engine.tokenizer)
+        for i, text in texts.items():  # a text keeps its special tokens around its last ones
+            keep = params[i].truncate_prompt_tokens
+            if keep is not None and len(inputs[i]) > keep:
+                inputs[i] = truncate_text_ids(engine.tokenizer, text, inputs[i], keep)
+        ids = [f"embd-{next(self._ids)}" for _ in inputs]
+        # Longest first, as sentence-transformers sorts: each step then packs sequences of similar
+        # lengths, which the attention backends batch best. Results come back in prompt order.
+        order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+        added: list[str] = []
+        try:
+            for i in order:
+                try:
+                    engine.add_request(ids[i], inputs=[inputs[i]], pooling_params=params[i])
+                except ValueError as e:
+                    raise ValueError(f"prompts[{i}]: {e}") from None
+                added.append(ids[i])
+        except BaseException:
+            for rid in added:  # validation failed part-way: leave nothing queued
+                engine.abort(rid)
+            engine.step()  # hands out (and drops) the aborts' outputs
+            raise
+        done = self._drain(ids, use_tqdm, "embedding")
+        failed = next((done[rid] for rid in ids if done[rid].error), None)
+        if failed is not None:
+            raise RuntimeError(f"prompts[{ids.index(failed.request_id)}]: {failed.error}")
+        return [EmbeddingRequestOutput(rid, EmbeddingOutput(done[rid].data[0].tolist()),
+                                       done[rid].prompt_token_ids[0]) for rid in ids]
+
+    @staticmethod
+    def _embed_inputs(prompts: list[EmbedPrompt],
+                      tokenizer: Tokenizer) -> tuple[list[list[int]], dict[int, str]]:
+        """Token ids per prompt, and the texts by prompt index: texts encoded together (in
+        parallel inside the tokenizers library)."""
+        out: list[Any] = []
+        texts: dict[int, str] = {}
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, Mapping):
+                unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+                if unknown or len(prompt) != 1:
+                    raise ValueError(f"prompts[{i}]: a prompt is a string, a list of token ids, "
+                                     "{'prompt': ...} or {'prompt_token_ids': [...]}")
+                prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise ValueError(f"prompts[{i}]: the prompt is an empty string")
+                texts[i] = prompt
+            elif not isinstance(prompt, Sequence):
+                raise ValueError(f"prompts[{i}] must be a string or a list of token ids, "
+                                 f"got {type(prompt).__name__}")
+            out.append(prompt if isinstance(prompt, str) else list(prompt))
+        for i, ids in zip(texts, tokenizer.encode_batch(list(texts.values())), strict=True):
+            out[i] = ids
+        return out, texts
+
+    def _drain(self, request_ids: list[str], use_tqdm: bool | None, desc: str) -> dict[str, Any]:
+        """Step the engine until every request in ``request_ids`` finished; their final outputs by id."""
+        pending = set(request_ids)
+        done: dict[str, Any] = {}
+        draw = show_progress() if use_tqdm is None else use_tqdm
+        bar = tqdm(total=len(request_ids), desc=desc, unit="req", disable=not draw)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        done[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            for rid in pending:  # an interrupted call leaves no work behind in the engine
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return done
 
     def chat(
         self,
@@ -106,6 +238,7 @@ class LLM:
         leaves the last (assistant) message open for the model to continue instead of starting a
         new turn. A conversation that does not render raises ``ValueError`` naming it.
         """
+        self._generator("chat")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set "
                              "(pass add_generation_prompt=False)")
@@ -145,28 +278,13 @@ class LLM:
         else:
             raise ValueError(f"prompts[{index}] must be a string or a dict, got {type(prompt).__name__}")
         try:
-            return self.engine.make_request(str(next(self._ids)), sampling_params=params, **kwargs)
+            engine = self._generator("generate")
+            return engine.make_request(str(next(self._ids)), sampling_params=params, **kwargs)
         except ValueError as e:
             raise ValueError(f"prompts[{index}]: {e}") from None
 
     def _run(self, requests: list[Request], use_tqdm: bool | None) -> list[RequestOutput]:
-        pending = {r.request_id for r in requests}
-        done: dict[str, RequestOutput] = {}
-        draw = show_progress() if use_tqdm is None else use_tqdm
-        bar = tqdm(total=len(requests), desc="generating", unit="req", disable=not draw)
-        try:
-            while pending:
-                for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
-                        done[out.request_id] = out
-                        pending.discard(out.request_id)
-                        bar.update(1)
-        except BaseException:
-            for rid in pending:  # an interrupted generate leaves no work behind in the engine
-                self.engine.abort(rid)
-            raise
-        finally:
-            bar.close()
+        done = self._drain([r.request_id for r in requests], use_tqdm, "generating")
         return [done[r.request_id] for r in requests]
 
 

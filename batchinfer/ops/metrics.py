@@ -61,6 +61,7 @@ class Row(Protocol):
     created_at: int | None
     started_at: int | None
     finished_at: int | None
+    embeddings: list[str] | None  # set on an embedding row
 
 
 @dataclass(frozen=True)
@@ -274,9 +275,10 @@ class WorkerMetrics(_DaemonMetrics):
                   num_batched_tokens: int | None = None) -> None:
         """Record one ``Engine.step()``: its duration, tokens, and each output's progress.
 
-        ``outputs`` are the step's ``RequestOutput``s. ``num_batched_tokens`` is what the engine
-        computed this step when it reports it; otherwise new prompt tokens (cache hits excluded) plus
-        new generated tokens are used.
+        ``outputs`` are the step's ``RequestOutput``s (or an embedding engine's
+        ``PooledRequestOutput``s: their prompt tokens count when they finish).
+        ``num_batched_tokens`` is what the engine computed this step when it reports it; otherwise
+        new prompt tokens (cache hits excluded) plus new generated tokens are used.
         """
         now = self.clock()
         new_prompt = new_generated = computed_prompt = 0
@@ -285,7 +287,15 @@ class WorkerMetrics(_DaemonMetrics):
             timing = inflight.get(out.request_id)
             if timing is None:  # not admitted through request_started (e.g. metrics enabled late)
                 timing = inflight[out.request_id] = [now - seconds, None, 0]
-            completions = out.outputs
+            completions = getattr(out, "outputs", None)
+            if completions is None:  # a PooledRequestOutput (embeddings): one prompt pass, no tokens out
+                if out.finished:
+                    del inflight[out.request_id]
+                    new_prompt += out.num_prompt_tokens
+                    computed_prompt += out.num_prompt_tokens
+                    if out.error is None:
+                        self.inference.observe(now - timing[0])
+                continue
             seen = (len(completions[0].token_ids) if len(completions) == 1
                     else sum(len(c.token_ids) for c in completions))
             delta = seen - timing[2] if seen > timing[2] else 0
@@ -328,7 +338,7 @@ class WorkerMetrics(_DaemonMetrics):
         super().row_published(row)
         if row.status != "completed":
             return
-        if row.prompt_tokens:
+        if row.prompt_tokens and row.embeddings is None:  # an embedding's prompt pass has no cache
             self.prefix_queried.inc(row.prompt_tokens)
             self.prefix_hits.inc(row.cached_tokens or 0)
         if row.created_at and row.finished_at and row.finished_at >= row.created_at:

@@ -57,10 +57,18 @@ class BatchEntry:
     solo: bool = False
 
 
+#: BatchRequest fields only an embeddings element carries (absent: task "generate").
+_EMBED_FIELDS = ("task", "inputs", "pooling_params")
+
+
 def encode_request(request: BatchRequest) -> str:
     """One element of ``requests``, as compact JSON (staging stores requests in this form too)."""
     # fields_dict, not to_dict: a hot path (every request passes here twice), encoded right away
-    return json.dumps(fields_dict(request), separators=(",", ":"), ensure_ascii=False)
+    values = fields_dict(request)
+    if request.task == "generate":  # a generation element is written as before embeddings existed
+        for name in _EMBED_FIELDS:
+            del values[name]
+    return json.dumps(values, separators=(",", ":"), ensure_ascii=False)
 
 
 def encode_raw(encoded: list[str], *, solo: bool = False) -> dict[str, str]:

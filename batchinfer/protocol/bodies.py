@@ -14,9 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchinfer.protocol.embed_bodies import EmbedInputs, check_embed_fields, parse_inputs, parse_pooling
 from batchinfer.protocol.entries import (
     CHAT_URL,
     COMPLETIONS_URL,
+    EMBEDDINGS_URL,
     IGNORED_OPENAI_FIELDS,
     MAX_CUSTOM_ID_CHARS,
     MESSAGE_FIELDS,
@@ -25,6 +27,7 @@ from batchinfer.protocol.entries import (
     REQUEST_FIELDS,
     RequestError,
 )
+from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.sampling_params import SamplingParams
 
 __all__ = ["RequestSpec", "custom_id_of", "leading_custom_id", "parse_body"]
@@ -32,7 +35,9 @@ __all__ = ["RequestSpec", "custom_id_of", "leading_custom_id", "parse_body"]
 
 @dataclass
 class RequestSpec:
-    """A validated request body: exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``."""
+    """A validated request body: exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``, or
+    for ``task == "embed"`` the ``inputs`` (texts or token-id lists) and their ``pooling_params``
+    (``sampling_params`` is then the unused default)."""
 
     sampling_params: SamplingParams
     custom_id: str | None = None
@@ -43,6 +48,9 @@ class RequestSpec:
     priority: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     url: str | None = None  # the OpenAI endpoint of an OpenAI Batch line
+    task: str = "generate"  # "generate" | "embed"
+    inputs: EmbedInputs | None = None
+    pooling_params: PoolingParams | None = None
 
 
 def _reject_constant(name: str) -> float:
@@ -131,9 +139,9 @@ def _parse_openai_line(line: Mapping[str, Any], max_tokens_limit: int | None) ->
     if not isinstance(method, str) or method.upper() != "POST":
         raise RequestError("invalid_request", f"method must be \"POST\", got {method!r}", field="method")
     url = line["url"]
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise RequestError("unsupported_url", f"url {url!r} is not supported (use {CHAT_URL} or "
-                           f"{COMPLETIONS_URL})", field="url")
+    if url not in (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL):
+        raise RequestError("unsupported_url", f"url {url!r} is not supported (use {CHAT_URL}, "
+                           f"{COMPLETIONS_URL} or {EMBEDDINGS_URL})", field="url")
     inner = line["body"]
     if not isinstance(inner, Mapping):
         raise RequestError("invalid_request", f"body must be an object, got {_kind(inner)}", field="body")
@@ -142,6 +150,13 @@ def _parse_openai_line(line: Mapping[str, Any], max_tokens_limit: int | None) ->
         raise RequestError("invalid_request", "custom_id belongs to the Batch line, not to its body",
                            field="body.custom_id")
     inner["custom_id"] = line["custom_id"]
+    if url == EMBEDDINGS_URL:
+        if "input" not in inner:
+            raise RequestError("invalid_request", f"{EMBEDDINGS_URL} needs 'input'", field="body.input")
+        return _parse_plain(inner, url=url, max_tokens_limit=max_tokens_limit)
+    if "input" in inner:
+        raise RequestError("invalid_request", f"input is for {EMBEDDINGS_URL}; {url} takes "
+                           f"{'messages' if url == CHAT_URL else 'prompt'}", field="body.input")
     if url == CHAT_URL:
         if "prompt" in inner or "prompt_token_ids" in inner:
             raise RequestError("invalid_request", f"{CHAT_URL} takes 'messages', not a prompt",
@@ -182,6 +197,9 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
                            field="stream")
     for name in IGNORED_OPENAI_FIELDS:
         body.pop(name, None)
+    embed = "input" in body
+    if embed:
+        check_embed_fields(body, url or "an embeddings request")
     if "max_completion_tokens" in body:
         value = body.pop("max_completion_tokens")
         if body.get("max_tokens") is not None and value is not None and body["max_tokens"] != value:
@@ -189,7 +207,7 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
                                field="max_completion_tokens")
         body["max_tokens"] = value if value is not None else body.get("max_tokens")
     unknown = sorted(k for k in body if k not in REQUEST_FIELDS and k not in SamplingParams.FIELDS)
-    if unknown:
+    if unknown and not embed:
         raise RequestError("invalid_request", f"unknown field(s): {', '.join(unknown)}", field=unknown[0])
 
     custom_id = body.pop("custom_id", None)
@@ -207,6 +225,10 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
         raise RequestError("invalid_request", f"priority must be an integer, got {_short(priority)}",
                            field="priority")
     metadata = _metadata(body.pop("metadata", None))
+    if embed:
+        return RequestSpec(sampling_params=SamplingParams(), custom_id=custom_id, model=model,
+                           priority=priority, metadata=metadata, url=url, task="embed",
+                           inputs=parse_inputs(body.pop("input")), pooling_params=parse_pooling(body))
     prompt, token_ids, messages = _inputs(body)
     if messages is not None and "max_tokens" not in body:
         body["max_tokens"] = None  # chat: until the context is full

@@ -21,9 +21,14 @@ PROTOCOL_VERSION = "1"
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
 OPENAI_LINE_FIELDS = ("custom_id", "method", "url", "body")
 # Body fields that are not sampling parameters.
 REQUEST_FIELDS = ("custom_id", "model", "prompt", "prompt_token_ids", "messages", "priority", "metadata")
+# Embedding body fields besides custom_id, model, priority, metadata (PoolingParams' fields + input).
+EMBED_FIELDS = ("input", "encoding_format", "dimensions", "pooling_type", "normalize",
+                "truncate_prompt_tokens")
+MAX_EMBED_INPUTS = 2048  # inputs of one embeddings request (OpenAI's limit)
 # OpenAI fields accepted and ignored: they change nothing about the generated tokens.
 IGNORED_OPENAI_FIELDS = ("user", "store")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from batchinfer.workers.engine.outputs import Logprob, RequestOutput, SampleLogprobs
+    from batchinfer.workers.engine.outputs import Logprob, PooledRequestOutput, RequestOutput, SampleLogprobs
     from batchinfer.workers.sampling_params import SamplingParams
 
 ROW_STATUSES = ("completed", "failed", "cancelled", "expired")
@@ -242,6 +242,22 @@ class ResultRow:
             cached_tokens=output.num_cached_tokens, line=request.line, created_at=request.created_at,
             started_at=started_at, finished_at=finished_at if finished_at is not None else now_ms(),
             worker=worker, sampling_params=request.sampling_params, metadata=dict(request.metadata),
+            url=request.url,
+        )
+
+    @classmethod
+    def for_embedding(cls, request: BatchRequest, output: PooledRequestOutput, *, worker: str | None = None,
+                      started_at: int | None = None, finished_at: int | None = None) -> ResultRow:
+        """The row of an embedding request the engine finished: one vector per input, in order."""
+        data = output.data  # [num_inputs, dim] float32 on the CPU
+        vectors = data.numpy() if hasattr(data, "numpy") else data
+        return cls(
+            job_id=request.job_id, request_id=request.request_id, status="completed", idx=request.idx,
+            custom_id=request.custom_id, model=request.model, output_text=None,
+            embeddings=[encode_vector(v) for v in vectors], prompt_tokens=output.num_prompt_tokens,
+            completion_tokens=0, line=request.line, created_at=request.created_at,
+            started_at=started_at, finished_at=finished_at if finished_at is not None else now_ms(),
+            worker=worker, pooling_params=request.pooling_params, metadata=dict(request.metadata),
             url=request.url,
         )
 

@@ -1,4 +1,6 @@
 """Intake: read the requests stream, validate, tokenise, and stage — or answer with an error row.
+Embeddings requests are routed by the model's task and tokenised per input in
+``batchinfer.scheduler.embed_intake``; the entry's check against its job is ``jobops.refusal``.
 
 Each intake entry ends in exactly one place, and its XACK + XDEL travels in the same MULTI:
 a staging stream (valid; ``batchinfer.scheduler.staging``), the holding area (its model is not served yet),
@@ -30,7 +32,8 @@ from batchinfer.protocol.bodies import RequestSpec, leading_custom_id, parse_bod
 from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
 from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms, request_id_for
 from batchinfer.redis_conn import ensure_group, read_group
-from batchinfer.scheduler.jobops import JobOps
+from batchinfer.scheduler.embed_intake import check_task, embed_fields
+from batchinfer.scheduler.jobops import JobOps, Refuse, entry_ms, refusal
 from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, RowSink
 from batchinfer.scheduler.staging import Staging, held_key
 from batchinfer.store import replies
@@ -69,17 +72,6 @@ class Hold:
     reply_to: str | None
     model: str = ""  # the model it waits for (counted in {p}:held_models)
     overridden: str | None = None
-
-
-@dataclass
-class Refuse:
-    """An entry that cannot be counted in its job: answered as a direct request (``row`` has no job),
-    with ``job_error`` for the job's record when the job exists."""
-
-    row: ResultRow
-    reply_to: str | None
-    job_id: str | None = None
-    job_error: str | None = None
 
 
 class Duplicate:
@@ -123,10 +115,6 @@ def params_dict(params: SamplingParams) -> dict[str, Any]:
     return {name: getattr(params, name) for name in SamplingParams.FIELDS}
 
 
-def entry_ms(entry_id: str) -> int:
-    return int(entry_id.split("-", 1)[0])
-
-
 class Admission:
     """Decides the fate of one intake entry (reads job states and models through caches)."""
 
@@ -157,10 +145,10 @@ class Admission:
         now = now_ms()
         view = self.jobs.get(entry.job_id) if entry.job_id else None
         if view is not None and held_until is None:
-            refusal = self.refusal(entry_id, view, entry.idx, entry.reply_to, taken, entry.line,
-                                   leading_custom_id(entry.body))
-            if refusal is not None:
-                return refusal
+            refused = refusal(entry_id, view, entry.idx, entry.reply_to, taken, entry.line,
+                              leading_custom_id(entry.body))
+            if refused is not None:
+                return refused
         ended = view.ended_as() if view else None
         if view and view.model:
             base["model"] = view.model  # error rows name the job's model until the body names one
@@ -190,41 +178,27 @@ class Admission:
             if now < deadline:
                 return Hold(deadline, row, entry.reply_to, model, overridden)
             return Reject(row, entry.reply_to, overridden)
+        token_ids: list[int] = []
+        embed: dict[str, Any] = {}  # an embedding request's task, inputs and pooling_params
         try:
-            token_ids = self._tokens(spec, served.tokenizer)
-            self._check_length(len(token_ids), spec, served.info.max_model_len,
-                               self.settings.max_prompt_tokens)
+            check_task(spec, model, served.info)  # routing by task: embeddings to embedding models only
+            if spec.task == "embed":
+                embed = embed_fields(spec, served, self.settings.max_prompt_tokens)
+            else:
+                token_ids = self._tokens(spec, served.tokenizer)
+                self._check_length(len(token_ids), spec, served.info.max_model_len,
+                                   self.settings.max_prompt_tokens)
         except RequestError as e:
             return Reject(self._error(e.at_line(entry.line), base), entry.reply_to, overridden)
         priority = spec.priority or (view.priority if view else 0)
+        sampling = {} if embed else params_dict(spec.sampling_params)
         request = BatchRequest(request_id=request_id, job_id=entry.job_id, idx=entry.idx,
-                               prompt_token_ids=token_ids, sampling_params=params_dict(spec.sampling_params),
-                               model=model, line=entry.line, custom_id=spec.custom_id, url=spec.url,
-                               reply_to=entry.reply_to, metadata=spec.metadata, created_at=base["created_at"])
+                               prompt_token_ids=token_ids, sampling_params=sampling, model=model,
+                               line=entry.line, custom_id=spec.custom_id, url=spec.url,
+                               reply_to=entry.reply_to, metadata=spec.metadata, created_at=base["created_at"],
+                               **embed)
         # staged under the canonical name: the tokens are that model's, whichever alias was asked for
         return Stage(served.info.name, priority, request, overridden)
-
-    def refusal(self, entry_id: str, view: JobView, idx: int | None, reply_to: str | None,
-                taken: set[tuple[str, int]] | frozenset[tuple[str, int]], line: int | None = None,
-                custom_id: str | None = None) -> Refuse | None:
-        """Why an entry for job ``view`` cannot be counted in it, as a :class:`Refuse`; None if it can."""
-        job = view.job_id
-        if not view.exists:
-            why = (f"job {job!r} does not exist: open it first with an 'op open' entry "
-                   f"(docs/protocol.md, Jobs); this entry (idx {idx}) was not run")
-        elif idx is None:
-            return None
-        elif view.total is not None and idx >= view.total:
-            why = (f"idx {idx} is out of range: job {job!r} was closed with total {view.total} "
-                   f"(idx 0..{view.total - 1}); this entry was not run")
-        elif (job, idx) in taken:
-            why = (f"idx {idx} of job {job!r} was already taken in (by an earlier entry, or filled when "
-                   "the job was closed without it); this entry was not run")
-        else:
-            return None
-        row = ResultRow.error("protocol_error", why, job_id=None, request_id=entry_id, line=line,
-                              custom_id=custom_id, created_at=entry_ms(entry_id))
-        return Refuse(row, reply_to, job, why if view.exists else None)
 
     def _malformed(self, entry_id: str, e: RequestError,
                    taken: set[tuple[str, int]] | frozenset[tuple[str, int]] = frozenset()) -> Reject | Refuse:
@@ -234,11 +208,10 @@ class Admission:
         job, idx = ctx.get("job"), ctx.get("idx")
         routable = isinstance(job, str) and valid_job_id(job) and isinstance(idx, int) and idx >= 0
         if routable and isinstance(job, str):
-            refusal = self.refusal(entry_id, self.jobs.get(job), idx, ctx.get("reply_to"), taken,
-                                   ctx.get("line"))
-            if refusal is not None:
-                refusal.row.error_message = f"{refusal.row.error_message} (and the entry is malformed: {e})"
-                return refusal
+            refused = refusal(entry_id, self.jobs.get(job), idx, ctx.get("reply_to"), taken, ctx.get("line"))
+            if refused is not None:
+                refused.row.error_message = f"{refused.row.error_message} (and the entry is malformed: {e})"
+                return refused
         base: _RowBase = {"job_id": job if routable else None, "idx": idx if routable else None,
                           "request_id": request_id_for(job, idx) if routable else entry_id,
                           "line": ctx.get("line"), "created_at": entry_ms(entry_id)}

@@ -85,14 +85,21 @@ class Staged:
 
     @cached_property
     def candidate(self) -> Candidate:
-        """The packing view: cost = prompt + max_tokens (the rest of the context when unbounded)."""
+        """The packing view: cost = prompt + max_tokens (the rest of the context when unbounded);
+        an embedding request (``inputs``) costs its inputs' tokens: it generates nothing."""
+        key, job = f"{self.member}/{self.entry_id}", self.body.get("job_id") or DIRECT
+        inputs = self.body.get("inputs")
+        if inputs is not None:
+            return Candidate(key=key, job=job, priority=self.priority, max_tokens=0,
+                             prompt_tokens=sum(len(ids) for ids in inputs),
+                             arrival=self.body.get("created_at") or 0)
         tokens = self.body["prompt_token_ids"]
         max_tokens = (self.body.get("sampling_params") or {}).get("max_tokens")
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(tokens))
-        return Candidate(key=f"{self.member}/{self.entry_id}", job=self.body.get("job_id") or DIRECT,
-                         priority=self.priority, prompt_tokens=len(tokens), max_tokens=int(max_tokens),
-                         arrival=self.body.get("created_at") or 0, prefix=tuple(tokens[:PREFIX_SORT_TOKENS]))
+        return Candidate(key=key, job=job, priority=self.priority, prompt_tokens=len(tokens),
+                         max_tokens=int(max_tokens), arrival=self.body.get("created_at") or 0,
+                         prefix=tuple(tokens[:PREFIX_SORT_TOKENS]))
 
 
 class Staging:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from batchinfer.keys import Keys
-from batchinfer.protocol.rows import now_ms
+from batchinfer.protocol.rows import TASKS, now_ms
 from batchinfer.redis_conn import as_text
 from batchinfer.store import replies
 
@@ -62,7 +62,12 @@ def _decode(raw: bytes | str) -> Any:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A served model: its tokenizer files (bytes by file name) and the capacity workers advertise."""
+    """A served model: its tokenizer files (bytes by file name) and the capacity workers advertise.
+
+    ``task`` is what its workers do with it: ``"generate"`` (a registration written before tasks
+    existed reads as one) or ``"embed"``, with ``embedding_dim`` (the width of its vectors) and
+    ``matryoshka`` (whether a request may ask for fewer ``dimensions``).
+    """
 
     name: str
     files: dict[str, bytes]
@@ -73,6 +78,9 @@ class ModelInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     fingerprint: str = ""  # sha256 of the tokenizer files: changes when the tokenizer does
     registered_at: int = 0
+    task: str = "generate"
+    embedding_dim: int | None = None
+    matryoshka: bool = False
 
     @property
     def capacity(self) -> dict[str, int]:
@@ -114,10 +122,15 @@ def _worker_info(name: str, raw: dict) -> WorkerInfo:
                       info=info)
 
 
-def fingerprint(files: dict[str, bytes]) -> str:
+def fingerprint(files: dict[str, bytes], task: str = "generate", embedding_dim: int | None = None,
+                matryoshka: bool = False) -> str:
+    """sha256 of the tokenizer files, and of the task of an embedding model (a generation model's
+    is the files' alone, as before tasks existed): caches rebuild when either changes."""
     digest = hashlib.sha256()
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + files[name] + b"\0")
+    if task != "generate":
+        digest.update(f"task\0{task}\0{embedding_dim}\0{int(matryoshka)}\0".encode())
     return digest.hexdigest()
 
 
@@ -130,12 +143,19 @@ class Registry:
 
     # models
     def register_model(self, name: str, files: dict[str, bytes], capacity: dict[str, Any],
-                       eos_token_ids: list[int] | None = None) -> None:
+                       eos_token_ids: list[int] | None = None, *, task: str = "generate",
+                       embedding_dim: int | None = None, matryoshka: bool = False) -> None:
         """Store (or replace) model ``name``: tokenizer ``files`` by file name, and ``capacity``.
 
         ``capacity`` needs ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens`` and
         ``kv_tokens`` (the dict ``Engine.capacity()`` returns); ``eos_token_ids`` may also be in it.
+        ``task``: ``"generate"`` or ``"embed"``; an embedding model also gives ``embedding_dim``.
         """
+        if task not in TASKS:
+            raise ValueError(f"model {name!r}: task must be one of {', '.join(TASKS)}, got {task!r}")
+        if task == "embed" and (not isinstance(embedding_dim, int) or embedding_dim <= 0):
+            raise ValueError(f"model {name!r}: an embedding model needs a positive embedding_dim, "
+                             f"got {embedding_dim!r}")
         if not name or any(c.isspace() for c in name):
             raise ValueError(f"model name must be non-empty without spaces, got {name!r}")
         if "tokenizer.json" not in files:
@@ -150,8 +170,12 @@ class Registry:
         if min(values.values()) <= 0:
             raise ValueError(f"model {name!r}: capacity values must be positive, got {values}")
         eos = eos_token_ids if eos_token_ids is not None else capacity.get("eos_token_ids", [])
-        extra: dict[str, str | int] = {"eos_token_ids": json.dumps([int(t) for t in eos]),
-                                       "fingerprint": fingerprint(files), "registered_at": now_ms()}
+        extra: dict[str, str | int] = {"eos_token_ids": json.dumps([int(t) for t in eos]), "task": task,
+                                       "fingerprint": fingerprint(files, task, embedding_dim, matryoshka),
+                                       "registered_at": now_ms()}
+        if task == "embed":
+            assert embedding_dim is not None  # checked above
+            extra.update(embedding_dim=int(embedding_dim), matryoshka=int(bool(matryoshka)))
         # joined as pairs: hset's field map is keyed by redis-py's key union, which no dict[str, ...]
         # is (dict keys are invariant); a (str, bytes) pair is a (FieldT, EncodableT) one
         mapping: dict[FieldT, EncodableT] = dict([*files.items(), *values.items(), *extra.items()])
@@ -174,6 +198,9 @@ class Registry:
             eos_token_ids=json.loads(raw.get("eos_token_ids", b"[]")),
             fingerprint=as_text(raw.get("fingerprint", b"")),
             registered_at=int(raw.get("registered_at", 0)),
+            task=as_text(raw.get("task", b"generate")) or "generate",
+            embedding_dim=int(raw["embedding_dim"]) if "embedding_dim" in raw else None,
+            matryoshka=raw.get("matryoshka") == b"1",
             **{f: int(raw[f]) for f in CAPACITY_FIELDS},
         )
 

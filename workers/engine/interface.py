@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from batchinfer.workers.engine.outputs import RequestOutput
+from batchinfer.workers.engine.outputs import PooledRequestOutput, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
 
 
@@ -69,8 +69,9 @@ class WorkerEngine(Protocol):
 
     # -- the step loop ----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Advance every running request by one step; return the outputs of the requests that moved.
+    def step(self) -> Sequence[RequestOutput] | Sequence[PooledRequestOutput]:
+        """Advance every running request by one step; return the outputs of the requests that moved
+        (``RequestOutput`` for ``task == "generate"``, finished ``PooledRequestOutput`` for ``"embed"``).
 
         An output with ``finished`` set is final: the daemon publishes it (or, when its ``error``
         is set, counts an engine failure of that request). A raise means the step failed with

@@ -38,6 +38,14 @@ _MODEL_TYPES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
+#: Decoder checkpoints without an LM head (transformers' base classes, e.g. Qwen3-Embedding's
+#: ``Qwen3Model``) -> the decoder that runs them; only the embedding engine loads these.
+BASE_DECODERS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 _ROPE_REQUIRED = {  # fields the config itself must give (the others have transformers' defaults)
     "linear": ("factor",),
@@ -296,6 +304,7 @@ def _architecture(config: dict[str, Any], source: str) -> str:
     if not names and config.get("model_type") in _MODEL_TYPES:
         names = [_MODEL_TYPES[config["model_type"]]]
     for name in names:
+        name = BASE_DECODERS.get(name, name)
         if name in SUPPORTED_ARCHITECTURES:
             return name
     found = ", ".join(map(str, names)) or f"model_type {config.get('model_type')!r}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchinfer.kernels import paged_attention, write_kv
+from batchinfer.kernels import paged_attention, varlen_attention, write_kv
 from batchinfer.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
 from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.models.config import ModelConfig
@@ -76,7 +76,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, C]
         positions: torch.Tensor,  # [T]
         cos_sin: torch.Tensor,  # [max_positions, D]
-        kv_cache: KVCache,
+        kv_cache: KVCache | None,  # None: no cache, meta.cu_seqlens_q delimits whole sequences
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, C]
         T = x.shape[0]
@@ -88,6 +88,11 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
         q, k = rotary_embedding(positions, q, k, cos_sin)
+        if kv_cache is None:  # no cache (embeddings): whole sequences attend to their own tokens
+            o = varlen_attention(q, k, v, meta.cu_seqlens_q, causal=True, scale=self.scale,
+                                 sliding_window=self.sliding_window, softcap=self.softcap,
+                                 backend=meta.backend)
+            return self.o_proj(o.reshape(T, self.q_size))
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
         o = paged_attention(
@@ -152,7 +157,7 @@ class Decoder(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", lm_head: bool = True):
         super().__init__()
         self.config = config
         # Built on the meta device then allocated uninitialised: no time spent on random init.
@@ -161,7 +166,7 @@ class Decoder(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
             self.lm_head = None
-            if not config.tie_word_embeddings:
+            if lm_head and not config.tie_word_embeddings:  # lm_head=False: an embedder's hidden states only
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.to(dtype).to_empty(device=device)
         # Kept float32 (transformers computes angles in float32, then casts cos/sin to the input dtype).
@@ -209,16 +214,17 @@ class Decoder(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64, position of each token in its sequence
-        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
+        kv_caches: list[KVCache] | None,  # one (k_cache, v_cache) per layer; None: no cache (embeddings)
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, C], final norm applied
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"kv_caches has {len(kv_caches)} entries for {self.num_layers} layers")
+        caches: list[KVCache | None] = [None] * self.num_layers if kv_caches is None else list(kv_caches)
+        if len(caches) != self.num_layers:
+            raise ValueError(f"kv_caches has {len(caches)} entries for {self.num_layers} layers")
         x = self.embed_tokens(input_ids)  # [T, C]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, caches, strict=True)):
             cos_sin = self.cos_sin_local if self._local_rope[i] else self.cos_sin_cache
             x, residual = layer(x, residual, positions, cos_sin, kv_cache, attn_metadata)
         if residual is None:  # no layers

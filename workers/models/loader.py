@@ -29,7 +29,7 @@ from batchinfer.workers.models.gguf import (
     needs_unpermute,
     unpermute_qk,
 )
-from batchinfer.workers.models.gguf.names import has_norm_offset
+from batchinfer.workers.models.gguf.names import CONFIG_TENSORS, has_norm_offset, split_stacked
 from batchinfer.workers.models.moe import checkpoint_target, part_bounds
 
 SINGLE_FILE = "model.safetensors"
@@ -90,6 +90,7 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    lm_head: bool = True,
 ) -> Decoder:
     """Build the decoder of a Hugging Face directory or a GGUF checkpoint and load its weights.
 
@@ -100,6 +101,7 @@ def load_model(
     ``progress`` shows a bytes progress bar on stderr when stderr is a terminal. Raises
     ``FileNotFoundError`` for a missing config / weights file / shard and ``ValueError`` for an
     unsupported architecture or GGUF tensor type, a missing or unexpected tensor, or a shape mismatch.
+    ``lm_head=False`` (embedders): no LM head is built, and a checkpoint's ``lm_head.weight`` is skipped.
     """
     model_dir = Path(model_dir)
     gguf = _open_gguf(model_dir)  # None: a Hugging Face folder
@@ -110,7 +112,7 @@ def load_model(
         files = weight_files(model_dir)
     else:
         config = ModelConfig.from_dict(*hf_config(gguf), source=str(gguf.path))
-    model = Decoder(config, dtype=resolve_dtype(dtype, config), device=device)
+    model = Decoder(config, dtype=resolve_dtype(dtype, config), device=device, lm_head=lm_head)
     params = dict(model.named_parameters())
     sizes = _fused_sizes(config)
     pending = {(name, part) for name in params for part in sizes.get(name.split(".", 2)[-1], [None])}
@@ -123,7 +125,7 @@ def load_model(
         for path, name, tensor in tensors:
             bar.advance(tensor.numel() * tensor.element_size())
             target = _target(name, config)
-            if target is None:
+            if target is None or (target[0] == "lm_head.weight" and "lm_head.weight" not in params):
                 continue
             pname, part = target
             if pname not in params:
@@ -166,10 +168,12 @@ def _gguf_tensors(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     arch = gguf.architecture
     heads = {"q": config.num_attention_heads, "k": config.num_key_value_heads}
     size = torch.empty((), dtype=dtype).element_size()
-    total = sum(t.n_elements for t in gguf.tensors.values()) * size
+    total = sum(t.n_elements for t in gguf.tensors.values() if t.name not in CONFIG_TENSORS) * size
 
     def tensors() -> Iterator[tuple[Path, str, torch.Tensor]]:
         for t in gguf.tensors.values():
+            if t.name in CONFIG_TENSORS:  # Phi-3's LongRoPE factors: already in the config
+                continue
             try:
                 name = hf_name(t.name, arch)
             except ValueError as e:
@@ -180,7 +184,8 @@ def _gguf_tensors(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                 tensor = unpermute_qk(tensor, heads[part])
             if has_norm_offset(t.name, arch):  # Gemma: llama.cpp stored w + 1 for the (1 + w) norm
                 tensor = tensor - 1
-            yield gguf.path, name, tensor
+            for hf, piece in split_stacked(name, tensor):  # MoE: [E, ...] -> one tensor per expert
+                yield gguf.path, hf, piece
 
     return total, tensors()
 

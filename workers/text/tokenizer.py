@@ -43,6 +43,10 @@ class Tokenizer:
         generation_config: dict[str, Any] | None = None,
         chat_template: str | None = None,
     ):
+        # tokenizer.json may carry padding / truncation settings (BERT exports: pad to 128): like
+        # transformers' tokenizers, ours pads and truncates only when asked, never from the file.
+        backend.no_padding()
+        backend.no_truncation()
         self.backend = backend
         self.config = config or {}
         self.generation_config = generation_config or {}
@@ -203,6 +207,19 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def truncate_text_ids(tokenizer: Tokenizer, text: str, ids: list[int], keep: int) -> list[int]:
+    """The last ``keep`` tokens of ``text``'s encoding ``ids``, keeping the special tokens the
+    tokenizer adds around it (``[CLS] ... [SEP]``, a BOS), as a left-truncating tokenizer does for
+    vLLM's ``truncate_prompt_tokens``; without such tokens, simply ``ids[-keep:]``."""
+    content = tokenizer.encode(text, add_special_tokens=False)
+    extra = len(ids) - len(content)
+    start = next((p for p in range(extra + 1) if ids[p:p + len(content)] == content), None) \
+        if 0 < extra < keep else None
+    if start is None:  # no specials around the text (or no room beside them): plain last tokens
+        return ids[-keep:]
+    return ids[:start] + content[len(content) - (keep - extra):] + ids[start + len(content):]
 
 
 def looks_like_gguf(path: str | Path) -> bool:

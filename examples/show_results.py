@@ -1,5 +1,6 @@
 """Print a results file as a table: custom_id, status, the output text (truncated), finish_reason,
-tokens; the error code for a failed row. ``make demo`` runs it on demo-out/results.parquet.
+tokens (the input's, for vectors); the error code for a failed row. ``make demo`` runs it on
+demo-out/results.parquet.
 An embedding row shows its width and first values instead of text, and each embedding row's
 nearest other row by cosine similarity is listed below the table.
 
@@ -32,13 +33,17 @@ def table(df: pd.DataFrame, width: int) -> str:
         out = " ".join(str(row["output_text"]).split())  # newlines and runs of spaces as one space
         return out if len(out) <= width else out[: width - 3] + "..."
 
-    view = pd.DataFrame({
+    columns = {
         "custom_id": df["custom_id"].fillna("").astype(str),
         "status": df["status"],
         "output": df.apply(text, axis=1),
         "finish": df["finish_reason"].fillna(""),
         "tokens": df["completion_tokens"].fillna(0).astype(int),
-    })
+    }
+    if "embedding" in df.columns:  # vectors: the tokens embedded; nothing is generated or finished
+        del columns["finish"]
+        columns["tokens"] = df["prompt_tokens"].fillna(0).astype(int)
+    view = pd.DataFrame(columns)
     widths = {c: max(len(c), *(len(str(v)) for v in view[c])) for c in view.columns}
     lines = ["  ".join(c.ljust(widths[c]) for c in view.columns)]
     lines += ["  ".join(str(v).ljust(widths[c]) for c, v in row.items()) for _, row in view.iterrows()]

@@ -284,3 +284,13 @@ def test_exporter_log_has_no_maintenance_lines(redis_session, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_held_text_says_when_the_model_has_been_served_since():
+    from batchinfer.cli.render import held_text
+
+    assert held_text(3, "m", ["a"]) == "3 held: model 'm' is not served; served: a"
+    assert held_text(2, None, []) == "2 held: their model is not served; served: none (no live worker)"
+    # a worker registered after the requests were held: not "not served; served: m"
+    assert held_text(7, "m", ["a", "m"]) == ("7 held: model 'm' is served now; the scheduler takes them "
+                                             "in at its next sweep")

@@ -22,7 +22,13 @@ def fmt_time(ms: int | None) -> str:
 
 
 def held_text(count: int, model: str | None, served: Sequence[str]) -> str:
-    """``3 held: model 'SmolLM2' is not served; served: hf, qwen`` (``model`` None: the model unknown)."""
+    """``3 held: model 'SmolLM2' is not served; served: hf, qwen`` (``model`` None: the model unknown).
+
+    A model served by now (its worker registered after the requests were held) says so: the
+    scheduler's next sweep of the holding area takes them in.
+    """
+    if model and model in served:
+        return f"{count} held: model {model!r} is served now; the scheduler takes them in at its next sweep"
     what = f"model {model!r} is not served" if model else "their model is not served"
     return f"{count} held: {what}; served: {', '.join(served) if served else 'none (no live worker)'}"
 

@@ -210,8 +210,11 @@ def test_the_worker_registers_its_task_and_answers_wrong_requests_with_rows(redi
     settings = Settings(prefix="{ed}", heartbeat_seconds=0.3)
     worker = ThreadedWorker(WorkerDaemon(r, settings, engine, "emb"))
     echo = ThreadedWorker(WorkerDaemon(r, settings, EchoEngine(), "gen"))
-    wait_until(lambda: len(Registry(r, KEYS).live_workers()) == 2, what="two workers")
-    info = Registry(r, KEYS).get_model("tiny-bert")
+    registry = Registry(r, KEYS)
+    # a worker's heartbeat can be seen a moment before its model registration
+    wait_until(lambda: len(registry.live_workers()) == 2 and registry.get_model("tiny-bert") is not None
+               and registry.get_model("echo") is not None, what="two workers and their models")
+    info = registry.get_model("tiny-bert")
     assert (info.task, info.embedding_dim, info.matryoshka) == ("embed", 64, False)
     assert Registry(r, KEYS).get_model("echo").task == "generate"
     bert_batch = [_embed(0, [ids, ids[:3]], "tiny-bert"), _embed(1, None, "tiny-bert", "generate"),

@@ -6,20 +6,12 @@ tests/conftest.py before triton is imported) on tiny shapes; ``gpu`` tests run t
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from triton_setup import DEVICE  # first: it checks triton is not imported yet
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set")
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from batchinfer.kernels.moe import MOE_BACKENDS, available_backends, fused_moe, reference  # noqa: E402
-from batchinfer.kernels.moe.align import max_padded_rows, moe_align  # noqa: E402
+from batchinfer.kernels.moe import MOE_BACKENDS, available_backends, fused_moe, reference
+from batchinfer.kernels.moe.align import max_padded_rows, moe_align
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 # (tokens, experts, top_k, hidden, intermediate): T = 1 and 0, top_k = 1 and = E, sizes that are

@@ -8,23 +8,14 @@ explains); with CUDA the same tests run compiled, and the ``gpu`` tests add real
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from triton_setup import DEVICE  # first: it checks triton is not imported yet
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot be "
-                           "interpreted on CPU: set the variable before anything imports triton")
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from batchinfer import kernels  # noqa: E402
-from batchinfer.kernels import cpu_attention, dispatch, flash  # noqa: E402
-from batchinfer.kernels.attention_config import AttentionConfig  # noqa: E402
-from batchinfer.kernels.testing import (  # noqa: E402
+from batchinfer import kernels
+from batchinfer.kernels import cpu_attention, dispatch, flash
+from batchinfer.kernels.attention_config import AttentionConfig
+from batchinfer.kernels.testing import (
     dense_attention,
     dense_reference,
     dense_varlen,

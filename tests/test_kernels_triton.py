@@ -9,18 +9,9 @@ module sets it too when run on its own.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot be "
-                           "interpreted on CPU: set the variable before anything imports triton")
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_setup import DEVICE  # first: it checks triton is not imported yet
 
 pytest.importorskip("triton")
 

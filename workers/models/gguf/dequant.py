@@ -143,22 +143,25 @@ def _k_scale_min(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
+def _k_super_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: each of the 8 sub-blocks' scale and min, times the super-block's d and dmin:
+    (n, 8, 1) each."""
     n = b.shape[0]
     sc, mn = _k_scale_min(b)
     dmin = _f16(b, 0, 2)  # (n, 2): d, dmin
-    d = (dmin[:, :1] * sc).view(n, 8, 1)
-    dm = (dmin[:, 1:] * mn).view(n, 8, 1)
+    return (dmin[:, :1] * sc).view(n, 8, 1), (dmin[:, 1:] * mn).view(n, 8, 1)
+
+
+def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
+    n = b.shape[0]
+    d, dm = _k_super_scales(b)
     q = _nibbles(b, 16, groups=4)  # (n, 4, 2, 32) = 8 sub-blocks of 32
     out.copy_(q.view(n, 256)).view(n, 8, 32).mul_(d).sub_(dm)
 
 
 def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
-    sc, mn = _k_scale_min(b)
-    dmin = _f16(b, 0, 2)  # (n, 2): d, dmin
-    d = (dmin[:, :1] * sc).view(n, 8, 1)
-    dm = (dmin[:, 1:] * mn).view(n, 8, 1)
+    d, dm = _k_super_scales(b)
     ql = _nibbles(b, 48, groups=4).view(n, 8, 32)
     qh = _fields(b, 16, 48, range(8), 1).view(n, 8, 32)  # bit j of byte c -> value 32 j + c
     q = ql.bitwise_or_(qh.bitwise_left_shift_(4))

@@ -27,6 +27,7 @@ import torch
 
 from batchinfer.workers.config import EngineConfig, resolve_dtype
 from batchinfer.workers.engine.attention import AttentionMetadata
+from batchinfer.workers.engine.engine import check_token_ids
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import PooledRequestOutput
 from batchinfer.workers.models.bert import BertModel, load_encoder
@@ -157,10 +158,7 @@ class EmbeddingEngine(WorkerEngine):
             raise ValueError(f"{where} must be a list of token ids or a string, got {type(value).__name__}")
         if not value:
             raise ValueError(f"{where}: the input is empty (no tokens)")
-        vocab = self.vocab_size
-        for j, t in enumerate(value):
-            if type(t) is not int or not 0 <= t < vocab:
-                raise ValueError(f"{where}[{j}] must be a token id in [0, {vocab}), got {t!r}")
+        check_token_ids(value, self.vocab_size, where)
         ids = list(value)
         if truncate is not None:
             if truncate > self.max_model_len:

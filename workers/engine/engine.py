@@ -280,10 +280,16 @@ def _token_ids(ids: Any, vocab_size: int) -> list[int]:
         raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
     if not ids:
         raise ValueError("prompt_token_ids must not be empty")
+    check_token_ids(ids, vocab_size, "prompt_token_ids")
+    return list(ids)
+
+
+def check_token_ids(ids: Seq[Any], vocab_size: int, where: str) -> None:
+    """``ValueError`` naming ``where[i]`` for the first element that is not a token id of the
+    vocabulary (a bool is not an int here)."""
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise ValueError(f"prompt_token_ids[{i}] must be a token id in [0, {vocab_size}), got {t!r}")
-    return list(ids)
+            raise ValueError(f"{where}[{i}] must be a token id in [0, {vocab_size}), got {t!r}")
 
 
 def _request_of(seq: Sequence) -> Request:

@@ -13,7 +13,7 @@ from typing import Any
 
 from batchinfer.protocol.bodies import RequestSpec
 from batchinfer.protocol.entries import EMBEDDINGS_URL, RequestError
-from batchinfer.scheduler.lookups import ServedModel
+from batchinfer.scheduler.lookups import ServedModel, checked_token_ids
 from batchinfer.store.registry import ModelInfo
 from batchinfer.workers.text.tokenizer import Tokenizer, truncate_text_ids
 
@@ -46,7 +46,7 @@ def embed_fields(spec: RequestSpec, served: ServedModel, max_prompt_tokens: int 
         where = f"input[{i}]"
         tokenizer = served.tokenizer
         if isinstance(item, list):
-            ids = _vocab_checked(item, where, tokenizer)
+            ids = checked_token_ids(item, tokenizer, where)
             ids = ids[-keep:] if keep is not None else ids
         else:
             ids = _encode(item, where, tokenizer)
@@ -94,13 +94,4 @@ def _encode(text: str, where: str, tokenizer: Tokenizer) -> list[int]:
         raise RequestError("invalid_request", f"{where} cannot be tokenised: {e}", field=where) from None
     if not ids:
         raise RequestError("invalid_request", f"{where} encodes to no tokens", field=where)
-    return list(ids)
-
-
-def _vocab_checked(ids: list[int], where: str, tokenizer: Tokenizer) -> list[int]:
-    vocab = tokenizer.vocab_size
-    for j, t in enumerate(ids):
-        if t >= vocab:
-            raise RequestError("invalid_request", f"token id {t} is outside the model's vocabulary of "
-                               f"{vocab} tokens", field=f"{where}[{j}]")
     return list(ids)

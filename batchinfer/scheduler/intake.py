@@ -34,7 +34,7 @@ from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms, request_id
 from batchinfer.redis_conn import ensure_group, read_group
 from batchinfer.scheduler.embed_intake import check_task, embed_fields
 from batchinfer.scheduler.jobops import JobOps, Refuse, entry_ms, refusal
-from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, RowSink
+from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, RowSink, checked_token_ids
 from batchinfer.scheduler.staging import Staging, held_key
 from batchinfer.store import replies
 from batchinfer.store.jobstore import JobField
@@ -260,12 +260,7 @@ class Admission:
     @staticmethod
     def _tokens(spec: RequestSpec, tokenizer: Tokenizer) -> list[int]:
         if spec.prompt_token_ids is not None:
-            vocab = tokenizer.vocab_size
-            for i, t in enumerate(spec.prompt_token_ids):
-                if t >= vocab:
-                    raise RequestError("invalid_request", f"token id {t} is outside the model's vocabulary "
-                                       f"of {vocab} tokens", field=f"prompt_token_ids[{i}]")
-            return list(spec.prompt_token_ids)
+            return checked_token_ids(spec.prompt_token_ids, tokenizer, "prompt_token_ids")
         ids: list[int]
         if spec.messages is not None:
             try:

@@ -16,6 +16,7 @@ import redis
 
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
+from batchinfer.protocol.entries import RequestError
 from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.store.jobstore import JobField, JobStatus, parse_fields
 from batchinfer.store.publish import Publisher
@@ -101,6 +102,17 @@ class ServedModel:
 
     info: ModelInfo
     tokenizer: Tokenizer
+
+
+def checked_token_ids(ids: list[int], tokenizer: Tokenizer, where: str) -> list[int]:
+    """``ids`` (a producer's token ids, already checked to be non-negative ints) when every one is in
+    ``tokenizer``'s vocabulary; else an ``invalid_request`` naming ``where[i]``."""
+    vocab = tokenizer.vocab_size
+    for i, t in enumerate(ids):
+        if t >= vocab:
+            raise RequestError("invalid_request", f"token id {t} is outside the model's vocabulary of "
+                               f"{vocab} tokens", field=f"{where}[{i}]")
+    return list(ids)
 
 
 class ModelCache:

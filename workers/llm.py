@@ -22,11 +22,10 @@ from tqdm import tqdm
 
 from batchinfer.ops.progress import show_progress
 from batchinfer.workers.config import EngineConfig
-from batchinfer.workers.engine.embedder import EmbeddingEngine
+from batchinfer.workers.engine.embedder import EmbeddingEngine, engine_for
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from batchinfer.workers.engine.sequence import Request
-from batchinfer.workers.models.pooling import is_embedding_model
 from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.text.tokenizer import Tokenizer, truncate_text_ids
@@ -63,8 +62,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len, **engine_kwargs,
         )
-        self.engine: Engine | EmbeddingEngine = (
-            EmbeddingEngine(config) if is_embedding_model(config.model) else Engine(config))
+        self.engine: Engine | EmbeddingEngine = engine_for(config)
         self._ids = itertools.count()
 
     @property

@@ -84,13 +84,9 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
         config = EngineConfig(model=str(model_dir), device=device, **options)
         # an embedding checkpoint (an encoder, or a decoder with sentence-transformers pooling files)
         # is served as any other model: the worker registers its task and the scheduler routes by it
-        from batchinfer.workers.engine.embedder import EmbeddingEngine, is_embedding_model
+        from batchinfer.workers.engine.embedder import engine_for
 
-        if is_embedding_model(str(model_dir)):
-            return EmbeddingEngine(config)
-        from batchinfer.workers.engine.engine import Engine
-
-        return Engine(config)
+        return engine_for(config)
     except TypeError as e:  # an engine option the engine does not have
         raise StartupError(f"--engine-option {sorted(options)}: {e}") from e
     except FileNotFoundError as e:

@@ -27,7 +27,7 @@ import torch
 
 from batchinfer.workers.config import EngineConfig, resolve_dtype
 from batchinfer.workers.engine.attention import AttentionMetadata
-from batchinfer.workers.engine.engine import check_token_ids
+from batchinfer.workers.engine.engine import Engine, check_token_ids
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import PooledRequestOutput
 from batchinfer.workers.models.bert import BertModel, load_encoder
@@ -46,7 +46,7 @@ from batchinfer.workers.text.tokenizer import Tokenizer, truncate_text_ids
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EmbeddingEngine", "is_embedding_model"]
+__all__ = ["EmbeddingEngine", "engine_for", "is_embedding_model"]
 
 
 @dataclass
@@ -310,3 +310,9 @@ def _st_max_seq_length(path: Path) -> int | None:
     except (json.JSONDecodeError, AttributeError):
         raise ValueError(f"{f}: expected a JSON object") from None
     return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def engine_for(config: EngineConfig) -> Engine | EmbeddingEngine:
+    """The engine ``config.model`` needs: an :class:`EmbeddingEngine` for an embedding folder (an
+    encoder, a decoder base model, sentence-transformers pooling files), else a generation ``Engine``."""
+    return EmbeddingEngine(config) if is_embedding_model(config.model) else Engine(config)

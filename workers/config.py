@@ -12,6 +12,8 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from batchinfer.workers.structured.params import StructuredLimits
+
 if TYPE_CHECKING:
     import torch
 
@@ -59,6 +61,14 @@ class EngineConfig:
     attention_backend: str | None = None  # kernels backend; None: best for the device
     seed: int = 0  # seeds the generator of requests that set no seed
     enforce_eager: bool = False  # no CUDA graphs
+    # Structured outputs (batchinfer.workers.structured): the grammar library, whether forced
+    # tokens are appended without a sampling step each, the compiled-grammar LRU's size, the mask
+    # fill's threads (None: the backend's default) and the limits on one spec.
+    structured_outputs_backend: str = "llguidance"
+    jump_forward: bool = True
+    grammar_cache_size: int = 256
+    grammar_threads: int | None = None
+    structured_limits: StructuredLimits = field(default_factory=StructuredLimits)
 
     def __post_init__(self) -> None:
         import torch
@@ -83,7 +93,18 @@ class EngineConfig:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        from batchinfer.workers.structured.backend import BACKENDS
+
+        if self.structured_outputs_backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.structured_outputs_backend!r}")
+        _positive_int("grammar_cache_size", self.grammar_cache_size)
+        _positive_int("grammar_threads", self.grammar_threads, allow_none=True)
+        if isinstance(self.structured_limits, dict):
+            self.structured_limits = StructuredLimits(**self.structured_limits)
+        if not isinstance(self.structured_limits, StructuredLimits):
+            raise ValueError(f"structured_limits must be StructuredLimits, got {self.structured_limits!r}")
+        for name in ("enable_prefix_caching", "enforce_eager", "jump_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
+from batchinfer.workers.structured.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them would only
 # turn sampling into a numerically fragile argmax.
 GREEDY_EPS = 1e-5
@@ -46,6 +48,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per sampled token, 0..20
     skip_special_tokens: bool = True
+    # Constrain the output to a JSON schema / regex / choice / grammar (vLLM's field); a dict is
+    # converted. See batchinfer.workers.structured.
+    structured_outputs: StructuredOutputsParams | None = None
 
     FIELDS: ClassVar[tuple[str, ...]]  # the allowed field names, set below the class
 
@@ -75,6 +80,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             self._check_int("logprobs", minimum=0, maximum=MAX_LOGPROBS)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            so = self.structured_outputs
+            if not isinstance(so, Mapping):
+                raise ValueError(f"structured_outputs must be an object, got {so!r}")
+            self.structured_outputs = StructuredOutputsParams.from_dict(so)
 
     # -- validation helpers ---------------------------------------------------------------------
 
@@ -141,7 +152,10 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field; ``from_dict(p.to_dict()) == p``."""
-        return asdict(self)
+        d = asdict(self)
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.to_dict()
+        return d
 
     @property
     def greedy(self) -> bool:
@@ -150,4 +164,4 @@ class SamplingParams:
 
 
 SamplingParams.FIELDS = tuple(f.name for f in fields(SamplingParams))
-_NULLABLE = frozenset({"max_tokens", "seed", "stop", "stop_token_ids", "logprobs"})
+_NULLABLE = frozenset({"max_tokens", "seed", "stop", "stop_token_ids", "logprobs", "structured_outputs"})

@@ -40,6 +40,11 @@ class CompletionOutput:
     logprobs: list[SampleLogprobs] | None = None
     # Sum of the sampled tokens' logprobs; None when logprobs were not asked for.
     cumulative_logprob: float | None = None
+    # Structured outputs: the constraint's kind ("json", "regex", "choice", "grammar",
+    # "json_object"; None when unconstrained) and whether the text is a complete match of it
+    # (False when max_tokens / the context / an abort cut it short; None when unconstrained).
+    structured: str | None = None
+    structured_complete: bool | None = None
 
     @property
     def finished(self) -> bool:

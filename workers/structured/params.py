@@ -1,0 +1,158 @@
+"""``StructuredOutputsParams``: what one request's output must match, with vLLM's names.
+
+Exactly one of ``json`` (a JSON schema), ``regex``, ``choice``, ``grammar`` (Lark, or EBNF / GBNF
+with ``::=`` rules) or ``json_object`` (any JSON object) is set. Validation here is of shape and
+size only (torch- and backend-free, so the queue side can run it); whether a schema or a regex
+compiles is the backend's question (:mod:`batchinfer.workers.structured.backend`). Every error is a
+``ValueError`` whose message starts with the field's name.
+
+Hostile input is bounded by :class:`StructuredLimits`: a schema's size in bytes, its nesting depth,
+the number of choices, and the compile time a backend may spend on one spec.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredLimits:
+    """Bounds on one structured-output spec; every one is settable (EngineConfig, scheduler flags)."""
+
+    max_spec_bytes: int = 64 * 1024  # a schema / regex / grammar / choice list, as compact JSON
+    max_depth: int = 32  # nesting of a schema's objects and lists
+    max_choices: int = 1024
+    compile_timeout_s: float = 5.0  # wall time a backend may spend compiling one spec
+
+    def __post_init__(self) -> None:
+        for name in ("max_spec_bytes", "max_depth", "max_choices"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        t = self.compile_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"compile_timeout_s must be a positive number, got {t!r}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One request's output constraint (vLLM's ``StructuredOutputsParams``).
+
+    ``json`` may be given as a dict or as its JSON text; it is kept as a dict. Whitespace: by
+    default the JSON is compact (``{"a":1,"b":[2,3]}``), because free whitespace lets a model loop on
+    spaces and newlines until ``max_tokens``; ``disable_any_whitespace=False`` allows it (vLLM's
+    default). ``disable_additional_properties`` treats every object schema without an
+    ``additionalProperties`` of its own as closed (OpenAI's ``strict: true``).
+    """
+
+    json: dict[str, Any] | bool | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+    disable_additional_properties: bool = False
+
+    FIELDS: ClassVar[tuple[str, ...]]
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            got = ", ".join(given) if given else "none"
+            raise ValueError(f"structured_outputs: give exactly one of {', '.join(KINDS)} (got {got})")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except ValueError as e:
+                raise ValueError(f"json: the schema is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"json must be a JSON schema (an object), got {type(self.json).__name__}")
+        if self.json is False:  # the schema `false` matches nothing
+            raise ValueError("json: the schema false matches no value")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            choice = self.choice
+            if not isinstance(choice, (list, tuple)) or not choice:
+                raise ValueError(f"choice must be a non-empty list of strings, got {choice!r}")
+            for i, c in enumerate(choice):
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"choice[{i}] must be a non-empty string, got {c!r}")
+            object.__setattr__(self, "choice", tuple(choice))
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``KINDS``."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> Any:
+        """The constraint itself: the schema, the regex, the choices, the grammar (True for json_object)."""
+        return getattr(self, self.kind)
+
+    def key(self) -> str:
+        """A canonical text of the whole spec: equal specs give equal keys (the compile cache's key)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    def check_limits(self, limits: StructuredLimits) -> None:
+        """``ValueError`` naming the field when the spec is larger or deeper than ``limits`` allow."""
+        kind = self.kind
+        size = len(json.dumps(self.spec, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+        if size > limits.max_spec_bytes:
+            raise ValueError(f"{kind}: the {kind} is {size} bytes; the limit is {limits.max_spec_bytes}")
+        if kind == "choice" and len(self.spec) > limits.max_choices:
+            raise ValueError(f"choice: {len(self.spec)} choices; the limit is {limits.max_choices}")
+        if kind == "json":
+            depth = _depth(self.spec, limits.max_depth)
+            if depth > limits.max_depth:
+                raise ValueError(f"json: the schema nests deeper than {limits.max_depth} levels")
+
+    # -- (de)serialisation ----------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StructuredOutputsParams:
+        """From the wire / a request body; an unknown key is a ``ValueError`` naming it."""
+        if isinstance(d, StructuredOutputsParams):
+            return d
+        if not isinstance(d, Mapping):
+            raise ValueError(f"structured_outputs must be an object, got {type(d).__name__}")
+        unknown = sorted(str(k) for k in d if k not in cls.FIELDS)
+        if unknown:
+            raise ValueError(f"structured_outputs.{unknown[0]} is not a structured-outputs field "
+                             f"(allowed: {', '.join(cls.FIELDS)})")
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the one constraint that is set plus the two options;
+        ``from_dict(p.to_dict()) == p``."""
+        d = {k: v for k, v in asdict(self).items() if k not in KINDS}
+        d[self.kind] = list(self.spec) if self.kind == "choice" else self.spec
+        return d
+
+
+StructuredOutputsParams.FIELDS = tuple(f.name for f in fields(StructuredOutputsParams))
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of a JSON value (a scalar is 0), without recursion; stops counting past ``limit``."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return d
+        deepest = max(deepest, d)
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest

@@ -42,6 +42,12 @@ class Settings:
     max_tokens_limit: int = 1_000_000  # upper bound on any request's max_tokens
     max_prompt_tokens: int = 1_000_000  # upper bound on any request's prompt tokens (and the model's context)
     direct_hold_seconds: float = 600.0  # how long a direct request waits for its model to be served
+    # Structured outputs: the scheduler's limits on one request's schema / regex / grammar / choice list
+    # (StructuredLimits' defaults); a spec over one is an invalid_request row, never dispatched.
+    structured_max_spec_bytes: int = 64 * 1024
+    structured_max_depth: int = 32  # nesting of a JSON schema's objects and lists
+    structured_max_choices: int = 1024
+    structured_compile_timeout_s: float = 5.0  # wall time the scheduler's check may compile one spec
     log_format: str = "human"  # human | json
     log_level: str = "INFO"
     metrics_port: int | None = None

@@ -1,5 +1,6 @@
 """Print a results file as a table: custom_id, status, the output text (truncated), finish_reason,
-tokens (the input's, for vectors); the error code for a failed row. ``make demo`` runs it on
+tokens (the input's, for vectors), the output constraint of a structured-output row and whether
+its output completed; the error code for a failed row. ``make demo`` runs it on
 demo-out/results.parquet.
 An embedding row shows its width and first values instead of text, and each embedding row's
 nearest other row by cosine similarity is listed below the table.
@@ -40,6 +41,10 @@ def table(df: pd.DataFrame, width: int) -> str:
         "finish": df["finish_reason"].fillna(""),
         "tokens": df["completion_tokens"].fillna(0).astype(int),
     }
+    if "structured" in df.columns and df["structured"].notna().any():  # constrained rows: kind, completed?
+        columns["constraint"] = [
+            "" if pd.isna(kind) else f"{kind} ({'complete' if done else 'cut short'})"
+            for kind, done in zip(df["structured"], df["structured_complete"], strict=True)]
     if "embedding" in df.columns:  # vectors: the tokens embedded; nothing is generated or finished
         del columns["finish"]
         columns["tokens"] = df["prompt_tokens"].fillna(0).astype(int)

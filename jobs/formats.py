@@ -39,6 +39,8 @@ OUTPUT_TYPE = pa.struct([
     pa.field("finish_reason", pa.string()),
     pa.field("logprobs", pa.list_(LOGPROB_TYPE)),  # null when the request did not ask for logprobs
     pa.field("cumulative_logprob", pa.float64()),
+    pa.field("structured", pa.string()),  # the constraint's kind; null when unconstrained
+    pa.field("structured_complete", pa.bool_()),  # whether the text completes it; null when unconstrained
 ])
 
 #: The columns of every Parquet result file, in order. ``sampling_params`` and ``metadata`` are JSON
@@ -66,10 +68,14 @@ RESULT_SCHEMA = pa.schema((  # a tuple: pyarrow's stubs type a list of mixed fie
     pa.field("worker", pa.string()),
     pa.field("sampling_params", pa.string()),
     pa.field("metadata", pa.string()),
+    # Structured outputs (of the first completion): the constraint's kind, whether the output completed it.
+    pa.field("structured", pa.string()),
+    pa.field("structured_complete", pa.bool_()),
 ))
 
 _JSON_COLUMNS = ("sampling_params", "metadata", "pooling_params")
-_OUTPUT_KEYS = ("index", "text", "token_ids", "finish_reason", "cumulative_logprob")
+_OUTPUT_KEYS = ("index", "text", "token_ids", "finish_reason", "cumulative_logprob", "structured",
+                "structured_complete")
 _TOKEN_KEYS = ("token_id", "token", "logprob")
 
 

@@ -27,6 +27,7 @@ from batchinfer.protocol.entries import (
     REQUEST_FIELDS,
     RequestError,
 )
+from batchinfer.protocol.structured_bodies import pop_structured, reject_for_embeddings
 from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.sampling_params import SamplingParams
 
@@ -51,6 +52,9 @@ class RequestSpec:
     task: str = "generate"  # "generate" | "embed"
     inputs: EmbedInputs | None = None
     pooling_params: PoolingParams | None = None
+    # The body path of the output constraint's spec (e.g. "response_format.json_schema.schema"), which
+    # the scheduler's compile check names; None when sampling_params.structured_outputs is None.
+    structured_field: str | None = None
 
 
 def _reject_constant(name: str) -> float:
@@ -85,8 +89,10 @@ def parse_body(body: str | bytes | Mapping[str, Any], *, line: int | None = None
 
     OpenAI Batch lines (``custom_id``, ``method``, ``url``, ``body``) are mapped onto the plain body;
     OpenAI names are translated (``max_completion_tokens`` -> ``max_tokens``, chat ``logprobs`` +
-    ``top_logprobs`` -> ``logprobs``). Unknown fields are rejected by name. ``max_tokens`` defaults
-    to 16 for prompts (as ``/v1/completions``) and to the rest of the context for chat messages.
+    ``top_logprobs`` -> ``logprobs``; ``response_format`` / ``structured_outputs`` / ``guided_*`` ->
+    ``structured_outputs``, :mod:`batchinfer.protocol.structured_bodies`). Unknown fields are rejected
+    by name. ``max_tokens`` defaults to 16 for prompts (as ``/v1/completions``) and to the rest of the
+    context for chat messages.
     """
     try:
         return _parse(body, max_tokens_limit)
@@ -198,8 +204,14 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
     for name in IGNORED_OPENAI_FIELDS:
         body.pop(name, None)
     embed = "input" in body
+    structured_field = None
     if embed:
+        reject_for_embeddings(body, url or "an embeddings request")
         check_embed_fields(body, url or "an embeddings request")
+    else:  # response_format / structured_outputs / guided_*: one StructuredOutputsParams
+        structured, structured_field = pop_structured(body)
+        if structured is not None:
+            body["structured_outputs"] = structured
     if "max_completion_tokens" in body:
         value = body.pop("max_completion_tokens")
         if body.get("max_tokens") is not None and value is not None and body["max_tokens"] != value:
@@ -245,7 +257,7 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
                            f"{params.max_tokens}", field="max_tokens")
     return RequestSpec(sampling_params=params, custom_id=custom_id, model=model, prompt=prompt,
                        prompt_token_ids=token_ids, messages=messages, priority=priority,
-                       metadata=metadata, url=url)
+                       metadata=metadata, url=url, structured_field=structured_field)
 
 
 def _inputs(body: dict[str, Any]) -> tuple[str | None, list[int] | None, list[dict] | None]:

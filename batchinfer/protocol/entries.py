@@ -31,6 +31,11 @@ EMBED_FIELDS = ("input", "encoding_format", "dimensions", "pooling_type", "norma
 MAX_EMBED_INPUTS = 2048  # inputs of one embeddings request (OpenAI's limit)
 # OpenAI fields accepted and ignored: they change nothing about the generated tokens.
 IGNORED_OPENAI_FIELDS = ("user", "store")
+# Body fields that constrain the output (batchinfer.protocol.structured_bodies): OpenAI's, vLLM's
+# and vLLM's older names; all map onto SamplingParams.structured_outputs. The options come last.
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+STRUCTURED_OPTION_FIELDS = ("guided_decoding_backend", "guided_whitespace_pattern")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 MAX_CUSTOM_ID_CHARS = 512

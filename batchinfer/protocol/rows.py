@@ -166,6 +166,10 @@ class ResultRow:
     output_text: str | None = None  # first completion
     output_token_ids: list[int] | None = None  # first completion
     outputs: list[dict[str, Any]] | None = None  # all n completions
+    # Structured outputs, of the first completion: the constraint's kind (json, regex, choice, grammar,
+    # json_object) and whether its text is a complete match; both None when unconstrained.
+    structured: str | None = None
+    structured_complete: bool | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None  # over all completions
     cached_tokens: int | None = None
@@ -229,14 +233,17 @@ class ResultRow:
              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
              "logprobs": None if o.logprobs is None else [
                  logprob_entry(t, step, top_k) for t, step in zip(o.token_ids, o.logprobs, strict=False)],
-             "cumulative_logprob": o.cumulative_logprob}
+             "cumulative_logprob": o.cumulative_logprob,
+             "structured": o.structured, "structured_complete": o.structured_complete}
             for o in output.outputs
         ]
-        first: dict[str, Any] = outs[0] if outs else {"text": None, "token_ids": None, "finish_reason": None}
+        first: dict[str, Any] = outs[0] if outs else {"text": None, "token_ids": None, "finish_reason": None,
+                                                      "structured": None, "structured_complete": None}
         return cls(
             job_id=request.job_id, request_id=request.request_id, status=status, idx=request.idx,
             custom_id=request.custom_id, model=request.model, finish_reason=first["finish_reason"],
             output_text=first["text"], output_token_ids=first["token_ids"], outputs=outs,
+            structured=first["structured"], structured_complete=first["structured_complete"],
             prompt_tokens=len(output.prompt_token_ids),
             completion_tokens=sum(len(o["token_ids"]) for o in outs),
             cached_tokens=output.num_cached_tokens, line=request.line, created_at=request.created_at,

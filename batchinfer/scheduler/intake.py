@@ -36,6 +36,7 @@ from batchinfer.scheduler.embed_intake import check_task, embed_fields
 from batchinfer.scheduler.jobops import JobOps, Refuse, entry_ms, refusal
 from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, RowSink, checked_token_ids
 from batchinfer.scheduler.staging import Staging, held_key
+from batchinfer.scheduler.structured_check import StructuredCheck
 from batchinfer.store import replies
 from batchinfer.store.jobstore import JobField
 from batchinfer.store.publish import Redelivery
@@ -112,7 +113,10 @@ class _RowBase(_RowIds, total=False):
 
 def params_dict(params: SamplingParams) -> dict[str, Any]:
     """``params.to_dict()`` without its deep copy (values are JSON-encoded right away)."""
-    return {name: getattr(params, name) for name in SamplingParams.FIELDS}
+    out = {name: getattr(params, name) for name in SamplingParams.FIELDS}
+    if params.structured_outputs is not None:  # a dataclass: its JSON form
+        out["structured_outputs"] = params.structured_outputs.to_dict()
+    return out
 
 
 class Admission:
@@ -125,6 +129,7 @@ class Admission:
         self.direct_hold_s = settings.direct_hold_seconds if direct_hold_s is None else direct_hold_s
         self.duplicates = 0
         self.redelivery = Redelivery(r, keys)
+        self.structured = StructuredCheck(settings)  # compiles output constraints before dispatch
 
     def admit(self, entry_id: str, fields: Fields, held_until: int | None = None,
               taken: set[tuple[str, int]] | frozenset[tuple[str, int]] = frozenset()) -> Outcome:
@@ -188,6 +193,7 @@ class Admission:
                 token_ids = self._tokens(spec, served.tokenizer)
                 self._check_length(len(token_ids), spec, served.info.max_model_len,
                                    self.settings.max_prompt_tokens)
+                self.structured.check(spec, served)  # a schema / regex that cannot be served: its row now
         except RequestError as e:
             return Reject(self._error(e.at_line(entry.line), base), entry.reply_to, overridden)
         priority = spec.priority or (view.priority if view else 0)

@@ -17,10 +17,11 @@ hit) is a :class:`StructuredOutputError` whose message says what is wrong.
 
 from __future__ import annotations
 
+import copy
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchinfer.workers.structured.params import StructuredLimits, StructuredOutputsParams
@@ -102,7 +103,14 @@ class GrammarBackend(ABC):
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        compiled = self._compile(params)  # outside the lock: compiles of other specs may run meanwhile
+        try:  # outside the lock: compiles of other specs may run meanwhile
+            compiled = self._compile(params)
+        except (StructuredOutputError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - a Rust panic (pyo3's PanicException is a
+            # BaseException) or a library error on a hostile spec must cost this request only
+            raise StructuredOutputError(f"{params.kind}: the {self.name} grammar library failed on it: "
+                                        f"{type(e).__name__}: {e}") from None
         with self._lock:
             self.num_compiles += 1
             self._cache[key] = compiled
@@ -131,3 +139,69 @@ class GrammarBackend(ABC):
     @abstractmethod
     def fill_bitmask(self, matchers: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """Write each ``(matcher, row)``'s allowed next tokens into ``bitmask[row]``."""
+
+    def check_bitmask(self, matchers: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        """``ValueError`` unless ``bitmask`` is what :meth:`allocate_bitmask` makes (a contiguous int32
+        CPU tensor, ``ceil(vocab_size / 32)`` words a row) and every row is inside it: the
+        libraries write through its raw pointer."""
+        import torch
+
+        words = (self.vocab_size + 31) // 32
+        if not (bitmask.dtype == torch.int32 and bitmask.dim() == 2 and bitmask.shape[1] == words
+                and bitmask.is_contiguous() and bitmask.device.type == "cpu"):
+            raise ValueError(f"the bitmask must be a contiguous int32 CPU tensor [rows, {words}], got "
+                             f"{bitmask.dtype} {list(bitmask.shape)} on {bitmask.device}")
+        bad = [row for _, row in matchers if not 0 <= row < bitmask.shape[0]]
+        if bad:
+            raise ValueError(f"bitmask row {bad[0]} is outside the bitmask's {bitmask.shape[0]} rows")
+
+
+# -- JSON schema helpers the backends share ---------------------------------------------------------
+
+# Keywords whose value is one subschema, a list of subschemas, or a map of name -> subschema.
+_SUBSCHEMA = ("additionalProperties", "items", "not", "propertyNames", "contains", "if", "then", "else",
+              "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SUBSCHEMA_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def walk_schema(schema: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every object subschema of ``schema`` with its JSON pointer (``#``, ``#/properties/a``, ...),
+    without recursion. Only schema positions are visited: the values of ``const``, ``enum``,
+    ``default`` or ``examples`` are data, and the keys of ``properties`` are names, not keywords."""
+    stack: list[tuple[str, Any]] = [("#", schema)]
+    while stack:
+        where, node = stack.pop()
+        if not isinstance(node, dict):
+            continue  # a boolean schema (or a malformed value the backend reports)
+        yield where, node
+        for key in _SUBSCHEMA:
+            if key in node:
+                value = node[key]
+                if isinstance(value, list):  # draft-4..7 tuple ``items``
+                    stack.extend((f"{where}/{key}/{i}", v) for i, v in enumerate(value))
+                else:
+                    stack.append((f"{where}/{key}", value))
+        for key in _SUBSCHEMA_LIST:
+            if isinstance(node.get(key), list):
+                stack.extend((f"{where}/{key}/{i}", v) for i, v in enumerate(node[key]))
+        for key in _SUBSCHEMA_MAP:
+            if isinstance(node.get(key), dict):
+                stack.extend((f"{where}/{key}/{_pointer_escape(k)}", v) for k, v in node[key].items())
+
+
+def _pointer_escape(name: Any) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of ``schema`` where every object schema without ``additionalProperties`` gets
+    ``false`` (OpenAI's strict mode). Only schema positions change (see :func:`walk_schema`): a
+    ``const`` or ``enum`` value that happens to look like an object schema is left as it is."""
+    root = copy.deepcopy(schema)
+    for _, node in walk_schema(root):
+        kind = node.get("type")
+        is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
+        if is_object and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+    return root

@@ -17,11 +17,17 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from batchinfer.workers.structured.backend import GrammarBackend, Matcher, StructuredOutputError
+from batchinfer.workers.structured.backend import (
+    GrammarBackend,
+    Matcher,
+    StructuredOutputError,
+    closed_objects,
+)
 from batchinfer.workers.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub only
 
 # Rust's regex crate accepts a backslash before any ASCII punctuation; escaping exactly the
 # metacharacters keeps choice strings literal.
@@ -33,11 +39,20 @@ class LLGuidanceMatcher(Matcher):
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.ll = matcher
+        self._uncounted = 0  # tokens (EOS) accepted after the matcher stopped: llguidance keeps no record
 
     def accept(self, token_id: int) -> bool:
-        return bool(self.ll.consume_token(token_id))
+        stopped = self.ll.is_stopped()
+        accepted = bool(self.ll.consume_token(token_id))
+        if accepted and stopped:
+            self._uncounted += 1
+        return accepted
 
     def rollback(self, num_tokens: int) -> None:
+        # Every accepted token counts, EOS after the end included (as xgrammar counts it).
+        skip = min(num_tokens, self._uncounted)
+        self._uncounted -= skip
+        num_tokens -= skip
         if num_tokens and not self.ll.rollback(num_tokens):
             raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self.ll.get_error()}")
 
@@ -46,7 +61,8 @@ class LLGuidanceMatcher(Matcher):
 
     @property
     def is_terminated(self) -> bool:
-        return bool(self.ll.is_stopped())
+        # llguidance reports an errored matcher as stopped too: that is a failure, not an end.
+        return bool(self.ll.is_stopped()) and not self.ll.is_error()
 
     @property
     def is_accepting(self) -> bool:
@@ -54,7 +70,10 @@ class LLGuidanceMatcher(Matcher):
 
     @property
     def error(self) -> str | None:
-        return self.ll.get_error() or None if self.ll.is_error() else None
+        if not self.ll.is_error():
+            return None
+        # The first line says what failed; the parser-state dump that follows is noise in an error row.
+        return (self.ll.get_error() or "").strip().split("\n", 1)[0] or "the matcher failed"
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -66,7 +85,7 @@ class LLGuidanceBackend(GrammarBackend):
         super().__init__(*args, **kwargs)
         eos = self.eos_token_ids or None
         self.ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                                                   eos_token=eos)
+                                                   eos_token=eos, slices=_slices())
         self.executor = llguidance.LLExecutor(self.num_threads)
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
@@ -77,7 +96,7 @@ class LLGuidanceBackend(GrammarBackend):
             schema: Any = {"type": "object"} if kind == "json_object" else spec
             if params.disable_additional_properties:
                 schema = closed_objects(schema)
-            options = {"whitespace_flexible": not params.disable_any_whitespace}
+            options: JsonCompileOptions = {"whitespace_flexible": not params.disable_any_whitespace}
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
             except (ValueError, TypeError) as e:
@@ -115,29 +134,23 @@ class LLGuidanceBackend(GrammarBackend):
     def fill_bitmask(self, matchers: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         if not matchers:
             return
-        if not (bitmask.is_contiguous() and bitmask.device.type == "cpu"):
-            raise ValueError("the bitmask must be a contiguous CPU tensor")
+        self.check_bitmask(matchers, bitmask)
         rows, words = bitmask.shape
         pairs = [(m.ll, row) for m, row in matchers]  # type: ignore[attr-defined]
         self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
 
 
-def closed_objects(schema: Any) -> Any:
-    """A copy of ``schema`` where every object schema without ``additionalProperties`` gets
-    ``false`` (OpenAI's strict mode), walked without recursion."""
-    import copy
+def _slices() -> list[str]:
+    """llguidance's default slices plus JSON-string bodies of at most 3, 6, 15 and 20 characters.
 
-    root = copy.deepcopy(schema)
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if (node.get("type") == "object" or "properties" in node) and "additionalProperties" not in node:
-                node["additionalProperties"] = False
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return root
+    A slice is a token subset precomputed once; where the lexer allows at least a slice's whole
+    language (the rest of a string with room for 15 more characters), the mask takes that subset at
+    once instead of walking the token trie. The defaults stop at 10, 30 and unbounded, so a string
+    with ``maxLength`` and fewer than 10 characters left walked all 49k tokens per row: these halve
+    the 256-row fill of typical extraction schemas (bench/structured.py: 4.7 -> 2.7 ms) for
+    ~0.1 s more at start-up. Masks are the same with or without them."""
+    body = '[^"\\\\\\x00-\\x1F\\x7F]'  # what a JSON string holds unescaped
+    return [*llguidance.LLTokenizer.general_slices(), *(f"{body}{{1,{n}}}" for n in (3, 6, 15, 20))]
 
 
 def _first_line(message: str) -> str:

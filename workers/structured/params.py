@@ -12,12 +12,14 @@ the number of choices, and the compile time a backend may spend on one spec.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,9 @@ class StructuredOutputsParams:
     FIELDS: ClassVar[tuple[str, ...]]
 
     def __post_init__(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if self.json is False:  # the schema `false` matches nothing (said before "give exactly one")
+            raise ValueError("json: the schema false matches no value")
+        given = [k for k in KINDS if _given(getattr(self, k))]
         if len(given) != 1:
             got = ", ".join(given) if given else "none"
             raise ValueError(f"structured_outputs: give exactly one of {', '.join(KINDS)} (got {got})")
@@ -70,9 +74,11 @@ class StructuredOutputsParams:
                 object.__setattr__(self, "json", json.loads(self.json))
             except ValueError as e:
                 raise ValueError(f"json: the schema is not valid JSON: {e}") from None
+            except RecursionError:  # nested deeper than Python's parser goes: far over any limit
+                raise ValueError("json: the schema nests too deeply to parse") from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError(f"json must be a JSON schema (an object), got {type(self.json).__name__}")
-        if self.json is False:  # the schema `false` matches nothing
+        if self.json is False:  # a JSON text "false"
             raise ValueError("json: the schema false matches no value")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
@@ -86,7 +92,7 @@ class StructuredOutputsParams:
                 if not isinstance(c, str) or not c:
                     raise ValueError(f"choice[{i}] must be a non-empty string, got {c!r}")
             object.__setattr__(self, "choice", tuple(choice))
-        if self.json_object not in (None, True, False):
+        if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
@@ -95,7 +101,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint this is: one of ``KINDS``."""
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if _given(getattr(self, k)))
 
     @property
     def spec(self) -> Any:
@@ -104,20 +110,23 @@ class StructuredOutputsParams:
 
     def key(self) -> str:
         """A canonical text of the whole spec: equal specs give equal keys (the compile cache's key)."""
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        d: dict[str, Any] = {k: getattr(self, k) for k in _OPTIONS}
+        d[self.kind] = self.spec  # not to_dict: no deep copy of the schema for every request's lookup
+        return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     def check_limits(self, limits: StructuredLimits) -> None:
         """``ValueError`` naming the field when the spec is larger or deeper than ``limits`` allow."""
         kind = self.kind
-        size = len(json.dumps(self.spec, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
-        if size > limits.max_spec_bytes:
-            raise ValueError(f"{kind}: the {kind} is {size} bytes; the limit is {limits.max_spec_bytes}")
-        if kind == "choice" and len(self.spec) > limits.max_choices:
-            raise ValueError(f"choice: {len(self.spec)} choices; the limit is {limits.max_choices}")
+        # Depth first: it is counted without recursion, and json.dumps of a hostile depth would raise.
         if kind == "json":
             depth = _depth(self.spec, limits.max_depth)
             if depth > limits.max_depth:
                 raise ValueError(f"json: the schema nests deeper than {limits.max_depth} levels")
+        if kind == "choice" and len(self.spec) > limits.max_choices:
+            raise ValueError(f"choice: {len(self.spec)} choices; the limit is {limits.max_choices}")
+        size = len(json.dumps(self.spec, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+        if size > limits.max_spec_bytes:
+            raise ValueError(f"{kind}: the {kind} is {size} bytes; the limit is {limits.max_spec_bytes}")
 
     # -- (de)serialisation ----------------------------------------------------------------------
 
@@ -137,12 +146,18 @@ class StructuredOutputsParams:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the one constraint that is set plus the two options;
         ``from_dict(p.to_dict()) == p``."""
-        d = {k: v for k, v in asdict(self).items() if k not in KINDS}
-        d[self.kind] = list(self.spec) if self.kind == "choice" else self.spec
+        d: dict[str, Any] = {k: getattr(self, k) for k in _OPTIONS}
+        # A copy: a caller editing the dict must not change these (frozen) params.
+        d[self.kind] = list(self.spec) if self.kind == "choice" else copy.deepcopy(self.spec)
         return d
 
 
 StructuredOutputsParams.FIELDS = tuple(f.name for f in fields(StructuredOutputsParams))
+
+
+def _given(value: Any) -> bool:
+    """Whether a constraint field is set: anything but None and False (``json_object=False`` is off)."""
+    return value is not None and value is not False
 
 
 def _depth(value: Any, limit: int) -> int:

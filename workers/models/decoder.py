@@ -10,6 +10,12 @@ Parameter layout differs from the checkpoint in two places (the loader fuses the
 Gemma is the same block with config switches: (1 + w) norms, four norms per layer ("sandwich"),
 GeGLU, scaled embeddings, ``query_pre_attn_scalar``, soft-capped attention (a ``paged_attention``
 argument) and logits, and for Gemma 3 a second RoPE table that the sliding layers read.
+
+With a ``TPGroup`` of N > 1 ranks the decoder holds its rank's shard (``sharding.py`` has the
+split): the modules are built from the rank's ``local_config`` (its heads, intermediate rows,
+vocabulary rows), ``o_proj`` / ``down_proj`` / the MoE block end in an all-reduce (their biases
+added once, after it), the embedding is a masked lookup + all-reduce and ``compute_logits``
+gathers the vocabulary. ``forward`` returns the full hidden states on every rank.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.models.config import ModelConfig
 from batchinfer.workers.models.moe import SparseMoeBlock
 from batchinfer.workers.models.rope import cos_sin_cache
+from batchinfer.workers.models.sharding import ShardPlan
+from batchinfer.workers.parallel.group import TPGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -50,11 +58,21 @@ class RMSNorm(nn.Module):
         return h.to(x.dtype) if residual is None else (h.to(x.dtype), x)
 
 
-class Attention(nn.Module):
-    """Grouped-query self-attention of one layer."""
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """``linear(x)`` for a row-parallel layer: this rank's partial product summed over the ranks,
+    then the (replicated) bias added once. ``tp`` None: plain ``linear(x)``."""
+    if tp is None:
+        return linear(x)
+    y = tp.all_reduce(torch.nn.functional.linear(x, linear.weight))
+    return y if linear.bias is None else y.add_(linear.bias)
 
-    def __init__(self, config: ModelConfig, layer: int):
+
+class Attention(nn.Module):
+    """Grouped-query self-attention of one layer (with ``tp``: this rank's heads; ``config`` is local)."""
+
+    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup | None = None):
         super().__init__()
+        self.tp = tp
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -92,22 +110,23 @@ class Attention(nn.Module):
             o = varlen_attention(q, k, v, meta.cu_seqlens_q, causal=True, scale=self.scale,
                                  sliding_window=self.sliding_window, softcap=self.softcap,
                                  backend=meta.backend)
-            return self.o_proj(o.reshape(T, self.q_size))
+            return row_parallel(self.o_proj, o.reshape(T, self.q_size), self.tp)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
         o = paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
             scale=self.scale, sliding_window=self.sliding_window, backend=meta.backend, softcap=self.softcap,
         )  # [T, H, D]
-        return self.o_proj(o.reshape(T, self.q_size))
+        return row_parallel(self.o_proj, o.reshape(T, self.q_size), self.tp)
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up in one matmul
     (GeGLU with tanh-approximated GELU instead of SiLU for Gemma)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
+        self.tp = tp
         inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
@@ -117,24 +136,26 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.gelu_tanh:
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(torch.nn.functional.gelu(gate, approximate="tanh").mul_(up))
-        return self.down_proj(silu_and_mul(gate_up))
+            return row_parallel(self.down_proj, torch.nn.functional.gelu(gate, approximate="tanh").mul_(up),
+                                self.tp)
+        return row_parallel(self.down_proj, silu_and_mul(gate_up), self.tp)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately so norms can fuse the add."""
 
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup | None = None):
         super().__init__()
         norm = (config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
         self.input_layernorm = RMSNorm(*norm)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, tp)
         self.post_attention_layernorm = RMSNorm(*norm)
         # Gemma: the post-attention norm acts on the attention output alone; two more wrap the MLP.
         self.pre_feedforward_layernorm = RMSNorm(*norm) if config.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(*norm) if config.sandwich_norms else None
         # MoE: the sparse block in config.moe_layers, a dense MLP elsewhere (Qwen's mlp_only_layers).
-        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config) if layer in config.moe_layers else MLP(config)
+        self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(config, tp) if layer in config.moe_layers
+                                          else MLP(config, tp))
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
         if residual is None:
@@ -154,20 +175,28 @@ class Decoder(nn.Module):
     """Token ids of one step -> final hidden states; ``compute_logits`` maps them to the vocabulary.
 
     Build it with ``load_model``; a bare ``Decoder(config)`` has uninitialised weights.
+    ``tp`` (a group of N > 1 ranks): this rank's shard; ``self.tp`` is then the group, else None.
+    ``config`` stays the whole model's; ``self.shard`` (the ``ShardPlan``) has the rank's sizes.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", lm_head: bool = True):
+                 device: str | torch.device = "cpu", lm_head: bool = True, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.shard = None if self.tp is None else ShardPlan.build(config, self.tp.rank, self.tp.size)
+        rank_config = config if self.shard is None else self.shard.local_config()  # the rank's sizes
         # Built on the meta device then allocated uninitialised: no time spent on random init.
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            # _weight: skips the random init, whose normal_ on meta imports torch._refs (~2 s).
+            self.embed_tokens = nn.Embedding(rank_config.vocab_size, config.hidden_size,
+                                             _weight=torch.empty(rank_config.vocab_size, config.hidden_size))
+            self.layers = nn.ModuleList(DecoderLayer(rank_config, i, self.tp)
+                                        for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
             self.lm_head = None
             if lm_head and not config.tie_word_embeddings:  # lm_head=False: an embedder's hidden states only
-                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                self.lm_head = nn.Linear(config.hidden_size, rank_config.vocab_size, bias=False)
         self.to(dtype).to_empty(device=device)
         # Kept float32 (transformers computes angles in float32, then casts cos/sin to the input dtype).
         table = cos_sin_cache(config.max_position_embeddings, config.rotary_dim, config.rope_theta,
@@ -191,7 +220,8 @@ class Decoder(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        """KV heads this rank's cache holds (all of them without tensor parallelism)."""
+        return self.config.num_key_value_heads if self.shard is None else self.shard.kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -220,7 +250,7 @@ class Decoder(nn.Module):
         caches: list[KVCache | None] = [None] * self.num_layers if kv_caches is None else list(kv_caches)
         if len(caches) != self.num_layers:
             raise ValueError(f"kv_caches has {len(caches)} entries for {self.num_layers} layers")
-        x = self.embed_tokens(input_ids)  # [T, C]
+        x = self.embed(input_ids)  # [T, C]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         residual = None
@@ -232,10 +262,26 @@ class Decoder(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, C]
+        """Token embeddings; with ``tp`` each rank looks up the ids in its vocabulary rows (zeros
+        elsewhere) and an all-reduce assembles them (exact: one non-zero term per element)."""
+        if self.shard is None or self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab)
+        x = self.embed_tokens(local.masked_fill(outside, 0))  # [T, C]
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, C] -> [N, V] float32
-        """Vocabulary logits of the selected hidden states (usually each sequence's last token)."""
+        """Vocabulary logits of the selected hidden states (usually each sequence's last token).
+
+        With ``tp`` a collective: every rank computes its vocabulary rows and all get all ``V``."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)
+        logits = torch.nn.functional.linear(hidden, weight)  # [N, V / ranks] with tp
+        if self.tp is not None:  # rank order = vocabulary order; the last rank's padding is cut
+            logits = self.tp.all_gather(logits, dim=-1)  # [N, ranks * ceil(V / ranks)]
+            if logits.shape[-1] != self.config.vocab_size:
+                logits = logits[:, :self.config.vocab_size].contiguous()
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma: in the model dtype, as transformers does
             logits = torch.tanh(logits / cap) * cap

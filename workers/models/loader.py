@@ -5,13 +5,18 @@ Checkpoint tensors are copied one at a time into the decoder's parameters, fusin
 tensor. Only safetensors and GGUF files are read (never pickled ``.bin`` files), and no code from
 the model directory is ever imported. A GGUF file's tensors are dequantized one at a time
 (``workers/models/gguf/``) and renamed to the Hugging Face names, so both paths share one loop.
+
+With a ``TPGroup`` (``tp``) each rank builds its shard of the decoder and reads only its rows or
+columns of each sharded tensor (``ShardPlan.source``) through safetensors' ``get_slice``: no
+process ever holds a whole sharded tensor. A GGUF tensor is dequantized whole (on the rank's
+device, one tensor at a time; quantized blocks span rows) and then sliced.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +36,8 @@ from batchinfer.workers.models.gguf import (
 )
 from batchinfer.workers.models.gguf.names import CONFIG_TENSORS, has_norm_offset, split_stacked
 from batchinfer.workers.models.moe import checkpoint_target, part_bounds
+from batchinfer.workers.models.sharding import ShardPlan
+from batchinfer.workers.parallel.group import TPGroup
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -91,6 +98,7 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     lm_head: bool = True,
+    tp: TPGroup | None = None,
 ) -> Decoder:
     """Build the decoder of a Hugging Face directory or a GGUF checkpoint and load its weights.
 
@@ -102,6 +110,8 @@ def load_model(
     ``FileNotFoundError`` for a missing config / weights file / shard and ``ValueError`` for an
     unsupported architecture or GGUF tensor type, a missing or unexpected tensor, or a shape mismatch.
     ``lm_head=False`` (embedders): no LM head is built, and a checkpoint's ``lm_head.weight`` is skipped.
+    ``tp``: a tensor-parallel group; the decoder is this rank's shard (``ValueError`` when the group's
+    size cannot split the model's heads, KV heads or intermediate size).
     """
     model_dir = Path(model_dir)
     gguf = _open_gguf(model_dir)  # None: a Hugging Face folder
@@ -112,15 +122,21 @@ def load_model(
         files = weight_files(model_dir)
     else:
         config = ModelConfig.from_dict(*hf_config(gguf), source=str(gguf.path))
-    model = Decoder(config, dtype=resolve_dtype(dtype, config), device=device, lm_head=lm_head)
+    model = Decoder(config, dtype=resolve_dtype(dtype, config), device=device, lm_head=lm_head, tp=tp)
     params = dict(model.named_parameters())
-    sizes = _fused_sizes(config)
+    shard = model.shard  # None: the whole model
+    sizes = _fused_sizes(config if shard is None else shard.local_config())
     pending = {(name, part) for name in params for part in sizes.get(name.split(".", 2)[-1], [None])}
 
     if gguf is None:
-        total, tensors = sum(f.stat().st_size for f in files), _tensors(files)
+        total = sum(f.stat().st_size for f in files)
+        tensors = _tensors(files) if shard is None else _sharded(_lazy_tensors(files), config, shard)
     else:
         total, tensors = _gguf_tensors(gguf, config, resolve_dtype(dtype, config), device)
+        if shard is not None:
+            tensors = _sharded(((p, n, t.shape, t.__getitem__) for p, n, t in tensors), config, shard)
+    if shard is not None:
+        total //= shard.size  # about what this rank reads
     with torch.no_grad(), bytes_progress("loading weights", total, quiet=not progress) as bar:
         for path, name, tensor in tensors:
             bar.advance(tensor.numel() * tensor.element_size())
@@ -151,6 +167,46 @@ def _tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield path, name, f.get_tensor(name)
+
+
+# (file, checkpoint name, the tensor's full shape, read(index) -> that part of the tensor)
+LazyTensor = tuple[Path, str, tuple[int, ...], Callable[[tuple[slice, ...]], torch.Tensor]]
+
+
+def _lazy_tensors(files: list[Path]) -> Iterator[LazyTensor]:
+    """Each safetensors tensor unread: ``read`` fetches only the indexed part (``get_slice``)."""
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                part = f.get_slice(name)
+                yield path, name, tuple(part.get_shape()), part.__getitem__
+
+
+def _sharded(tensors: Iterator[LazyTensor], config: ModelConfig,
+             shard: ShardPlan) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """This rank's part of each checkpoint tensor (ignored tensors are never read)."""
+    for path, name, shape, read in tensors:
+        target = _target(name, config)
+        if target is None:
+            continue
+        src = shard.source(*target)
+        if src is None:  # replicated: the whole tensor
+            yield path, name, read(tuple(slice(None) for _ in shape))
+            continue
+        if len(shape) <= src.dim or shape[src.dim] != src.full:
+            expected = "?" if len(shape) <= src.dim else src.full
+            raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(shape)}, expected {expected} "
+                             f"along dimension {src.dim} from config.json")
+        lead = tuple(slice(None) for _ in range(src.dim))
+        pieces = [read((*lead, slice(a, b))) for a, b in src.ranges if b > a]
+        if src.pad_to is not None:  # the last rank's vocabulary rows beyond V: zeros
+            have = sum(p.shape[src.dim] for p in pieces)
+            if have < src.pad_to or not pieces:
+                like = pieces[0] if pieces else read((*lead, slice(0, 1)))
+                pad = list(like.shape)
+                pad[src.dim] = src.pad_to - have
+                pieces.append(like.new_zeros(pad))
+        yield path, name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=src.dim)
 
 
 def _open_gguf(path: Path) -> GGUFFile | None:

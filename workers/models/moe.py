@@ -8,6 +8,10 @@ expert whose output is scaled by ``sigmoid(shared_expert_gate(x))`` and added. T
 Checkpoints store one tensor per expert; ``checkpoint_target`` maps those names (Mixtral's
 ``block_sparse_moe.experts.N.w1/w3/w2``, Qwen's ``mlp.experts.N.gate_proj/up_proj/down_proj``) to a
 slice of the stacked parameters, which the loader fills in place.
+
+Under tensor parallelism (``tp``) the block is built from the rank's local config: every expert's
+intermediate (and the shared expert's) is this rank's share, so the routed and shared outputs are
+partial sums; they are added and all-reduced once (the router and the shared gate are replicated).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 from batchinfer.kernels.fused import silu_and_mul
 from batchinfer.kernels.moe import fused_moe
 from batchinfer.workers.models.config import ModelConfig
+from batchinfer.workers.parallel.group import TPGroup
 
 
 class SharedExpert(nn.Module):
@@ -37,8 +42,9 @@ class SharedExpert(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Top-k routed experts (+ an optional gated shared expert) replacing a layer's MLP."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
+        self.tp = tp
         hidden, inter, experts = config.hidden_size, config.moe_intermediate_size, config.num_experts
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
@@ -55,7 +61,7 @@ class SparseMoeBlock(nn.Module):
         out = fused_moe(x, self.gate(x), self.w13, self.w2, self.top_k, renormalize=self.renormalize)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 # <layer prefix>.<block>.experts.<N>.<projection>.weight in the checkpoint.

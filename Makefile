@@ -42,11 +42,14 @@ setup-dev: $(VENV)/.installed-dev
 test: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# SmolLM2-135M-Instruct answers examples/prompts.jsonl, all-MiniLM-L6-v2 embeds
-# examples/embeddings.jsonl (two lines of each are deliberately bad).
+# SmolLM2-135M-Instruct answers examples/prompts.jsonl and fills the JSON schemas of
+# examples/extraction.jsonl (structured outputs), all-MiniLM-L6-v2 embeds examples/embeddings.jsonl
+# (some lines of each are deliberately bad).
 demo: setup
 	$(BIN)/batchinfer run examples/prompts.jsonl -o demo-out/results.parquet --model demo --force
 	$(BIN)/python examples/show_results.py demo-out/results.parquet
+	$(BIN)/batchinfer run examples/extraction.jsonl -o demo-out/extraction.parquet --model demo --force
+	$(BIN)/python examples/show_results.py demo-out/extraction.parquet
 	$(BIN)/batchinfer run examples/embeddings.jsonl -o demo-out/vectors.parquet --model minilm --force
 	$(BIN)/python examples/show_results.py demo-out/vectors.parquet
 

@@ -4,6 +4,7 @@ The public API is imported lazily, so ``import batchinfer`` stays cheap (no torc
 queue-side tools::
 
     from batchinfer import LLM, SamplingParams   # in-process engine
+    from batchinfer import StructuredOutputsParams  # SamplingParams(structured_outputs=...)
     from batchinfer import Client                 # the queue client
     from batchinfer import ModelNotServed         # Client.request's timeout for an unserved model
 """
@@ -18,16 +19,18 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "batchinfer.workers.llm",
     "SamplingParams": "batchinfer.workers.sampling_params",
+    "StructuredOutputsParams": "batchinfer.workers.structured.params",
     "Client": "batchinfer.client.client",
     "ModelNotServed": "batchinfer.client.client",
 }
 
-__all__ = ["LLM", "Client", "ModelNotServed", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Client", "ModelNotServed", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 if TYPE_CHECKING:
     from batchinfer.client.client import Client, ModelNotServed
     from batchinfer.workers.llm import LLM
     from batchinfer.workers.sampling_params import SamplingParams
+    from batchinfer.workers.structured.params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

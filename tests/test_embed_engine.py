@@ -235,3 +235,8 @@ def test_cuda_matches_cpu(bert: Path) -> None:
     cpu = torch.tensor([o.outputs.embedding for o in LLM(model=str(bert)).embed(texts)])
     gpu = torch.tensor([o.outputs.embedding for o in LLM(model=str(bert), device="cuda").embed(texts)])
     assert torch.nn.functional.cosine_similarity(cpu, gpu).min() >= 0.9999
+
+
+def test_tensor_parallelism_is_refused_for_embedding_models(bert: Path) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: embedding models run on one device"):
+        EmbeddingEngine.from_model(bert, tensor_parallel_size=2)

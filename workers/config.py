@@ -34,6 +34,55 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
 
 
+def _one_device(name: str) -> torch.device:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError("device must be a torch device such as 'cpu' or 'cuda:0', "
+                         f"got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for but CUDA is not available")
+    return device
+
+
+def rank_devices(device: str, size: int) -> list[torch.device]:
+    """The devices of ``size`` tensor-parallel ranks: ``"cpu"`` -> every rank on the CPU,
+    ``"cuda"`` -> cuda:0 .. cuda:size-1, ``"cuda:0,cuda:2"`` -> one per rank (exactly ``size``,
+    distinct). ValueError naming ``device`` when the list is wrong or the machine has too few GPUs.
+    """
+    import torch
+
+    if not isinstance(device, str) or not device.strip():
+        raise ValueError(f"device must be a device name or a comma list of them, got {device!r}")
+    names = [n.strip() for n in device.split(",")]
+    if size == 1 or (len(names) == 1 and names[0] in ("cpu", "cuda")):
+        one = _one_device(names[0])
+        if size == 1 and len(names) > 1:
+            raise ValueError(f"device {device!r} lists {len(names)} devices but tensor_parallel_size is 1")
+        if one.type == "cpu":
+            return [one] * size
+        if size == 1:
+            return [one]
+        names = [f"cuda:{i}" for i in range(size)]
+    devices = [_one_device(n) for n in names]
+    if len(devices) != size:
+        raise ValueError(f"device {device!r} lists {len(devices)} device(s) for tensor_parallel_size {size}: "
+                         f"give one per rank, or 'cuda' for cuda:0..cuda:{size - 1}, or 'cpu'")
+    if any(d.type != "cuda" for d in devices):
+        raise ValueError(f"device {device!r}: a tensor-parallel device list holds CUDA devices only "
+                         "(use 'cpu' alone for every rank on the CPU)")
+    indices = [d.index if d.index is not None else 0 for d in devices]
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"device {device!r} names a device twice: each rank needs its own GPU")
+    count = torch.cuda.device_count()
+    if max(indices) >= count:
+        raise ValueError(f"device {device!r}: tensor_parallel_size {size} needs {size} GPUs but this machine "
+                         f"has {count} (cuda:0 to cuda:{count - 1}); check CUDA_VISIBLE_DEVICES")
+    return [torch.device("cuda", i) for i in indices]
+
+
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -69,21 +118,31 @@ class EngineConfig:
     grammar_cache_size: int = 256
     grammar_threads: int | None = None
     structured_limits: StructuredLimits = field(default_factory=StructuredLimits)
+    # Tensor parallelism (batchinfer.workers.parallel): the number of ranks (rank 0 is this
+    # process); with N > 1 ``device`` is "cpu" (every rank on the CPU, gloo), "cuda" (cuda:0 ..
+    # cuda:N-1, NCCL) or a comma list of N CUDA devices. ``tp_port``: the rendezvous port on
+    # 127.0.0.1 (None: a free one); ``tp_timeout_s`` bounds every collective and the start-up.
+    tensor_parallel_size: int = 1
+    tp_port: int | None = None
+    tp_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        import torch
-
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a model directory path, got {self.model!r}")
         self.dtype = resolve_dtype(self.dtype)
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise ValueError("device must be a torch device such as 'cpu' or 'cuda:0', "
-                             f"got {self.device!r}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for but CUDA is not available")
-        self.device = str(device)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tp_port is not None and (isinstance(self.tp_port, bool) or not isinstance(self.tp_port, int)
+                                         or not 0 < self.tp_port < 65536):
+            raise ValueError(f"tp_port must be a TCP port in [1, 65535] or None, got {self.tp_port!r}")
+        t = self.tp_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"tp_timeout_s must be a positive number of seconds, got {t!r}")
+        if self.tensor_parallel_size > 1:
+            self.device = ",".join(str(d) for d in rank_devices(self.device, self.tensor_parallel_size))
+            if self.device.startswith("cpu"):
+                self.device = "cpu"
+        else:
+            self.device = str(rank_devices(self.device, 1)[0])
         _positive_int("block_size", self.block_size)
         _positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
@@ -115,9 +174,13 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        import torch
+        """The engine's own device (rank 0's under tensor parallelism)."""
+        return self.rank_devices[0]
 
-        return torch.device(self.device)
+    @property
+    def rank_devices(self) -> list[torch.device]:
+        """The device of each tensor-parallel rank, rank 0 first (one entry without TP)."""
+        return rank_devices(self.device, self.tensor_parallel_size)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (dtype as its name)."""
@@ -163,7 +226,7 @@ class WorkerConfig:
             names = [self.model_name or _served_name("model", self.model)]
         self.served_model_names = list(dict.fromkeys(names))  # a name given twice is served once
         if self.name is None:
-            device = self.device.replace(":", "")
+            device = self.device.replace(":", "").replace(",", "+")  # cuda0+cuda1 under TP
             self.name = f"{socket.gethostname()}-{self.canonical}-{device}-{os.getpid()}"
         _served_name("name", self.name)
 

@@ -13,9 +13,11 @@ its request is bisected (:class:`~batchinfer.workers.inflight.Quarantine`) so th
 culprit counts a failure; Redis outages are retried with backoff while rows wait in the outbox
 (:mod:`batchinfer.workers.outbox`; publication is idempotent). Only an engine whose every
 step fails (``max_failed_steps`` in a row) ends the daemon, with exit code 3: its batches return
-to the queue through their leases. SIGTERM drains: no more pulling, everything held finishes,
-exit 0; a second SIGTERM / SIGINT stops at once (exit 1; leases return the batches). The process
-around the loop (engine, signals, ``/metrics``) is :mod:`batchinfer.workers.serve`.
+to the queue through their leases; so does, at once, a tensor-parallel engine whose rank died
+(``RankFailure``); serve.py then closes the engine (its rank processes). SIGTERM drains: no more
+pulling, everything held finishes, exit 0; a second SIGTERM / SIGINT stops at once (exit 1;
+leases return the batches). The process around the loop (engine, signals, ``/metrics``) is
+:mod:`batchinfer.workers.serve`.
 
 At start the worker claims its name (a live worker holding it ends ``run`` with
 :class:`~batchinfer.store.registry.WorkerNameTaken`) and its served model names (a live worker of
@@ -55,6 +57,7 @@ from batchinfer.workers.engine.outputs import PooledRequestOutput, RequestOutput
 from batchinfer.workers.inflight import Book, Held, Quarantine
 from batchinfer.workers.keeper import Keeper
 from batchinfer.workers.outbox import DeadLetter, Outbox
+from batchinfer.workers.parallel.ranks import RankFailure
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +111,7 @@ class WorkerDaemon:
         self.book, self.quarantine = Book(), Quarantine()
         self.cancelled: set[str] = set()
         self.failed_steps = self.steps = self.requests_done = 0
+        self.rank_failed = False  # a tensor-parallel rank died: exit at once (EXIT_ENGINE_BROKEN)
         self.draining = False
         self._ready = False
         self._last_poll, self._polled_at_step = 0.0, 0
@@ -154,6 +158,8 @@ class WorkerDaemon:
                     else:
                         log.exception("worker %s: unexpected error; retrying in %gs", self.name, delay)
                     self.hard_stop.wait(delay)
+                if self.rank_failed:  # _step said why
+                    return EXIT_ENGINE_BROKEN
                 if self.failed_steps >= self.max_failed_steps:
                     log.critical("worker %s: %d engine steps failed in a row; the engine looks broken, "
                                  "stopping (held batches return through their leases)",
@@ -367,6 +373,10 @@ class WorkerDaemon:
         computed, began = self.engine.num_computed_tokens, time.monotonic()
         try:
             outputs = self.engine.step()
+        except RankFailure as e:  # a tensor-parallel rank is gone: no step can run again here
+            log.critical("worker %s: %s; stopping (held batches return through their leases)", self.name, e)
+            self.rank_failed = True  # run() stops with EXIT_ENGINE_BROKEN
+            return
         except Exception as e:  # noqa: BLE001 - bisect instead of dying
             self._step_failed(e)
             return

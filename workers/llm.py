@@ -55,12 +55,17 @@ class LLM:
         max_num_seqs: int = 256,
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
         **engine_kwargs: Any,
     ) -> None:
+        """``tensor_parallel_size`` N > 1: the model split over N processes (this one is rank 0),
+        ``device`` "cpu" (gloo), "cuda" (cuda:0 .. cuda:N-1) or a list "cuda:0,cuda:2"; ``close()``
+        ends them (else they end with this process)."""
         config = EngineConfig(
             model=str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len, **engine_kwargs,
+            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size, **engine_kwargs,
         )
         self.engine: Engine | EmbeddingEngine = engine_for(config)
         self._ids = itertools.count()
@@ -69,6 +74,12 @@ class LLM:
     def task(self) -> str:
         """``"generate"`` or ``"embed"``: which of ``generate`` / ``embed`` this model supports."""
         return self.engine.task
+
+    def close(self) -> None:
+        """Shut down the engine's tensor-parallel rank processes (idempotent; nothing to do without TP)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def _generator(self, method: str) -> Engine:
         if not isinstance(self.engine, Engine):

@@ -23,6 +23,7 @@ from batchinfer.ops.startup import StartupError
 from batchinfer.store.registry import read_tokenizer_files
 from batchinfer.workers.daemon import WorkerDaemon
 from batchinfer.workers.engine.interface import WorkerEngine
+from batchinfer.workers.parallel.ranks import RankFailure
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,14 @@ def parse_engine_options(pairs: Iterable[str]) -> dict[str, Any]:
 
 
 def check_device(device: str) -> None:
-    """``StartupError`` (with what to do) for a device this machine cannot run on; cheap for ``cpu``."""
+    """``StartupError`` (with what to do) for a device this machine cannot run on; cheap for ``cpu``.
+
+    A comma list (tensor parallelism: ``cuda:0,cuda:1``) is checked device by device."""
     if device == "cpu":
+        return
+    if "," in device:
+        for one in device.split(","):
+            check_device(one.strip())
         return
     import torch
 
@@ -94,6 +101,8 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
                            f"tokenizer.json); {doctor}") from e
     except ValueError as e:  # an unsupported architecture, a bad config or option value
         raise StartupError(f"{e}; {doctor or 'check --engine-option'}") from e
+    except RankFailure as e:  # a tensor-parallel rank could not start (its error, or its death)
+        raise StartupError(f"--tensor-parallel-size: {e}") from e
 
 
 def main(settings: Settings, model_dir: str | None, name: str | None = None, device: str = "cpu",
@@ -144,3 +153,6 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
     finally:
         if server is not None:
             server.stop()
+        close = getattr(engine, "close", None)  # a tensor-parallel engine: shut its rank processes down
+        if close is not None:
+            close()

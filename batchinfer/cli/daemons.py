@@ -70,16 +70,31 @@ def override_settings(settings: Settings, **values: Any) -> None:
               help="Refuse requests asking for more max_tokens [1000000, BATCHINFER_MAX_TOKENS_LIMIT].")
 @click.option("--max-prompt-tokens", type=POSITIVE,
               help="Refuse prompts longer than this [1000000, BATCHINFER_MAX_PROMPT_TOKENS].")
+@click.option("--structured-max-spec-bytes", type=POSITIVE,
+              help="Refuse output schemas / regexes / grammars larger than this [65536, "
+                   "BATCHINFER_STRUCTURED_MAX_SPEC_BYTES].")
+@click.option("--structured-max-depth", type=POSITIVE,
+              help="Refuse JSON schemas nested deeper than this [32, BATCHINFER_STRUCTURED_MAX_DEPTH].")
+@click.option("--structured-max-choices", type=POSITIVE,
+              help="Refuse choice lists longer than this [1024, BATCHINFER_STRUCTURED_MAX_CHOICES].")
+@click.option("--structured-compile-timeout", "structured_compile_timeout_s", type=SECONDS,
+              help="Refuse specs that take longer to compile [5 s, BATCHINFER_STRUCTURED_COMPILE_TIMEOUT_S].")
 @click.pass_obj
 def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, metrics_port: int | None,
               max_line_bytes: int | None, max_tokens_limit: int | None,
-              max_prompt_tokens: int | None) -> None:
+              max_prompt_tokens: int | None, structured_max_spec_bytes: int | None,
+              structured_max_depth: int | None, structured_max_choices: int | None,
+              structured_compile_timeout_s: float | None) -> None:
     """Run the scheduler daemon: intake -> validate -> tokenize -> pack -> dispatch."""
     from batchinfer.scheduler.daemon import main
 
     override_settings(ctx.settings, lease_seconds=lease_seconds, max_attempts=max_attempts,
                       metrics_port=metrics_port, max_line_bytes=max_line_bytes,
-                      max_tokens_limit=max_tokens_limit, max_prompt_tokens=max_prompt_tokens)
+                      max_tokens_limit=max_tokens_limit, max_prompt_tokens=max_prompt_tokens,
+                      structured_max_spec_bytes=structured_max_spec_bytes,
+                      structured_max_depth=structured_max_depth,
+                      structured_max_choices=structured_max_choices,
+                      structured_compile_timeout_s=structured_compile_timeout_s)
     run_daemon(main, ctx.settings)
 
 
@@ -92,28 +107,50 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, m
               help="Model name to serve, repeatable: the first is the name the worker registers under, "
                    "the others aliases (as vLLM's flag) [the model folder's name].")
 @click.option("--model-name", help="One served model name (the first --served-model-name wins).")
-@click.option("--device", default=None, help="cpu or cuda:N [cuda:0 when CUDA is available, else cpu].")
+@click.option("--device", default=None,
+              help="cpu or cuda:N; with --tensor-parallel-size N: cpu (N gloo processes), cuda (cuda:0 .. "
+                   "cuda:N-1) or a list cuda:0,cuda:1,... [cuda:0 (cuda) when CUDA is available, else cpu].")
+@click.option("--tensor-parallel-size", "tensor_parallel_size", type=POSITIVE, default=None,
+              help="Split the model over N ranks (processes), one device each [1].")
 @click.option("--echo", is_flag=True, help="Echo engine: answers without a model (tests, benchmarks).")
 @click.option("--metrics-port", type=PORT, help="Serve /metrics, /healthz, /readyz on this port.")
 @click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
               help="Engine (or echo engine) setting, repeatable; VALUE is JSON or a string, e.g. "
                    "max_num_seqs=8, or step_delay=0.05 / poison=MARKER with --echo.")
+@click.option("--structured-outputs-backend", type=click.Choice(["llguidance", "xgrammar"]),
+              help="Grammar library that constrains structured outputs [llguidance].")
+@click.option("--no-jump-forward", is_flag=True,
+              help="Sample every token a grammar forces instead of appending it without a step.")
 @click.pass_obj
 def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names: tuple[str, ...],
            model_name: str | None, device: str | None, echo: bool, metrics_port: int | None,
-           engine_option: tuple[str, ...]) -> None:
+           engine_option: tuple[str, ...], structured_outputs_backend: str | None,
+           no_jump_forward: bool, tensor_parallel_size: int | None) -> None:
     """Run a worker daemon: pull batches, run the engine, publish results."""
     from batchinfer.workers.serve import main, parse_engine_options
 
     if not model_dir and not echo:
         raise click.UsageError("--model DIR|FILE.gguf is required (or --echo)")
+    if echo and (structured_outputs_backend or no_jump_forward):
+        raise click.UsageError("--structured-outputs-backend and --no-jump-forward are engine settings: "
+                               "the echo engine has none")
+    if echo and tensor_parallel_size:
+        raise click.UsageError("--tensor-parallel-size is an engine setting: the echo engine has none")
     override_settings(ctx.settings, metrics_port=metrics_port)
     # The echo engine needs no device: skip importing torch (about 200 MB per echo worker).
+    if device is None and not echo and (tensor_parallel_size or 1) > 1:
+        device = "cuda" if default_device() != "cpu" else "cpu"  # cuda: one GPU per rank, from cuda:0
     device = device or ("cpu" if echo else default_device())
     try:
         options = parse_engine_options(engine_option)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--engine-option") from None
+    if structured_outputs_backend:  # EngineConfig fields, as --engine-option would set them
+        options["structured_outputs_backend"] = structured_outputs_backend
+    if no_jump_forward:
+        options["jump_forward"] = False
+    if tensor_parallel_size:
+        options["tensor_parallel_size"] = tensor_parallel_size
     run_daemon(main, ctx.settings, model_dir, name, device, echo, model_name=model_name,
                served_model_names=served_model_names, engine_options=options)
 

@@ -75,6 +75,9 @@ class EmbeddingEngine(WorkerEngine):
             raise ValueError(f"model {config.model!r} is not an embedding model (config.json names no "
                              "encoder or decoder base class, and there is no sentence-transformers "
                              "modules.json)")
+        if config.tensor_parallel_size > 1:  # an embedding model fits one device: run more workers
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: embedding models run "
+                             "on one device; start more workers instead")
         if model is None:
             check_supported(path)
             dtype = resolve_dtype(config.dtype)

@@ -27,6 +27,7 @@ from batchinfer.workers.engine.scheduler import Scheduler
 from batchinfer.workers.engine.sequence import Request, Sequence
 from batchinfer.workers.models import Decoder, load_model
 from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.structured.manager import StructuredOutputManager
 from batchinfer.workers.text.detokenizer import IncrementalDetokenizer
 from batchinfer.workers.text.stopping import check_stop
 from batchinfer.workers.text.tokenizer import Tokenizer
@@ -41,6 +42,12 @@ class Engine(WorkerEngine):
                  tokenizer: Tokenizer | None = None) -> None:
         """Load ``config.model`` (or use ``model`` / ``tokenizer`` already loaded) and size the KV cache."""
         self.config = config
+        self.ranks = None  # tensor parallelism: the other ranks' processes (workers/parallel/ranks.py)
+        if model is None and config.tensor_parallel_size > 1:
+            from batchinfer.workers.parallel.ranks import RankProcesses
+
+            self.ranks = RankProcesses.start(config)  # spawns ranks 1..N-1, loads rank 0's shard
+            model = self.ranks.model
         self.model = model if model is not None else load_model(config.model, config.dtype, config.device)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         path = Path(config.model)
@@ -51,9 +58,15 @@ class Engine(WorkerEngine):
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
         wanted_len = config.max_model_len or mc.max_position_embeddings
-        self.runner = ModelRunner(self.model, config, wanted_len)
+        try:
+            self.runner = ModelRunner(self.model, config, wanted_len, ranks=self.ranks)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
         self.kv_tokens = self.runner.num_blocks * config.block_size
         if config.max_model_len is not None and config.max_model_len > self.kv_tokens:
+            self.runner.close()
             raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV cache of "
                              f"{self.kv_tokens} tokens: raise num_kv_blocks / kv_cache_memory or lower it")
         # A sequence never outgrows the pool, so the oldest one can always run alone.
@@ -68,6 +81,8 @@ class Engine(WorkerEngine):
         # reproducible from ``config.seed``. CPU: the sampler draws its uniforms on the host.
         self.generator = torch.Generator().manual_seed(config.seed)
         self.sampler = Sampler(mc.vocab_size, self.eos_token_ids, generator=self.generator)
+        # Structured outputs: the grammar backend is built on the first constrained request.
+        self.structured = StructuredOutputManager(config, self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
         self._next_seq_id = 0
@@ -115,9 +130,14 @@ class Engine(WorkerEngine):
             raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"max_model_len {self.max_model_len}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        matchers = None
+        if params.structured_outputs is not None:  # compiled (or found cached) before anything is queued
+            matchers = self.structured.matchers_for(params.structured_outputs, params.n)
         req = Request(request_id, prompt, ids, params, arrival, self._next_seq_id)
         self._next_seq_id += params.n
         for seq in req.seqs:
+            if matchers is not None:
+                seq.matcher = matchers[seq.index]
             if params.seed is not None:
                 # On the CPU whatever the model's device (see make_generator): the sampler draws one
                 # number from it per step, and the draws are the same on every device.
@@ -162,9 +182,11 @@ class Engine(WorkerEngine):
             if self.scheduler.has_unfinished():  # cannot happen: a lone sequence always fits the pool
                 raise RuntimeError(f"scheduler made no progress with {self.num_waiting} waiting sequences")
             return outputs
+        seqs = [s.seq for s in plan.scheduled if s.samples]
+        self.structured.begin(seqs)  # grammar masks fill on a helper thread during the forward
         logits = self.runner.execute(plan.scheduled)  # [N, V] for the sequences that sample
         self.scheduler.commit(plan)
-        seqs = [s.seq for s in plan.scheduled if s.samples]
+        self.structured.apply(logits)  # constrained rows only, before every sampling stage
         sampled = self.sampler(logits, [self._sampling_row(seq) for seq in seqs])
         outputs += self._postprocess(seqs, sampled.token_ids, sampled.logprobs)
         self.num_steps += 1
@@ -192,9 +214,8 @@ class Engine(WorkerEngine):
         return [self._output(req) for req in moved.values()]
 
     def _append_token(self, seq: Sequence, token: int, logprobs: SampleLogprobs | None) -> None:
-        """Add a sampled token, grow the text, and finish the sequence if it stops here."""
-        seq.append_token(token)
-        self.num_generated_tokens += 1
+        """Add a sampled token (then, under jump-forward, the tokens its grammar forces after it),
+        grow the text, and finish the sequence if it stops here."""
         # The sampler gives logprobs to exactly the rows whose params ask for them, the sequences
         # whose ``logprobs`` list make_request created.
         if seq.logprobs is not None and logprobs is not None:
@@ -202,9 +223,19 @@ class Engine(WorkerEngine):
                 lp.decoded_token, lp.token_bytes = self.tokenizer.decode_token(token_id)
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + logprobs[token].logprob
+        self._add_token(seq, token)
+        if seq.matcher is not None:
+            self.structured.jump_forward(seq, self._add_token)
+
+    def _add_token(self, seq: Sequence, token: int) -> None:
+        """Append one token, advance the grammar, and finish the sequence if it stops here."""
+        seq.append_token(token)
+        self.num_generated_tokens += 1
         params = _request_of(seq).params
         stop = check_stop(seq.output_token_ids, token, params, self.eos_token_ids, seq.detokenizer,
                           max_len_reached=seq.num_tokens >= self.max_model_len)
+        if seq.matcher is not None:
+            stop = self.structured.accept(seq, token, stop)
         if stop is not None:
             seq.finish_reason, seq.stop_reason = stop.finish_reason, stop.stop_reason
             self.scheduler.finish(seq)
@@ -220,15 +251,24 @@ class Engine(WorkerEngine):
         finished = req.is_finished
         if finished:
             self.requests.pop(req.request_id, None)
+        so = req.params.structured_outputs
         outputs = [
             CompletionOutput(index=s.index, text=s.detokenizer.text, token_ids=list(s.output_token_ids),
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                              logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                             cumulative_logprob=s.cumulative_logprob)
+                             cumulative_logprob=s.cumulative_logprob,
+                             structured=so.kind if so is not None else None,
+                             structured_complete=self.structured.complete(s))
             for s in req.seqs
         ]
         return RequestOutput(req.request_id, req.prompt_token_ids, outputs, req.num_cached_tokens,
                              req.prompt, finished, error=req.error)
+
+    def close(self) -> None:
+        """Shut down what the engine runs outside this process: its tensor-parallel ranks
+        (idempotent; nothing to do without TP). The engine steps no more after it."""
+        self.runner.close()
+        self.structured.close()  # the mask-fill thread
 
     # -- state ----------------------------------------------------------------------------------
 

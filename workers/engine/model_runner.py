@@ -5,12 +5,20 @@ tokens alike) and described to the attention kernels by ``AttentionMetadata``. I
 built with numpy over whole steps, not per token in Python. On CUDA they reach the device
 through page-locked host buffers allocated once (:class:`HostStaging`). Only the hidden states of
 sequences that sample this step (their last token) go through the vocabulary projection.
+
+Tensor parallelism: ``model`` is rank 0's shard (``model.tp``) and ``ranks`` the other ranks'
+processes. Each rank runs a ``ModelRunner`` of its own over its shard and its own KV cache of
+the same number of blocks (the smallest any rank fits, agreed at start). ``execute`` then builds
+the step's host arrays once, hands them to the ranks (``StepChannel``) and runs rank 0's shard;
+every rank's forward meets in the same collectives. A failure there leaves the ranks out of step:
+this and every later step raise ``RankFailure``.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +27,9 @@ from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.engine.scheduler import ScheduledSequence
 from batchinfer.workers.models import Decoder
+
+if TYPE_CHECKING:
+    from batchinfer.workers.parallel.ranks import RankProcesses
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +50,21 @@ class StepInputs:
 class ModelRunner:
     """Runs ``model`` over a paged KV cache of ``num_blocks`` blocks it allocates itself."""
 
-    def __init__(self, model: Decoder, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, model: Decoder, config: EngineConfig, max_model_len: int,
+                 ranks: RankProcesses | None = None) -> None:
+        """``ranks``: the other tensor-parallel ranks, when this runner is rank 0's (``model.tp``)."""
         self.model = model
         self.config = config
         self.device = model.device
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        self.ranks = ranks
+        self.tp = getattr(model, "tp", None)  # TPGroup or None
         self.staging: HostStaging | None = None  # the profiling step (in _num_kv_blocks) pins afresh
         self.num_blocks = self._num_kv_blocks()
+        if self.tp is not None and self.tp.size > 1:
+            # Every rank's block tables index every rank's cache: the smallest capacity for all.
+            self.num_blocks = self.tp.all_reduce_min_int(self.num_blocks)
         if self.device.type == "cuda":
             # Sized for the largest step the scheduler hands out; the CPU path needs no copy at all.
             longest = min(max_model_len, self.num_blocks * self.block_size)
@@ -61,10 +79,23 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # Under TP no CUDA graphs: a graph replay is decided from the scheduled sequences, which
+        # only rank 0 holds, and would need the same decision and NCCL capture on every rank.
+        if self.device.type == "cuda" and not config.enforce_eager and not self._parallel:
             from batchinfer.workers.engine.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self, max_batch_size=config.max_num_seqs)
+        if ranks is not None:
+            ranks.wait_ready()  # every rank's runner is built: steps may begin
+
+    @property
+    def _parallel(self) -> bool:
+        return self.tp is not None and self.tp.size > 1
+
+    def close(self) -> None:
+        """Shut the other tensor-parallel ranks down (idempotent; nothing to do without TP)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # -- KV cache sizing ------------------------------------------------------------------------
 
@@ -135,6 +166,11 @@ class ModelRunner:
         return self._build(rows, tokens)
 
     def _build(self, rows: list[tuple[list[int], int, int, bool]], tokens: list[list[int]]) -> StepInputs:
+        return self._tensors(*self._host(rows, tokens))
+
+    def _host(self, rows: list[tuple[list[int], int, int, bool]],
+              tokens: list[list[int]]) -> tuple[dict[str, np.ndarray], int, int]:
+        """The step's host arrays (named as ``HostStaging``'s buffers), max query and key lengths."""
         S, bs = len(rows), self.block_size
         starts = np.fromiter((r[1] for r in rows), np.int64, S)
         nums = np.fromiter((r[2] for r in rows), np.int64, S)
@@ -159,6 +195,9 @@ class ModelRunner:
         host = {"input_ids": ids, "positions": positions, "slot_mapping": slots, "block_tables": tables,
                 "cu_seqlens_q": cu.astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
                 "sample_indices": sample_indices}
+        return host, int(nums.max()), int(seq_lens.max())
+
+    def _tensors(self, host: dict[str, np.ndarray], max_seqlen_q: int, max_seqlen_k: int) -> StepInputs:
         if self.staging is not None:
             t = self.staging.transfer(host)
         else:  # CPU: tensors share the arrays' memory; only the profiling step pins on CUDA
@@ -168,8 +207,8 @@ class ModelRunner:
             block_tables=t["block_tables"],
             cu_seqlens_q=t["cu_seqlens_q"],
             seq_lens=t["seq_lens"],
-            max_seqlen_q=int(nums.max()),
-            max_seqlen_k=int(seq_lens.max()),
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
             backend=self.config.attention_backend,
         )
         return StepInputs(t["input_ids"], t["positions"], meta, t["sample_indices"])
@@ -177,10 +216,32 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """Run one step; returns the float32 logits ``[N, V]`` of the sequences that sample, in order."""
+        if self.ranks is not None:
+            return self._execute_parallel(scheduled)
         if self.graphs is not None and self.graphs.can_run(scheduled):
             hidden = self.graphs.run(scheduled)
             return self.model.compute_logits(hidden)
         inputs = self.prepare(scheduled)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        return self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V]
+
+    def _execute_parallel(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
+        """Rank 0's step under TP: the inputs to the ranks, then rank 0's shard of the forward."""
+        assert self.ranks is not None
+        try:
+            self.ranks.check()  # a rank that died between steps (or an earlier failure): fail now
+            rows = [(s.seq.block_table, s.start, s.num_new_tokens, s.samples) for s in scheduled]
+            host, max_q, max_k = self._host(rows, [s.seq.token_ids[s.start:s.start + s.num_new_tokens]
+                                                   for s in scheduled])
+            self.ranks.send(host, max_q, max_k)
+            return self.run_step(host, max_q, max_k)
+        except Exception as e:
+            raise self.ranks.failure(e) from e  # RankFailure; every later step raises one too
+
+    @torch.inference_mode()
+    def run_step(self, host: dict[str, np.ndarray], max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
+        """This rank's shard of one step from its host arrays: the logits ``[N, V]`` (every rank's)."""
+        inputs = self._tensors(host, max_seqlen_q, max_seqlen_k)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         return self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V]
 

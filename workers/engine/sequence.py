@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from batchinfer.workers.engine.outputs import SampleLogprobs
     from batchinfer.workers.sampling_params import SamplingParams
+    from batchinfer.workers.structured.backend import Matcher
 
 
 class SequenceStatus(enum.Enum):
@@ -32,7 +33,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "output_token_ids", "num_prompt_tokens",
         "num_computed_tokens", "block_table", "block_hashes", "num_hashed_blocks", "status",
         "num_cached_tokens", "num_preemptions", "sort_key", "generator", "detokenizer",
-        "logprobs", "cumulative_logprob", "finish_reason", "stop_reason",
+        "logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "matcher", "forced_tokens",
     )
 
     def __init__(self, seq_id: int, request: Request | None, index: int, prompt_token_ids: list[int],
@@ -60,6 +61,10 @@ class Sequence:
         self.cumulative_logprob: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        # Structured outputs: this completion's grammar matcher (None: unconstrained) and the
+        # tokens its grammar forces at the current state, when known (None: not computed yet).
+        self.matcher: Matcher | None = None
+        self.forced_tokens: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

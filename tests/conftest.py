@@ -89,6 +89,23 @@ def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", architecture="LlamaForCausalLM")
 
 
+@pytest.fixture(scope="module")
+def engine_factory(tiny_llama):
+    """``make(**config)``: engines sharing one loaded tiny Llama and its tokenizer, each with its own
+    KV cache (64 blocks unless ``num_kv_blocks`` says), queues and grammar backend."""
+    from batchinfer.workers.config import EngineConfig
+    from batchinfer.workers.engine.engine import Engine
+
+    base = Engine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8))
+
+    def make(**config):
+        config.setdefault("num_kv_blocks", 64)
+        engine_config = EngineConfig(model=str(tiny_llama), **config)
+        return Engine(engine_config, model=base.model, tokenizer=base.tokenizer)
+
+    return make
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

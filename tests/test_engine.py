@@ -10,19 +10,6 @@ from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def engine_factory(tiny_llama):
-    """Engines share one loaded model and tokenizer; each gets its own KV cache and queues."""
-    base = Engine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8))
-
-    def make(**config) -> Engine:
-        config.setdefault("num_kv_blocks", 64)
-        config = EngineConfig(model=str(tiny_llama), **config)
-        return Engine(config, model=base.model, tokenizer=base.tokenizer)
-
-    return make
-
-
 def run(engine: Engine) -> dict[str, list]:
     """Step until idle; every output of every step, by request id."""
     seen: dict[str, list] = {}

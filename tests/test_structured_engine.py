@@ -15,7 +15,6 @@ import pytest
 import torch
 from structured_cases import GRAMMAR_CASES, JSON_SCHEMAS, UNBOUNDED, all_cases, check_output
 
-from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.structured.bitmask import apply_bitmask, unpack_bitmask
@@ -26,16 +25,9 @@ PERSON = StructuredOutputsParams(json=JSON_SCHEMAS["extraction"])
 
 
 @pytest.fixture(scope="module")
-def engine_factory(tiny_llama):
-    """Engines share one loaded model and tokenizer; each has its own cache, queues and backend."""
-    base = Engine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8))
-
-    def make(**config) -> Engine:
-        config.setdefault("num_kv_blocks", 256)
-        config = EngineConfig(model=str(tiny_llama), **config)
-        return Engine(config, model=base.model, tokenizer=base.tokenizer)
-
-    return make
+def engine_factory(engine_factory):
+    """conftest's factory with room for 256 requests' KV blocks by default."""
+    return lambda **config: engine_factory(**{"num_kv_blocks": 256, **config})
 
 
 def run(engine: Engine) -> dict:

@@ -148,3 +148,43 @@ def test_tp_flags_that_cannot_work_are_refused_in_one_line(tiny_llama, tmp_path)
     proc = worker("--model", str(three), "--tensor-parallel-size", "2", "--device", "cpu")
     assert proc.returncode == EXIT_STARTUP, proc.stderr
     assert "Traceback" not in proc.stderr and "head" in proc.stderr.lower(), proc.stderr
+
+
+def test_batchinfer_run_passes_tensor_parallelism_and_the_grammar_backend_on(tiny_llama, tmp_path):
+    """``run --tensor-parallel-size 2 --structured-outputs-backend xgrammar``: the worker it starts
+    constrains the JSON line with xgrammar over two ranks; greedy tokens equal TP=1 in-process."""
+    import json
+
+    from structured_cases import check_output
+
+    from batchinfer import LLM, SamplingParams
+    from batchinfer.workers.structured.params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    lines = [{"custom_id": "free", "prompt": "Hello there", "max_tokens": 8, "temperature": 0},
+             {"custom_id": "json", "prompt": "Count:", "max_tokens": 16, "temperature": 0,
+              "structured_outputs": {"json": schema}}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out, logs = tmp_path / "out.jsonl", tmp_path / "logs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("BATCHINFER_REDIS_URL", None)
+    proc = subprocess.run([*CLI, "run", str(src), "-o", str(out), "--model", str(tiny_llama),
+                           "--device", "cpu", "--tensor-parallel-size", "2",
+                           "--structured-outputs-backend", "xgrammar",
+                           "--logs", str(logs), "--json"],
+                          env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    worker_log = "\n".join(p.read_text() for p in logs.glob("worker-*.log"))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{worker_log}"
+    assert "tensor parallelism: 2 ranks ready" in worker_log
+    rows = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert all(r["status"] == "completed" for r in rows.values()), rows
+    params = StructuredOutputsParams(json=schema)
+    check_output(params, rows["json"]["output_text"])
+    assert rows["json"]["structured"] == "json" and rows["json"]["structured_complete"] is True
+    llm = LLM(model=str(tiny_llama), structured_outputs_backend="xgrammar")
+    ref = llm.generate(["Hello there", "Count:"], [SamplingParams(max_tokens=8, temperature=0),
+                       SamplingParams(max_tokens=16, temperature=0, structured_outputs=params)])
+    assert rows["free"]["output_token_ids"] == ref[0].outputs[0].token_ids
+    assert rows["json"]["output_token_ids"] == ref[1].outputs[0].token_ids

@@ -376,6 +376,11 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
               help="Parquet FILE: read this column as each row's embeddings 'input' (e.g. text).")
 @click.option("--device", help="[cuda:0 when available, else cpu]")
 @click.option("--workers", "num_workers", type=int, default=1, show_default=True, help="Worker processes.")
+@click.option("--tensor-parallel-size", "tensor_parallel_size", type=POSITIVE,
+              help="Split the model over N ranks per worker (--device cpu: N gloo processes; cuda: "
+                   "cuda:0 .. cuda:N-1) [1].")
+@click.option("--structured-outputs-backend", type=click.Choice(["llguidance", "xgrammar"]),
+              help="Grammar library of the workers' structured outputs [llguidance].")
 @click.option("--echo", is_flag=True, help="Echo engine instead of the model (no generation).")
 @click.option("--timeout", type=float, help="Give up after this many seconds (exit 6).")
 @click.option("--no-partial", is_flag=True,
@@ -385,7 +390,8 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 @pass_ctx
 @handle_errors
 def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[str, ...], fmt: str | None,
-        force: bool, input_column: str | None, device: str | None, num_workers: int, echo: bool,
+        force: bool, input_column: str | None, device: str | None, num_workers: int,
+        tensor_parallel_size: int | None, structured_outputs_backend: str | None, echo: bool,
         timeout: float | None, no_partial: bool, log_dir: str | None, json_flag: bool) -> None:
     """All in one: Redis (embedded unless --redis-url), scheduler, worker(s), exporter; submit FILE,
     wait with a progress bar, write OUTPUT, stop everything."""
@@ -399,10 +405,20 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
     # The exporter `run` starts is the caller's own: a local path is the explicit file:// URI, which
     # the results-root confinement of shared exporters lets through.
     output = output if "://" in output else Path(output).resolve().as_uri()
+    if echo and (tensor_parallel_size or structured_outputs_backend):
+        raise click.UsageError("--tensor-parallel-size and --structured-outputs-backend are engine "
+                               "settings: the echo engine has none")
+    worker_args: list[str] = []  # passed on to every worker `run` starts
+    if tensor_parallel_size:
+        worker_args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+        if device is None and default_device() != "cpu":
+            device = "cuda"  # one GPU per rank, from cuda:0
+    if structured_outputs_backend:
+        worker_args += ["--structured-outputs-backend", structured_outputs_backend]
     options = RunOptions(file=file, output=output, model=model, fmt=fmt, device=device or default_device(),
                          num_workers=num_workers, echo=echo, timeout=timeout, log_dir=log_dir,
                          served_model_names=served_model_names, partial=not no_partial,
-                         input_column=input_column)
+                         input_column=input_column, worker_args=tuple(worker_args))
     sys.exit(run_all(ctx, options, lambda client, job, check: _wait_and_report(
         ctx, client, job, timeout, json_flag, check)))
 

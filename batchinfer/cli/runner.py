@@ -57,6 +57,7 @@ class RunOptions:
     served_model_names: tuple[str, ...] = ()  # --served-model-name: the first is the job's model
     partial: bool = True  # on Ctrl-C / --timeout, write the rows so far to ``output``
     input_column: str | None = None  # Parquet: the column read as embeddings ``input``
+    worker_args: tuple[str, ...] = ()  # more `batchinfer worker` flags (--tensor-parallel-size N, ...)
 
 
 class DaemonExited(RuntimeError):
@@ -245,7 +246,7 @@ def run_all(ctx: Ctx, opts: RunOptions,
             daemons.start("scheduler", "scheduler")
             for i in range(opts.num_workers):
                 args = ["worker", "--model", str(model_path), "--name", f"run-{os.getpid()}-{i}",
-                        "--device", opts.device, *names]
+                        "--device", opts.device, *names, *opts.worker_args]
                 daemons.start(f"worker-{i}", *args, *(["--echo"] if opts.echo else []))
             daemons.start("exporter", "exporter")
             say(f"started scheduler, {opts.num_workers} worker(s) ({served[0]} on {opts.device}), exporter; "

@@ -180,6 +180,8 @@ class RankProcesses:
         ``RankFailure`` when one fails or dies first."""
         blocks = [int(v) for v in _await(self.procs, self.conns, "ready", self.messages)]
         self.ready = True
+        log.info("tensor parallelism: %d ranks ready (this process is rank 0; KV blocks per rank %s)",
+                 len(self.procs) + 1, blocks)
         return blocks
 
     # -- steps --------------------------------------------------------------------------------------

@@ -10,6 +10,14 @@ every 4th step is replayed through ``Decoder.forward`` + ``compute_logits`` alon
 and efficiency is bare time / engine step time over those steps, i.e. the share of the step loop
 spent running the model rather than scheduling, building inputs, sampling and detokenising.
 
+Matmul efficiency = model FLOP/s the engine achieved over the whole run / FLOP/s of plain fp32
+matmuls of the model's own shapes, timed in the same run. Model FLOPs are counted per step from
+its inputs: 2 x tokens x (every layer's projection and MLP weights), 2 x sampled rows x the LM
+head, and attention's QK and PV (4 x heads x head_dim per query-key pair, over the keys each
+causal query sees). The ceiling replays, on the same replayed steps, ``F.linear`` of a [T, in]
+input with each of the model's weights (all layers, then the LM head at the step's sampled rows),
+so it sees the same token counts, thread count and machine load as the engine.
+
 On a machine shared with other work, ``--threads 1`` gives steadier figures: OpenMP threads that
 wait at barriers for a descheduled sibling make multi-threaded timings swing by 10x.
 
@@ -17,12 +25,17 @@ wait at barriers for a descheduled sibling make multi-threaded timings swing by 
     python bench/engine_cpu.py --quick    # a small smoke version
     python bench/engine_cpu.py --model demo               # SmolLM2-135M-Instruct (its GGUF file)
     python bench/engine_cpu.py --model PATH               # any HF folder or .gguf file
+    python bench/engine_cpu.py --model demo --workload small --threads 2 --no-transformers
+    python bench/engine_cpu.py --workload small --profile   # + torch profiler table by op
 
 With ``--model``, both sides load that checkpoint in float32 (transformers a GGUF file through
 ``from_pretrained(folder, gguf_file=...)``, which dequantizes it); the workload stays token ids
 below 300, valid in any vocabulary.
 
-The last line printed is one JSON object: tokens_per_s, transformers_tokens_per_s, ratio, efficiency.
+The last line printed is one JSON object: tokens_per_s, transformers_tokens_per_s, ratio, efficiency,
+model_gflops_per_s, matmul_gflops_per_s, matmul_efficiency (the two transformers figures are null
+with ``--no-transformers``; the efficiencies and the matmul rate with ``--profile``, which replays
+nothing). ``--profile`` also prints where every 4th step's time went, by op category.
 """
 
 from __future__ import annotations
@@ -35,6 +48,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.workers.testing import demo_gguf, make_tiny_model
@@ -43,6 +58,8 @@ MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6, 
          "num_key_value_heads": 4, "max_position_embeddings": 1024}
 FULL = {"requests": 256, "prompt": (32, 512), "output": (32, 256), "hf_batch": 32}
 QUICK = {"requests": 32, "prompt": (16, 128), "output": (8, 48), "hf_batch": 8}
+SMALL = {"requests": 64, "prompt": (32, 384), "output": (64, 64), "hf_batch": 32}  # issue 16's workload
+WORKLOADS = {"full": FULL, "quick": QUICK, "small": SMALL}
 
 
 def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0):
@@ -52,25 +69,89 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int
     return prompts, outputs
 
 
-def run_engine(model_dir: Path, prompts, outputs, replay_every: int) -> tuple[float, int, float, dict]:
-    """Wall time and tokens of ``LLM.generate``, and the engine efficiency.
+class FlopModel:
+    """Matmul FLOPs of the steps of a dense decoder, and a timed plain-matmul ceiling of its shapes.
+
+    Every ``nn.Linear`` of a layer counts for every token, so a mixture-of-experts model is
+    over-counted (all experts); elementwise ops (norms, rotary, SiLU, softmax) count nothing."""
+
+    def __init__(self, model: nn.Module, max_tokens: int):
+        cfg = model.config
+        self.layer_weights = [m.weight for layer in model.layers for m in layer.modules()
+                              if isinstance(m, nn.Linear)]  # qkv, o, gate_up, down of every layer
+        self.layer_macs = sum(w.numel() for w in self.layer_weights)  # per token
+        self.head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight  # [V, C]
+        self.attn_macs = 2 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers  # QK + PV, a pair
+        # K + V bytes of one cached token over all layers: what a decode row reads per key.
+        self.kv_bytes = model.kv_cache_bytes_per_token(torch.float32)
+        self.decode_kv_bytes = 0.0  # read by decode rows (one query: memory-bound, no reuse)
+        widths = {w.shape[1] for w in self.layer_weights} | {self.head.shape[1]}
+        gen = torch.Generator().manual_seed(0)
+        self.inputs = {n: torch.randn(max_tokens, n, generator=gen) for n in widths}  # [T, in] per width
+        self.flops = {"linear": 0.0, "lm_head": 0.0, "attention": 0.0}
+        self.ceiling_flops = 0.0
+        self.ceiling_time = 0.0
+
+    def count(self, inputs) -> None:
+        """Add the step's FLOPs (from its ``StepInputs``)."""
+        meta = inputs.attn_metadata
+        cu, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
+        T, N = cu[-1], inputs.sample_indices.numel()
+        pairs = 0  # (query, visible key) pairs: a chunk's q queries end at position L - 1
+        for i, length in enumerate(lens):
+            q = cu[i + 1] - cu[i]
+            pairs += q * (length - q + 1) + q * (q - 1) // 2
+            if q == 1:
+                self.decode_kv_bytes += length * self.kv_bytes
+        self.flops["linear"] += 2.0 * T * self.layer_macs
+        self.flops["lm_head"] += 2.0 * N * self.head.numel()
+        self.flops["attention"] += 2.0 * pairs * self.attn_macs
+
+    def time_ceiling(self, inputs) -> float:
+        """Time ``F.linear`` of the step's [T, in] inputs with every weight; returns the seconds."""
+        T, N = inputs.input_ids.numel(), inputs.sample_indices.numel()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for w in self.layer_weights:
+                F.linear(self.inputs[w.shape[1]][:T], w)
+            if N:
+                F.linear(self.inputs[self.head.shape[1]][:N], self.head)
+        elapsed = time.perf_counter() - t0
+        self.ceiling_flops += 2.0 * (T * self.layer_macs + N * self.head.numel())
+        self.ceiling_time += elapsed
+        return elapsed
+
+
+def run_engine(model_dir: Path, prompts, outputs, replay_every: int,
+               profile: bool = False) -> tuple[float, int, float | None, dict, FlopModel]:
+    """Wall time and tokens of ``LLM.generate``, the engine efficiency, stats and the FLOP counts.
 
     Every ``replay_every``-th step is replayed through the bare model right after it ran (same
-    inputs, same cache: it rewrites identical K/V), so both timings see the same machine load;
-    the replays are left out of the engine's wall time.
+    inputs, same cache: it rewrites identical K/V), then through the plain-matmul ceiling, so all
+    three timings see the same machine load; the replays are left out of the engine's wall time.
+    ``replay_every`` 0: no replays (the efficiency is then None, the ceiling untimed).
+    ``profile``: every 4th step runs under torch's profiler (its events summed per op after it,
+    which bounds the memory) and where those steps' time went is printed; the figures then include
+    the profiler's overhead.
     """
-    llm = LLM(model_dir, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=8192)
+    max_tokens = 2048
+    llm = LLM(model_dir, max_num_seqs=256, max_num_batched_tokens=max_tokens, num_kv_blocks=8192)
     engine, runner = llm.engine, llm.engine.runner
+    flops = FlopModel(runner.model, max_tokens)
     # Warm up (first-call allocations) with a small request.
     llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4), use_tqdm=False)
 
     prepare, step = runner.prepare, engine.step
-    timing = {"steps": 0, "bare": 0.0, "engine": 0.0}
+    timing = {"steps": 0, "bare": 0.0, "engine": 0.0, "replays": 0.0}
+    ops: dict[str, list[float]] = {}  # profiled op -> [self seconds, total seconds, calls]
+    profiler = None
     recorded = []
+    stepped = []  # the step's inputs, counted after its timing
 
     def recording_prepare(scheduled):
         inputs = prepare(scheduled)
-        if timing["steps"] % replay_every == 0:
+        stepped.append(inputs)
+        if replay_every and timing["steps"] % replay_every == 0:
             recorded.append(inputs)
         return inputs
 
@@ -79,6 +160,13 @@ def run_engine(model_dir: Path, prompts, outputs, replay_every: int) -> tuple[fl
         out = step()
         elapsed = time.perf_counter() - t0
         timing["steps"] += 1
+        for inputs in stepped:
+            flops.count(inputs)
+        stepped.clear()
+        if profiler is not None:  # the step's events are summed now, outside the timed span
+            t0 = time.perf_counter()
+            profiler.step()
+            timing["replays"] += time.perf_counter() - t0
         if recorded:
             inputs = recorded.pop()
             t0 = time.perf_counter()
@@ -86,21 +174,98 @@ def run_engine(model_dir: Path, prompts, outputs, replay_every: int) -> tuple[fl
                 hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches,
                                       inputs.attn_metadata)
                 runner.model.compute_logits(hidden[inputs.sample_indices])
-            timing["bare"] += time.perf_counter() - t0
+            bare = time.perf_counter() - t0
+            timing["bare"] += bare
             timing["engine"] += elapsed
+            timing["replays"] += bare + flops.time_ceiling(inputs)
         return out
 
     runner.prepare, engine.step = recording_prepare, timed_step
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    if profile:
+        # Every 4th step profiled, each summed into ``ops`` and dropped: one profile of a whole run
+        # (30 layers) outgrew 20 GiB, and summing a step's events takes seconds. No record_shapes:
+        # the LM head is labelled instead.
+        def add_events(prof) -> None:
+            for e in prof.key_averages():
+                row = ops.setdefault(e.key, [0.0, 0.0, 0])
+                row[0] += e.self_cpu_time_total / 1e6
+                row[1] += e.cpu_time_total / 1e6
+                row[2] += e.count
+
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                          schedule=torch.profiler.schedule(wait=3, warmup=0, active=1),
+                                          on_trace_ready=add_events)
+        profiler.__enter__()
+        compute_logits = runner.model.compute_logits
+
+        def labelled_logits(hidden):
+            with torch.profiler.record_function("lm_head"):
+                return compute_logits(hidden)
+
+        runner.model.compute_logits = labelled_logits
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - t0 - timing["bare"]
+    outs = llm.generate(requests, params, use_tqdm=False)
+    span = time.perf_counter() - t0
+    wall = span - timing["replays"]
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        del runner.model.compute_logits  # back to the class's method
+        print_profile(ops)
     runner.prepare, engine.step = prepare, step
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(outputs)
     stats = {"steps": timing["steps"], "preemptions": engine.num_preemptions,
              "tokens_per_step": engine.num_computed_tokens / max(1, engine.num_steps)}
-    return wall, tokens, timing["bare"] / timing["engine"], stats
+    return wall, tokens, timing["bare"] / timing["engine"] if timing["engine"] else None, stats, flops
+
+
+# Op names -> where the time goes (self CPU time; linear ops are split by the weight's shape).
+CATEGORIES = {
+    "attention: paged-cache gather (index_select)": ("aten::index_select",),
+    "attention: scores / softmax / PV": ("aten::bmm", "aten::_softmax", "aten::masked_fill_",
+                                         "aten::_scaled_dot_product_flash_attention_for_cpu"),
+    "RMSNorm / rotary / SiLU / residual (elementwise)": (
+        "aten::silu", "aten::mul", "aten::mul_", "aten::pow", "aten::mean", "aten::rsqrt", "aten::add",
+        "aten::add_", "aten::neg", "aten::cat", "aten::sub", "aten::sub_", "aten::index", "aten::to",
+        "aten::_to_copy", "aten::copy_"),
+    "KV write (index_put_)": ("aten::_index_put_impl_", "aten::index_put_"),
+}
+
+
+def cfg_intensity(model: nn.Module) -> float:
+    """Decode attention's FLOPs per byte of K/V read: 4 H D FLOPs per key over 8 KVH D bytes."""
+    return model.config.num_attention_heads / (2 * model.num_kv_heads)
+
+
+def print_profile(ops: dict[str, list[float]]) -> None:
+    """Where the profiled steps' time went: self time by category (the LM head is the time under
+    the ``lm_head`` label, taken out of the linear ops), the untraced rest (Python), then the top ops.
+
+    ``ops``: op name -> [self s, total s, calls]. An op's self time is its duration on the calling
+    thread (OpenMP workers run inside it); the ``ProfilerStep*`` spans (engine step to engine step)
+    hold them all, and their own self time is the untraced Python."""
+    spent: dict[str, float] = {}
+    wall = ops.get("ProfilerStep*", [0.0, 0.0, 0])[1]
+    lm_head = ops.get("lm_head", [0.0, 0.0, 0])[1]
+    for name, (self_s, _, _) in ops.items():
+        if name == "lm_head" or name.startswith("ProfilerStep"):
+            continue
+        linear = name in ("aten::mm", "aten::addmm")
+        cat = "linear" if linear else next((c for c, names in CATEGORIES.items() if name in names),
+                                           "other ops")
+        spent[cat] = spent.get(cat, 0.0) + self_s
+    spent["LM head (linear, under the lm_head label)"] = lm_head
+    spent["projections + MLP (linear)"] = spent.pop("linear", 0.0) - lm_head
+    spent["untraced (Python: scheduler, inputs, sampler, outputs)"] = ops.get("ProfilerStep*", [0.0])[0]
+    total = sum(spent.values())
+    print(f"profile: {wall:.1f} s wall, {torch.get_num_threads()} threads; self time by category:")
+    for cat, sec in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {cat:56s} {sec:8.2f} s  {sec / total:6.1%}")
+    print("top ops by self time:")
+    for name, (self_s, total_s, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:20]:
+        print(f"  {name:56s} {self_s:8.2f} s self {total_s:8.2f} s total {int(calls):8d} calls")
 
 
 def load_transformers(model: Path):
@@ -131,14 +296,19 @@ def run_transformers(model_dir: Path, prompts, outputs, batch: int) -> tuple[flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a small smoke version (seconds)")
+    ap.add_argument("--quick", action="store_true", help="a small smoke version (seconds): --workload quick")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="full",
+                    help="full: 256 requests, prompts 32-512, 32-256 out; small: 64 requests, prompts "
+                         "32-384, 64 out (issue 16); quick: a smoke test")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--profile", action="store_true", help="print a torch profiler table of the engine run")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--model", default=None,
                     help="HF folder or .gguf file, or 'demo' (SmolLM2-135M-Instruct) [a random ~20M Llama]")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    w = QUICK if args.quick else FULL
+    w = QUICK if args.quick else WORKLOADS[args.workload]
     prompts, outputs = workload(w["requests"], w["prompt"], w["output"])
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
@@ -151,18 +321,46 @@ def main() -> None:
               f"float32, {torch.get_num_threads()} threads")
         print(f"workload: {len(prompts)} requests, prompts {w['prompt']}, outputs {w['output']}, "
               f"{sum(map(len, prompts))} prompt and {sum(outputs)} output tokens")
-        wall, tokens, efficiency, stats = run_engine(model_dir, prompts, outputs, replay_every=4)
+        # Profiled: no replays, so the profile is the engine's own time (and no efficiencies).
+        replay_every = 0 if args.profile else 4
+        wall, tokens, efficiency, stats, flops = run_engine(model_dir, prompts, outputs, replay_every,
+                                                            profile=args.profile)
         engine_tps = tokens / wall
         print(f"batchinfer LLM:   {wall:8.1f} s  {engine_tps:8.1f} output tokens/s  "
               f"({stats['steps']} steps, {stats['tokens_per_step']:.0f} tokens/step, "
               f"{stats['preemptions']} preemptions)")
-        hf_wall, hf_tokens = run_transformers(model_dir, prompts, outputs, w["hf_batch"])
-        hf_tps = hf_tokens / hf_wall
-        print(f"transformers:     {hf_wall:8.1f} s  {hf_tps:8.1f} output tokens/s  "
-              f"(static batches of {w['hf_batch']})")
-        print(f"ratio: {engine_tps / hf_tps:.2f}x   engine efficiency: {efficiency:.2f}")
-    print(json.dumps({"tokens_per_s": round(engine_tps, 2), "transformers_tokens_per_s": round(hf_tps, 2),
-                      "ratio": round(engine_tps / hf_tps, 3), "efficiency": round(efficiency, 3)}))
+        total = sum(flops.flops.values())
+        if total == 0:  # the step's inputs are counted from ModelRunner.prepare
+            raise SystemExit("no step went through ModelRunner.prepare: the FLOP count needs its inputs")
+        model_rate = total / wall
+        matmul_rate = flops.ceiling_flops / flops.ceiling_time if flops.ceiling_time else None
+        shares = ", ".join(f"{k} {v / total:.0%}" for k, v in flops.flops.items())
+        print(f"model FLOPs: {total / 1e12:.2f} TFLOP ({shares}); engine {model_rate / 1e9:.1f} GFLOP/s"
+              + ("" if matmul_rate is None else
+                 f", plain matmuls of the model's shapes {matmul_rate / 1e9:.1f} GFLOP/s: "
+                 f"matmul efficiency {model_rate / matmul_rate:.2f}"))
+        print(f"decode attention: reads {flops.decode_kv_bytes / 1e9:.1f} GB of K/V "
+              f"(~{cfg_intensity(model):.1f} FLOP per byte: memory-bound)")
+        hf_tps = None
+        if not args.no_transformers:
+            hf_wall, hf_tokens = run_transformers(model_dir, prompts, outputs, w["hf_batch"])
+            hf_tps = hf_tokens / hf_wall
+            print(f"transformers:     {hf_wall:8.1f} s  {hf_tps:8.1f} output tokens/s  "
+                  f"(static batches of {w['hf_batch']})")
+            print(f"ratio: {engine_tps / hf_tps:.2f}x")
+        if efficiency is not None:
+            print(f"engine efficiency: {efficiency:.2f}")
+
+    def rounded(x: float | None, digits: int) -> float | None:
+        return None if x is None else round(x, digits)
+
+    print(json.dumps({"tokens_per_s": round(engine_tps, 2), "transformers_tokens_per_s": rounded(hf_tps, 2),
+                      "ratio": None if hf_tps is None else round(engine_tps / hf_tps, 3),
+                      "efficiency": rounded(efficiency, 3),
+                      "model_gflops_per_s": round(model_rate / 1e9, 2),
+                      "matmul_gflops_per_s": None if matmul_rate is None else round(matmul_rate / 1e9, 2),
+                      "matmul_efficiency": None if matmul_rate is None
+                      else round(model_rate / matmul_rate, 3)}))
 
 
 if __name__ == "__main__":

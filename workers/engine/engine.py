@@ -28,8 +28,8 @@ from batchinfer.workers.engine.sequence import Request, Sequence
 from batchinfer.workers.models import Decoder, load_model
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.structured.manager import StructuredOutputManager
-from batchinfer.workers.text.detokenizer import IncrementalDetokenizer
-from batchinfer.workers.text.stopping import check_stop
+from batchinfer.workers.text.detokenizer import IncrementalDetokenizer, append_tokens
+from batchinfer.workers.text.stopping import check_stop, is_stop_token
 from batchinfer.workers.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -193,29 +193,63 @@ class Engine(WorkerEngine):
         self.num_computed_tokens += plan.num_batched_tokens
         return outputs
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        req = _request_of(seq)
-        return SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator)
+    @staticmethod
+    def _sampling_row(seq: Sequence) -> SamplingRow:
+        # Built once per sequence: it holds the live output list, so it is current every step.
+        row = seq.sampling_row
+        if row is None:
+            req = _request_of(seq)
+            row = seq.sampling_row = SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
+                                                 seq.generator)
+        return row
 
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int],
                      logprobs: list[SampleLogprobs | None]) -> list[RequestOutput]:
         moved: dict[str, Request] = {}
-        for seq, token, lp in zip(seqs, token_ids, logprobs, strict=True):
+        texts = self._bulk_texts(seqs, token_ids)
+        for j, (seq, token, lp) in enumerate(zip(seqs, token_ids, logprobs, strict=True)):
             req = _request_of(seq)
             if seq.is_finished:  # a sibling's failure aborted the whole request
                 continue
             moved[req.request_id] = req
             try:
-                self._append_token(seq, token, lp)
+                self._append_token(seq, token, lp, texts.get(j))
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
                 log.exception("request %s failed in postprocessing; aborting it", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"
                 self._finish_request(req, "abort")
-        return [self._output(req) for req in moved.values()]
+        output = self._output
+        return [output(req) for req in moved.values()]
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: SampleLogprobs | None) -> None:
+    def _bulk_texts(self, seqs: list[Sequence], token_ids: list[int]) -> dict[int, str]:
+        """The new tokens' texts, detokenised in two batched decodes for the rows that allow it:
+        {row: text its token added}. The others (stop tokens, grammar-constrained or n > 1
+        requests, a decode that raised) are detokenised one by one in ``_add_token``."""
+        rows, detoks, tokens = [], [], []
+        eos = self.eos_token_ids
+        for j, (seq, token) in enumerate(zip(seqs, token_ids, strict=True)):
+            req = seq.request
+            # n > 1: a sibling's failure may abort the request before this row is reached.
+            if (req is None or seq.is_finished or seq.matcher is not None or len(req.seqs) != 1
+                    or seq.detokenizer is None
+                    or is_stop_token(len(seq.output_token_ids) + 1, token, req.params, eos)):
+                continue
+            rows.append(j)
+            detoks.append(seq.detokenizer)
+            tokens.append(token)
+        if not rows:
+            return {}
+        try:
+            return dict(zip(rows, append_tokens(detoks, tokens), strict=True))
+        except Exception:  # noqa: BLE001 - nothing changed: each row decodes on its own, failing alone
+            log.debug("bulk detokenisation failed; decoding row by row", exc_info=True)
+            return {}
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: SampleLogprobs | None,
+                      text: str | None = None) -> None:
         """Add a sampled token (then, under jump-forward, the tokens its grammar forces after it),
-        grow the text, and finish the sequence if it stops here."""
+        grow the text, and finish the sequence if it stops here. ``text``: what the token added to
+        the text when ``_bulk_texts`` detokenised it already."""
         # The sampler gives logprobs to exactly the rows whose params ask for them, the sequences
         # whose ``logprobs`` list make_request created.
         if seq.logprobs is not None and logprobs is not None:
@@ -223,17 +257,17 @@ class Engine(WorkerEngine):
                 lp.decoded_token, lp.token_bytes = self.tokenizer.decode_token(token_id)
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + logprobs[token].logprob
-        self._add_token(seq, token)
+        self._add_token(seq, token, text)
         if seq.matcher is not None:
             self.structured.jump_forward(seq, self._add_token)
 
-    def _add_token(self, seq: Sequence, token: int) -> None:
+    def _add_token(self, seq: Sequence, token: int, text: str | None = None) -> None:
         """Append one token, advance the grammar, and finish the sequence if it stops here."""
         seq.append_token(token)
         self.num_generated_tokens += 1
         params = _request_of(seq).params
         stop = check_stop(seq.output_token_ids, token, params, self.eos_token_ids, seq.detokenizer,
-                          max_len_reached=seq.num_tokens >= self.max_model_len)
+                          max_len_reached=seq.num_tokens >= self.max_model_len, new_text=text)
         if seq.matcher is not None:
             stop = self.structured.accept(seq, token, stop)
         if stop is not None:
@@ -252,6 +286,13 @@ class Engine(WorkerEngine):
         if finished:
             self.requests.pop(req.request_id, None)
         so = req.params.structured_outputs
+        if len(req.seqs) == 1 and so is None:  # the common case, every request every step: no comprehension
+            s = req.seqs[0]
+            lps = s.logprobs
+            out = CompletionOutput(s.index, s.detokenizer.text, s.output_token_ids[:], s.finish_reason,
+                                   s.stop_reason, lps[:] if lps is not None else None, s.cumulative_logprob)
+            return RequestOutput(req.request_id, req.prompt_token_ids, [out], req.num_cached_tokens,
+                                 req.prompt, finished, req.error)
         outputs = [
             CompletionOutput(index=s.index, text=s.detokenizer.text, token_ids=list(s.output_token_ids),
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason,

@@ -11,10 +11,12 @@ The order of operations is vLLM's:
 6. temperature -> top-k -> top-p -> min-p -> sample.
 
 Every stage works on the whole batch (or the sub-batch that needs it) at once, penalties touch
-only the (row, token) pairs they concern, and top-k / top-p look at a ``topk`` candidate set
-before falling back to a full sort. Sampling inverts each row's cumulative distribution (float64)
-at one uniform draw; a seeded completion draws it from its own generator, so its tokens do not
-depend on what else shares the batch, on its row position, or on the vocabulary size.
+only the (row, token) pairs they concern, and nothing sorts a vocabulary: top-k reads its k-th
+value off a ``topk``, top-p finds its threshold by a radix select on the probability mass.
+Sampling inverts each row's cumulative distribution (float64) at one uniform draw; a seeded
+completion's draw is a stateless hash of (its seed, completion index, output position), made for
+all seeded rows at once, so its tokens do not depend on what else shares the batch, on its row
+position, or on the vocabulary size.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far by this completion
     # make_generator(seed, completion index) when params.seed is set, else None (the sampler's
-    # generator for unseeded rows). It draws one number per step, so a CPU generator is right even
-    # when logits are on a GPU.
+    # generator for unseeded rows). Its seed keys the row's counter-based draws (counter_uniforms,
+    # counted by len(output_token_ids)); its state is never consumed. A CPU one, whatever the device.
     generator: torch.Generator | None = None
 
 
@@ -66,7 +68,9 @@ def make_generator(seed: int, completion_index: int, device: torch.device | str 
 
     The two are mixed (not added, as vLLM does) so that completion 1 of seed 0 and completion 0
     of seed 1 do not coincide, while every completion stays reproducible. Keep it on the CPU
-    (the default): the sampler draws a single number from it per step.
+    (the default). The sampler reads only its seed, the key of :func:`counter_uniforms`: a
+    completion's draw at output position i is a hash of (key, i), made for every seeded row of a
+    step in one op, so no generator state advances and no per-row draw is made.
     """
     g = torch.Generator(device=device)
     g.manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ completion_index))
@@ -107,10 +111,13 @@ class Sampler:
         raw_logprobs = self._raw_logprobs(logits, rows)
 
         logits = self.apply_penalties(logits, rows)
-        token_ids = logits.argmax(dim=-1)  # [N]; final for greedy rows
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random:
-            token_ids[random] = self._sample(logits[random], [rows[i] for i in random])
+        if len(random) == len(rows):  # no greedy row: no argmax, no sub-batch copy of [N, V]
+            token_ids = self._sample(logits, rows)
+        else:
+            token_ids = logits.argmax(dim=-1)  # [N]; final for greedy rows
+            if random:
+                token_ids[random] = self._sample(logits[random], [rows[i] for i in random])
         ids = token_ids.tolist()
         return SamplerOutput(ids, self._gather_logprobs(raw_logprobs, ids, rows))
 
@@ -233,17 +240,27 @@ class Sampler:
         """Temperature, top-k, top-p, min-p, then one draw per row; logits [M, V] -> ids [M]."""
         device, vocab = logits.device, logits.shape[1]
         logits = logits / _column([r.params.temperature for r in rows], device)
-        # Each filter runs only on the rows that use it.
+        # The filters become one threshold per row ([M, 1], -inf: keep all) that the draw applies
+        # as it weighs the tokens: no masked copy of [M, V]. Each runs only on the rows that use it.
+        threshold = None
         sel = [j for j, r in enumerate(rows) if r.params.top_k > 0 or r.params.top_p < 1.0]
         if sel:
             top_k = torch.tensor([min(rows[j].params.top_k, vocab) or vocab for j in sel], device=device)
             top_p = torch.tensor([rows[j].params.top_p for j in sel], device=device)
-            logits[sel] = apply_top_k_top_p(logits[sel], top_k, top_p)
+            if len(sel) == len(rows):
+                threshold = top_k_top_p_threshold(logits, top_k, top_p)
+            else:
+                threshold = torch.full((len(rows), 1), float("-inf"), device=device)
+                threshold[sel] = top_k_top_p_threshold(logits[sel], top_k, top_p)
         sel = [j for j, r in enumerate(rows) if r.params.min_p > 0.0]
         if sel:
-            min_p = torch.tensor([rows[j].params.min_p for j in sel], device=device)
-            logits[sel] = apply_min_p(logits[sel], min_p)
-        return sample_from_logits(logits, [r.generator for r in rows], self.generator)
+            # min-p after top-k / top-p: those never mask the largest logit, its reference
+            min_p = torch.tensor([r.params.min_p for r in rows], device=device)  # 0: log -> -inf, off
+            floor = logits.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)  # [M, 1]
+            threshold = floor if threshold is None else torch.maximum(threshold, floor)
+        # A seeded row's draw is counted by its output position: the same token whatever the batch.
+        return sample_from_logits(logits, [r.generator for r in rows], self.generator,
+                                  [len(r.output_token_ids) for r in rows], threshold)
 
 
 def _per_row(rows: list[SamplingRow], sel: list[int], name: str, default: float, device) -> torch.Tensor:
@@ -254,22 +271,75 @@ def _per_row(rows: list[SamplingRow], sel: list[int], name: str, default: float,
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
+def _signed64(x: int) -> int:
+    """A 64-bit constant as the int64 torch stores it."""
+    return x - 2**64 if x >= 2**63 else x
+
+
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+_MIX1 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2 = _signed64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic: it would copy the sign bit)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def counter_uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per (key, counter), float64, from a stateless hash; keys, counters [M] int64.
+
+    splitmix64 of ``key + (counter + 1) * golden``, the same integer arithmetic as
+    :func:`_splitmix64` in wrapping int64 ops, for all rows in one go: a row's draw depends only on
+    its own key and counter, never on the other rows or on any generator's state. The top 53 bits
+    make the float64.
+    """
+    x = keys + (counters + 1) * _GOLDEN  # int64 arithmetic wraps: mod 2**64, as splitmix64's
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return _shr(x, 11).to(torch.float64) * 2.0**-53
+
+
+# e**-80 is a normal float32 (its smallest is about e**-87): the weight floor of unmasked tokens.
+_EXP_FLOOR = -80.0
+_FINITE_MIN = torch.finfo(torch.float32).min  # logits >= it: every token but a masked (-inf) one
+
+
 def sample_from_logits(logits: torch.Tensor, generators: Sequence[torch.Generator | None],
-                       default: torch.Generator | None = None) -> torch.Tensor:
+                       default: torch.Generator | None = None,
+                       counters: Sequence[int] | None = None,
+                       threshold: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row with probability ``softmax(logits)``; logits [M, V] -> ids [M].
 
-    Inverse transform sampling: a uniform ``u`` per row (from the row's generator, else from
-    ``default``, a CPU generator, else the global CPU RNG) is located in the row's cumulative
+    ``threshold`` [M, 1] (optional): tokens whose logit is below their row's are masked first (as
+    ``apply_top_k_top_p`` / ``apply_min_p`` would mask them; -inf keeps all).
+
+    Inverse transform sampling: a uniform ``u`` per row is located in the row's cumulative
     weights, summed in float64 so that even tokens of probability 1e-9 in a 150k vocabulary keep
     their share. A token of weight 0 (masked) is never returned: the first cumulative weight above
     ``u * total`` always has a weight of its own.
+
+    A row with a generator (a seeded completion, :func:`make_generator`) takes ``u`` from
+    :func:`counter_uniforms` keyed by the generator's seed and counted by ``counters[j]`` (the
+    completion's output position; 0 when ``counters`` is None): every seeded row in one op, the
+    generator's state never touched. The other rows draw from ``default`` (a CPU generator),
+    else from the global CPU RNG (one ``torch.rand`` of M, as many draws whatever the seeds).
     """
-    weights = (logits - logits.max(dim=-1, keepdim=True).values).exp()  # [M, V]; masked -> 0
+    # exp() of -inf or of values it underflows on is slow on CPUs (denormal paths): clamp the
+    # exponent where e**x is still a normal float, then zero the masked tokens by multiplication.
+    shifted = (logits - logits.max(dim=-1, keepdim=True).values).clamp(min=_EXP_FLOOR)  # [M, V]
+    floor = _FINITE_MIN if threshold is None else threshold.clamp(min=torch.finfo(torch.float32).min)
+    weights = shifted.exp() * (logits >= floor)  # [M, V]; masked (-inf, below threshold) -> 0
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [M, V]
     u = torch.rand(len(generators), dtype=torch.float64, generator=default)  # [M]
-    for j, g in enumerate(generators):
-        if g is not None:
-            u[j] = torch.rand(1, dtype=torch.float64, generator=g, device=g.device).item()
+    seeded = [j for j, g in enumerate(generators) if g is not None]
+    if seeded:
+        keys = torch.tensor([_signed64(g.initial_seed()) for g in generators if g is not None],
+                            dtype=torch.int64)
+        steps = torch.tensor([counters[j] for j in seeded] if counters is not None else [0] * len(seeded),
+                             dtype=torch.int64)
+        u[seeded] = counter_uniforms(keys, steps)
     total = cdf[:, -1:]  # [M, 1]
     # u < 1, but u * total may round up to total: stay strictly below it.
     target = torch.minimum(u.to(logits.device).unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
@@ -285,30 +355,109 @@ def apply_top_k_top_p(
     Top-k keeps tokens whose logit is >= the k-th largest. Top-p then keeps, of what remains, the
     tokens whose logit is >= that of the token at which the cumulative probability (most probable
     first) reaches top_p: the smallest such set. Ties at either boundary all survive, so the
-    result depends only on the values, never on how a sort orders equal logits.
+    result depends only on the values, never on how a sort orders equal logits. The thresholds
+    come from :func:`top_k_top_p_threshold`.
+    """
+    threshold = top_k_top_p_threshold(logits, top_k, top_p, candidates)
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
-    Only the ``max(k, candidates)`` largest logits are sorted (``topk``); a row whose nucleus
-    reaches past them is redone with a full sort.
+
+def top_k_top_p_threshold(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int = 256
+) -> torch.Tensor:
+    """Per row, the smallest logit that top-k and top-p keep ([M, 1]; -inf: both off), as
+    :func:`apply_top_k_top_p` defines them.
+
+    Nothing is sorted. Top-k reads the k-th value off a ``topk`` of the largest k. Top-p finds its
+    threshold by a radix select on the probability mass (:func:`_nucleus_threshold_radix`); in a
+    vocabulary wider than ``16 * max(k, candidates)`` it first looks at the ``topk`` candidates and
+    runs the radix select only on the rows whose nucleus reaches past them.
     """
     vocab = logits.shape[1]
     use_k, use_p = top_k < vocab, top_p < 1.0
-    if not (use_k.any() or use_p.any()):
-        return logits
-    width = max(int(top_k[use_k].max()) if use_k.any() else 0, candidates if use_p.any() else 0)
-    ranked = logits.topk(min(width, vocab), dim=-1).values  # [M, W], descending
-    kth = ranked.gather(1, (top_k.clamp(max=ranked.shape[1]) - 1).long().unsqueeze(1))  # [M, 1]
-    kth = torch.where(use_k.unsqueeze(1), kth, float("-inf"))
-    logits = logits.masked_fill(logits < kth, float("-inf"))
-    if not use_p.any():
-        return logits
-    ranked = ranked.masked_fill(ranked < kth, float("-inf"))
-    threshold, found = _nucleus_threshold(logits, ranked, top_p)
-    redo = (use_p & ~found).nonzero().squeeze(1)
-    if ranked.shape[1] < vocab and len(redo):
-        full = logits[redo].sort(dim=-1, descending=True).values
-        threshold[redo] = _nucleus_threshold(logits[redo], full, top_p[redo])[0]
-    threshold = torch.where(use_p.unsqueeze(1), threshold, float("-inf"))
-    return logits.masked_fill(logits < threshold, float("-inf"))
+    any_k, any_p = bool(use_k.any()), bool(use_p.any())
+    off = torch.full((logits.shape[0], 1), float("-inf"), device=logits.device)
+    if not (any_k or any_p):
+        return off
+    width = max(int(top_k[use_k].max()) if any_k else 0, candidates if any_p else 0)
+    partial = any_p and vocab > 16 * width  # a big vocabulary: candidates first
+    ranked, kth = None, off
+    if any_k or partial:
+        ranked = logits.topk(min(width, vocab) if partial else int(top_k[use_k].max()), dim=-1).values
+        kth = ranked.gather(1, (top_k.clamp(max=ranked.shape[1]) - 1).long().unsqueeze(1))  # [M, 1]
+        kth = torch.where(use_k.unsqueeze(1), kth, float("-inf"))
+        if any_p:
+            logits = logits.masked_fill(logits < kth, float("-inf"))  # top-p sees the top-k only
+            ranked = ranked.masked_fill(ranked < kth, float("-inf"))
+    if not any_p:
+        return kth
+    if partial:
+        assert ranked is not None
+        threshold, found = _nucleus_threshold(logits, ranked, top_p)
+        redo = (use_p & ~found).nonzero().squeeze(1)
+        if len(redo):
+            threshold[redo] = _nucleus_threshold_radix(logits[redo], top_p[redo])
+    else:
+        threshold = _nucleus_threshold_radix(logits, top_p)
+    # the nucleus of the top-k lies within it: its threshold is >= kth wherever top-p is on
+    return torch.where(use_p.unsqueeze(1), threshold, kth)
+
+
+# Radix select over float32 logits: 4 passes of 8 bits over an order-preserving 32-bit key.
+_RADIX_BITS = 8
+_RADIX = 1 << _RADIX_BITS
+
+
+def _order_key(logits: torch.Tensor) -> torch.Tensor:
+    """float32 [M, V] -> int64 [M, V] in [0, 2**32), ordered as the floats (-inf lowest)."""
+    bits = logits.contiguous().view(torch.int32)
+    # Negative floats order backwards as integers: flip their magnitude bits (the arithmetic
+    # shift makes the mask 0x7FFFFFFF for them, 0 otherwise; branch-free, no slow where()); then
+    # flip the sign bit so that negative floats come below positive ones as unsigned numbers.
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -(2**31)
+    return key.to(torch.int64) & 0xFFFFFFFF
+
+
+def _from_order_key(key: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_order_key`: int64 in [0, 2**32) -> float32."""
+    bits = (key - (key >= 2**31).long() * 2**32).to(torch.int32) ^ -(2**31)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+def _nucleus_threshold_radix(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus threshold [M, 1] of float32 logits [M, V], without sorting.
+
+    The threshold is the largest logit t whose row's mass at or above t still reaches top_p: the
+    logit of the token at which a descending cumulative sum reaches it. Found 8 bits at a time
+    (most significant first) of an order-preserving key: each pass sums the mass of the tokens
+    still in range per digit value ([M, 256] by one ``scatter_add_``), keeps the largest digit
+    whose mass from the top reaches top_p, and drops the mass of the other digits' tokens. Per
+    row, sums run over that row's tokens in index order, so the result does not depend on the
+    other rows. A row whose total mass falls short of top_p by rounding keeps everything (-inf).
+    """
+    m = logits.shape[0]
+    # exp() clamped where it stays a normal float (fast; see sample_from_logits): a token of mass
+    # below e**-80 counts as e**-80, which moves no threshold a float32 cumulative sum can see.
+    probs = (logits - logits.logsumexp(dim=-1, keepdim=True)).clamp(min=_EXP_FLOOR).exp()  # [M, V]
+    key = _order_key(logits)  # [M, V] int64
+    found: torch.Tensor | None = None
+    prefix = torch.zeros(m, 1, dtype=torch.int64, device=logits.device)  # the key's bits found so far
+    above = torch.zeros(m, 1, dtype=probs.dtype, device=logits.device)  # mass of keys above the range
+    p = top_p.to(probs.dtype).unsqueeze(1)  # [M, 1]
+    hist = torch.empty(m, _RADIX, dtype=probs.dtype, device=logits.device)
+    for shift in range(32 - _RADIX_BITS, -1, -_RADIX_BITS):
+        digits = (key >> shift) & (_RADIX - 1)  # [M, V] int64
+        hist.zero_().scatter_add_(1, digits, probs)  # probs is 0 outside the range
+        from_top = above + hist.flip(1).cumsum(dim=1).flip(1)  # [M, 256]: mass at or above each digit
+        if found is None:
+            found = from_top[:, :1] >= p  # [M, 1]: the row's whole mass reaches top_p
+        digit = ((from_top >= p).sum(dim=1, keepdim=True) - 1).clamp(min=0)  # the largest that reaches
+        above = torch.where(digit < _RADIX - 1, from_top.gather(1, (digit + 1).clamp(max=_RADIX - 1)), above)
+        prefix = (prefix << _RADIX_BITS) | digit
+        if shift:
+            probs = probs * (digits == digit)  # drop the tokens outside the range (faster than masked_fill)
+    assert found is not None  # the loop runs 32 / _RADIX_BITS > 0 times
+    return torch.where(found, _from_order_key(prefix), float("-inf"))
 
 
 def _nucleus_threshold(

@@ -34,6 +34,7 @@ class Sequence:
         "num_computed_tokens", "block_table", "block_hashes", "num_hashed_blocks", "status",
         "num_cached_tokens", "num_preemptions", "sort_key", "generator", "detokenizer",
         "logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "matcher", "forced_tokens",
+        "sampling_row",
     )
 
     def __init__(self, seq_id: int, request: Request | None, index: int, prompt_token_ids: list[int],
@@ -65,6 +66,9 @@ class Sequence:
         # tokens its grammar forces at the current state, when known (None: not computed yet).
         self.matcher: Matcher | None = None
         self.forced_tokens: list[int] | None = None
+        # The engine's SamplingRow for this completion, built on its first sampling step and reused
+        # (it refers to output_token_ids, which only ever grows in place).
+        self.sampling_row: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +112,10 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # asked for every request every step: no generator for the common case
+            return seqs[0].status is SequenceStatus.FINISHED
+        return all(s.is_finished for s in seqs)
 
     @property
     def num_cached_tokens(self) -> int:

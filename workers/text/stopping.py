@@ -34,6 +34,18 @@ class StopResult(NamedTuple):
     text: str  # the completion's final text
 
 
+def is_stop_token(num_output_tokens: int, new_token_id: int, params: SamplingParams,
+                  eos_token_ids: Collection[int]) -> bool:
+    """Whether ``new_token_id``, the completion's ``num_output_tokens``-th token, ends it as an EOS
+    or stop token: then :func:`check_stop` does not append its text the ordinary way, so a caller
+    that appends texts in bulk (``detokenizer.append_tokens``) must leave this one out."""
+    if num_output_tokens <= params.min_tokens:
+        return False
+    # `or ()` only narrows the type: __post_init__ has made stop_token_ids a list
+    return ((not params.ignore_eos and new_token_id in eos_token_ids)
+            or new_token_id in (params.stop_token_ids or ()))
+
+
 def check_stop(
     output_token_ids: Sequence[int],
     new_token_id: int,
@@ -41,17 +53,23 @@ def check_stop(
     eos_token_ids: Collection[int],
     detok: IncrementalDetokenizer | None,
     max_len_reached: bool = False,
+    new_text: str | None = None,
 ) -> StopResult | None:
     """Account for ``new_token_id`` and say whether its completion is finished.
 
     ``output_token_ids`` are the completion's tokens *including* ``new_token_id`` as the last one
     (the engine appends first, then checks). The token's text goes into ``detok`` (``None``:
-    the request is not detokenised, so stop strings cannot apply). Returns ``None`` while the
-    completion goes on (its text so far is ``detok.text``).
+    the request is not detokenised, so stop strings cannot apply), unless the caller already put
+    it there: then ``new_text`` is what ``detok.append`` returned (never for a stop token, see
+    :func:`is_stop_token`). Returns ``None`` while the completion goes on (its text so far is
+    ``detok.text``).
     """
     if not output_token_ids or output_token_ids[-1] != new_token_id:
         raise ValueError("output_token_ids must end with new_token_id (append the token, then check)")
     may_stop = len(output_token_ids) > params.min_tokens
+    if new_text is not None and (
+            detok is None or is_stop_token(len(output_token_ids), new_token_id, params, eos_token_ids)):
+        raise ValueError("new_text: given for a stop token or a completion without a detokenizer")
 
     if may_stop and not params.ignore_eos and new_token_id in eos_token_ids:
         return StopResult("stop", None, _final_text(detok, new_token_id, params))
@@ -60,7 +78,8 @@ def check_stop(
         return StopResult("stop", new_token_id, _final_text(detok, new_token_id, params))
 
     if detok is not None:
-        new_text = detok.append(new_token_id)
+        if new_text is None:
+            new_text = detok.append(new_token_id)
         if may_stop and params.stop and new_text:
             include = params.include_stop_str_in_output
             found = find_stop_string(detok.text, len(new_text), params.stop, include)

@@ -218,8 +218,7 @@ class Engine(WorkerEngine):
                 log.exception("request %s failed in postprocessing; aborting it", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"
                 self._finish_request(req, "abort")
-        output = self._output
-        return [output(req) for req in moved.values()]
+        return [self._output(req) for req in moved.values()]
 
     def _bulk_texts(self, seqs: list[Sequence], token_ids: list[int]) -> dict[int, str]:
         """The new tokens' texts, detokenised in two batched decodes for the rows that allow it:
@@ -286,13 +285,6 @@ class Engine(WorkerEngine):
         if finished:
             self.requests.pop(req.request_id, None)
         so = req.params.structured_outputs
-        if len(req.seqs) == 1 and so is None:  # the common case, every request every step: no comprehension
-            s = req.seqs[0]
-            lps = s.logprobs
-            out = CompletionOutput(s.index, s.detokenizer.text, s.output_token_ids[:], s.finish_reason,
-                                   s.stop_reason, lps[:] if lps is not None else None, s.cumulative_logprob)
-            return RequestOutput(req.request_id, req.prompt_token_ids, [out], req.num_cached_tokens,
-                                 req.prompt, finished, req.error)
         outputs = [
             CompletionOutput(index=s.index, text=s.detokenizer.text, token_ids=list(s.output_token_ids),
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason,

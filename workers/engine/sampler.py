@@ -256,7 +256,7 @@ class Sampler:
         if sel:
             # min-p after top-k / top-p: those never mask the largest logit, its reference
             min_p = torch.tensor([r.params.min_p for r in rows], device=device)  # 0: log -> -inf, off
-            floor = logits.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)  # [M, 1]
+            floor = min_p_threshold(logits, min_p)  # [M, 1]
             threshold = floor if threshold is None else torch.maximum(threshold, floor)
         # A seeded row's draw is counted by its output position: the same token whatever the batch.
         return sample_from_logits(logits, [r.generator for r in rows], self.generator,
@@ -329,7 +329,7 @@ def sample_from_logits(logits: torch.Tensor, generators: Sequence[torch.Generato
     # exp() of -inf or of values it underflows on is slow on CPUs (denormal paths): clamp the
     # exponent where e**x is still a normal float, then zero the masked tokens by multiplication.
     shifted = (logits - logits.max(dim=-1, keepdim=True).values).clamp(min=_EXP_FLOOR)  # [M, V]
-    floor = _FINITE_MIN if threshold is None else threshold.clamp(min=torch.finfo(torch.float32).min)
+    floor = _FINITE_MIN if threshold is None else threshold.clamp(min=_FINITE_MIN)
     weights = shifted.exp() * (logits >= floor)  # [M, V]; masked (-inf, below threshold) -> 0
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [M, V]
     u = torch.rand(len(generators), dtype=torch.float64, generator=default)  # [M]
@@ -480,5 +480,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     logits [M, V]; min_p [M] in [0, 1] (0 = off). p_i < min_p * p_max is tested in logit space,
     logit_i < logit_max + log(min_p), which needs no softmax.
     """
-    threshold = logits.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)  # [M, 1]
-    return logits.masked_fill(logits < threshold, float("-inf"))
+    return logits.masked_fill(logits < min_p_threshold(logits, min_p), float("-inf"))
+
+
+def min_p_threshold(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """[M, 1]: the smallest logit min-p keeps, ``logit_max + log(min_p)`` (-inf where min_p is 0)."""
+    return logits.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)

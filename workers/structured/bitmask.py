@@ -38,9 +38,26 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
         banned = ~unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])  # [R, V]
     if rows is None:
         logits.masked_fill_(banned, float("-inf"))
+    elif logits.device.type == "cpu":
+        # Masking views in place is several times faster here than a gather + scatter of the rows:
+        # each run of consecutive rows is one view.
+        for start, first, length in _runs(rows.tolist()):
+            logits[start:start + length].masked_fill_(banned[first:first + length], float("-inf"))
     else:
         rows = rows.to(logits.device)
         logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive values in ``rows``: (first value, its index in rows, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for j, r in enumerate(rows):
+        if runs and runs[-1][0] + runs[-1][2] == r:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((r, j, 1))
+    return runs
 
 
 def _banned_cpu(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

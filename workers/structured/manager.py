@@ -162,14 +162,7 @@ class StructuredOutputManager:
         self._join()
         self.mask_wait_seconds += time.perf_counter() - t0
         self._rows = None
-        bitmask = self._bitmask[:len(rows)]
-        if logits.device.type != "cpu":
-            apply_bitmask(logits, bitmask, None if len(rows) == logits.shape[0] else rows)
-            return
-        # On the CPU, masking a view in place is several times faster than apply_bitmask's
-        # gather + scatter of the rows: mask each run of consecutive rows as one view.
-        for start, first, length in _runs(rows.tolist()):
-            apply_bitmask(logits[start:start + length], bitmask[first:first + length])
+        apply_bitmask(logits, self._bitmask[:len(rows)], None if len(rows) == logits.shape[0] else rows)
 
     def _join(self) -> None:
         fill, self._fill = self._fill, None
@@ -240,18 +233,6 @@ class StructuredOutputManager:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-
-def _runs(rows: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive values in ascending ``rows``: (first value, its index in rows, length)."""
-    runs: list[tuple[int, int, int]] = []
-    for j, r in enumerate(rows):
-        if runs and runs[-1][0] + runs[-1][2] == r:
-            start, first, length = runs[-1]
-            runs[-1] = (start, first, length + 1)
-        else:
-            runs.append((r, j, 1))
-    return runs
 
 
 def _matcher(seq: Seq) -> Matcher:

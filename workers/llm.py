@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from tqdm import tqdm
 
@@ -31,6 +31,7 @@ from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.text.tokenizer import Tokenizer, truncate_text_ids
 
 Prompt = str | Mapping[str, Any]
+P = TypeVar("P", SamplingParams, PoolingParams)  # per-prompt parameters
 # What LLM.embed takes per prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}.
 EmbedPrompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
@@ -107,13 +108,7 @@ class LLM:
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts "
-                                 "(give one for all, or one per prompt)")
+        params = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params")
         requests = [self._request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         for req in requests:
             engine.enqueue(req)
@@ -142,13 +137,7 @@ class LLM:
                 isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [cast(EmbedPrompt, prompts)]
         prompts = list(cast("Sequence[EmbedPrompt]", prompts))
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params = [pooling_params or PoolingParams()] * len(prompts)
-        else:
-            params = list(pooling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"pooling_params: {len(params)} given for {len(prompts)} prompts "
-                                 "(give one for all, or one per prompt)")
+        params = _per_prompt(pooling_params, PoolingParams, len(prompts), "pooling_params")
         if truncate_prompt_tokens is not None:
             params = [PoolingParams(**{**p.to_dict(), "truncate_prompt_tokens": truncate_prompt_tokens})
                       for p in params]
@@ -295,6 +284,18 @@ class LLM:
     def _run(self, requests: list[Request], use_tqdm: bool | None) -> list[RequestOutput]:
         done = self._drain([r.request_id for r in requests], use_tqdm, "generating")
         return [done[r.request_id] for r in requests]
+
+
+def _per_prompt(given: P | Sequence[P] | None, kind: type[P], n: int, name: str) -> list[P]:
+    """One ``kind`` per prompt from ``given``: None (the default for all), one for all, or one per
+    prompt (``ValueError`` naming ``name`` when the count differs)."""
+    if given is None or isinstance(given, kind):
+        return [given or kind()] * n
+    per_prompt = list(cast("Sequence[P]", given))  # isinstance with type[P] does not narrow for mypy
+    if len(per_prompt) != n:
+        raise ValueError(f"{name}: {len(per_prompt)} given for {n} prompts "
+                         "(give one for all, or one per prompt)")
+    return per_prompt
 
 
 def _open_final_message(text: str, conversation: Any, where: str) -> str:

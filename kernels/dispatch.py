@@ -46,10 +46,7 @@ def check_attention_inputs(
                     ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
         if t.device != q.device:
             raise ValueError(f"paged_attention: {name} is on {t.device} but q is on {q.device}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"paged_attention: sliding_window must be >= 1 or None, got {sliding_window}")
-    if softcap is not None and not softcap > 0:  # also refuses NaN
-        raise ValueError(f"paged_attention: softcap must be > 0 or None, got {softcap}")
+    _check_window_and_softcap("paged_attention", sliding_window, softcap)
 
 
 def check_write_kv_inputs(
@@ -143,10 +140,14 @@ def check_varlen_inputs(
     for name, t in (("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
         if t.device != q.device:
             raise ValueError(f"varlen_attention: {name} is on {t.device} but q is on {q.device}")
+    _check_window_and_softcap("varlen_attention", sliding_window, softcap)
+
+
+def _check_window_and_softcap(op: str, sliding_window: int | None, softcap: float | None) -> None:
     if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"varlen_attention: sliding_window must be >= 1 or None, got {sliding_window}")
+        raise ValueError(f"{op}: sliding_window must be >= 1 or None, got {sliding_window}")
     if softcap is not None and not softcap > 0:  # also refuses NaN
-        raise ValueError(f"varlen_attention: softcap must be > 0 or None, got {softcap}")
+        raise ValueError(f"{op}: softcap must be > 0 or None, got {softcap}")
 
 
 def _check_offsets(cu: list[int], num_tokens: int) -> None:

@@ -125,6 +125,16 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tp_port: int | None = None
     tp_timeout_s: float = 120.0
+    # LoRA adapters (batchinfer.workers.lora): the adapters served from the start (name -> PEFT
+    # folder), whether more may come with requests (``LoRARequest``; implied by lora_modules),
+    # adapters resident in the forward's stacked weights at once, adapters kept on the host
+    # (None: every served one, at least max_loras) and the largest rank (None: the largest of
+    # lora_modules, 16 when none is given).
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_cpu_loras: int | None = None
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -163,7 +173,8 @@ class EngineConfig:
             self.structured_limits = StructuredLimits(**self.structured_limits)
         if not isinstance(self.structured_limits, StructuredLimits):
             raise ValueError(f"structured_limits must be StructuredLimits, got {self.structured_limits!r}")
-        for name in ("enable_prefix_caching", "enforce_eager", "jump_forward"):
+        self._check_lora()
+        for name in ("enable_prefix_caching", "enforce_eager", "jump_forward", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -171,6 +182,29 @@ class EngineConfig:
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
             raise ValueError("attention_backend must be a backend name or None, "
                              f"got {self.attention_backend!r}")
+
+    def _check_lora(self) -> None:
+        from batchinfer.workers.lora.request import check_adapter_name
+
+        if not isinstance(self.lora_modules, dict):
+            raise ValueError(f"lora_modules must be a dict of adapter name -> folder, got {self.lora_modules!r}")
+        for name, path in self.lora_modules.items():
+            check_adapter_name(name, "lora_modules")
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"lora_modules[{name!r}] must be an adapter folder path, got {path!r}")
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_cpu_loras", self.max_cpu_loras, allow_none=True)
+        _positive_int("max_lora_rank", self.max_lora_rank, allow_none=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.lora_enabled and self.tensor_parallel_size > 1:
+            raise ValueError("lora_modules / enable_lora: LoRA adapters are not served with "
+                             "tensor_parallel_size > 1 yet; run one worker per device instead")
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves adapters (some given, or ``enable_lora``)."""
+        return self.enable_lora or bool(self.lora_modules)
 
     @property
     def torch_device(self) -> torch.device:

@@ -130,6 +130,9 @@ class BatchRequest:
     task: str = "generate"
     inputs: list[list[int]] | None = None
     pooling_params: dict[str, Any] | None = None
+    # The LoRA adapter the request runs with (None: the base model); the scheduler sets it for a
+    # request staged under an adapter's model name ``BASE:NAME``.
+    lora: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -134,6 +134,12 @@ def fingerprint(files: dict[str, bytes], task: str = "generate", embedding_dim: 
     return digest.hexdigest()
 
 
+def adapter_model_name(base: str, adapter: str) -> str:
+    """The model name an adapter's requests are staged and batched under (``{p}:batches:BASE:NAME``):
+    ``adapter`` of canonical model ``base``. Workers register it as a model of its own."""
+    return f"{base}:{adapter}"
+
+
 class Registry:
     """Read and write model and worker registrations."""
 

@@ -56,8 +56,10 @@ class WorkerEngine(Protocol):
 
     def add_request(self, request_id: str, prompt: str | None = None,
                     prompt_token_ids: Sequence[int] | None = None,
-                    sampling_params: SamplingParams | Mapping[str, Any] | None = None) -> None:
-        """Queue one request under a fresh ``request_id``. ``ValueError`` (with a message naming the
+                    sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                    lora: str | None = None) -> None:
+        """Queue one request under a fresh ``request_id``, with the served adapter named ``lora``
+        (None: the base model; an engine without adapters refuses any other with a ValueError). ``ValueError`` (with a message naming the
         field) means the request itself is bad: the daemon publishes it as ``invalid_request``; any
         other exception counts as an engine failure of that request."""
         ...

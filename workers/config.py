@@ -187,7 +187,8 @@ class EngineConfig:
         from batchinfer.workers.lora.request import check_adapter_name
 
         if not isinstance(self.lora_modules, dict):
-            raise ValueError(f"lora_modules must be a dict of adapter name -> folder, got {self.lora_modules!r}")
+            raise ValueError(f"lora_modules must be a dict of adapter name -> folder, "
+                             f"got {self.lora_modules!r}")
         for name, path in self.lora_modules.items():
             check_adapter_name(name, "lora_modules")
             if not isinstance(path, str) or not path:
@@ -196,7 +197,8 @@ class EngineConfig:
         _positive_int("max_cpu_loras", self.max_cpu_loras, allow_none=True)
         _positive_int("max_lora_rank", self.max_lora_rank, allow_none=True)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras})")
         if self.lora_enabled and self.tensor_parallel_size > 1:
             raise ValueError("lora_modules / enable_lora: LoRA adapters are not served with "
                              "tensor_parallel_size > 1 yet; run one worker per device instead")

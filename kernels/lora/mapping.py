@@ -40,5 +40,6 @@ class LoRAMapping:
         starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
         seg_slots = tuple(int(s) for s in grouped[starts])
         bounds = (*(int(b) for b in starts), int(order.size))
-        return cls(token_slots=torch.from_numpy(slots).to(device), token_indices=torch.from_numpy(order).to(device),
-                   seg_slots=seg_slots, seg_bounds=bounds, seg_ranks=tuple(int(slot_ranks[s]) for s in seg_slots))
+        return cls(token_slots=torch.from_numpy(slots).to(device),
+                   token_indices=torch.from_numpy(order).to(device), seg_slots=seg_slots,
+                   seg_bounds=bounds, seg_ranks=tuple(int(slot_ranks[s]) for s in seg_slots))

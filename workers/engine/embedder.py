@@ -269,6 +269,13 @@ class EmbeddingEngine(WorkerEngine):
 
         return read_tokenizer_files(self.config.model)
 
+    def lora_adapters(self) -> list[str]:
+        """Embedding models serve no adapters."""
+        return []
+
+    def resident_adapters(self) -> list[str]:
+        return []
+
     def capacity(self) -> dict[str, int]:
         """What this engine accepts; with no KV pool, ``kv_tokens`` is one step's tokens."""
         budget = self.config.max_num_batched_tokens

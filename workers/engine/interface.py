@@ -52,6 +52,16 @@ class WorkerEngine(Protocol):
         puts into the engine at a time."""
         ...
 
+    def lora_adapters(self) -> list[str]:
+        """Names of the LoRA adapters this engine serves (``add_request(lora=NAME)``), sorted;
+        the worker registers each as model ``BASE:NAME``. Empty for an engine without adapters."""
+        ...
+
+    def resident_adapters(self) -> list[str]:
+        """The adapters loaded in the forward's weights now (a subset of ``lora_adapters``), which
+        the worker reports so that batches of them prefer it (cache affinity)."""
+        ...
+
     # -- requests ---------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | None = None,
@@ -59,9 +69,9 @@ class WorkerEngine(Protocol):
                     sampling_params: SamplingParams | Mapping[str, Any] | None = None,
                     lora: str | None = None) -> None:
         """Queue one request under a fresh ``request_id``, with the served adapter named ``lora``
-        (None: the base model; an engine without adapters refuses any other with a ValueError). ``ValueError`` (with a message naming the
-        field) means the request itself is bad: the daemon publishes it as ``invalid_request``; any
-        other exception counts as an engine failure of that request."""
+        (None: the base model; a name it does not serve is a ValueError). ``ValueError`` (with a
+        message naming the field) means the request itself is bad: the daemon publishes it as
+        ``invalid_request``; any other exception counts as an engine failure of that request."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -64,7 +64,8 @@ class LoRAAdapter:
     path: str
     rank: int
     scaling: float
-    weights: dict[tuple[int, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(
+        default_factory=dict)
     base_model: str | None = None  # adapter_config.json's base_model_name_or_path (informational)
 
     @property

@@ -31,7 +31,8 @@ class LoRARequest:
 
     def __post_init__(self) -> None:
         check_adapter_name(self.lora_name, "lora_name")
-        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+        bad_id = isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int)
+        if bad_id or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path must be a non-empty path, got {self.lora_path!r}")

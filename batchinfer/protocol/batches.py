@@ -68,6 +68,8 @@ def encode_request(request: BatchRequest) -> str:
     if request.task == "generate":  # a generation element is written as before embeddings existed
         for name in _EMBED_FIELDS:
             del values[name]
+    if values["lora"] is None:  # a base-model element is written as before adapters existed
+        del values["lora"]
     return json.dumps(values, separators=(",", ":"), ensure_ascii=False)
 
 

@@ -177,6 +177,9 @@ class Admission:
                                           **base), entry.reply_to)
         base["model"] = model
         served = self.models.get(model)
+        if served is None and (why := self._unknown_adapter(model)) is not None:
+            # a served model but no such adapter of it: no worker starting later is waited for
+            return Reject(ResultRow.error("unknown_model", why, **base), entry.reply_to, overridden)
         if served is None:
             deadline = held_until or self._deadline(view, now, entry.hold_seconds)
             row = ResultRow.error("unknown_model", f"model {model!r} is not served by any worker", **base)
@@ -202,9 +205,27 @@ class Admission:
                                prompt_token_ids=token_ids, sampling_params=sampling, model=model,
                                line=entry.line, custom_id=spec.custom_id, url=spec.url,
                                reply_to=entry.reply_to, metadata=spec.metadata, created_at=base["created_at"],
-                               **embed)
+                               lora=served.info.adapter, **embed)
         # staged under the canonical name: the tokens are that model's, whichever alias was asked for
+        # (an adapter's, BASE:NAME, has its base's tokenizer and runs with lora NAME)
         return Stage(served.info.name, priority, request, overridden)
+
+    def _unknown_adapter(self, model: str) -> str | None:
+        """The ``unknown_model`` message of ``model`` = ``X:Y`` (not served itself) when X names a served
+        model, so Y asks for an adapter of it that is not served; None for any other unknown name.
+
+        Only the last ``:`` splits (model names may hold one, e.g. ``llama3:8b``, and adapter names
+        hold none); the full name was tried first by the caller."""
+        head, sep, adapter = model.rpartition(":")
+        if not sep or not head or not adapter:
+            return None
+        served = self.models.get(head)
+        if served is None or served.info.adapter is not None:
+            return None
+        base = served.info.name
+        names = self.models.registry.adapters_of(base)
+        return (f"model {model!r}: adapter {adapter!r} is not served for model {base!r}; "
+                f"served adapters: {', '.join(names) if names else 'none'}")
 
     def _malformed(self, entry_id: str, e: RequestError,
                    taken: set[tuple[str, int]] | frozenset[tuple[str, int]] = frozenset()) -> Reject | Refuse:

@@ -20,7 +20,7 @@ from batchinfer.protocol.entries import RequestError
 from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.store.jobstore import JobField, JobStatus, parse_fields
 from batchinfer.store.publish import Publisher
-from batchinfer.store.registry import ModelInfo, Registry
+from batchinfer.store.registry import ModelInfo, Registry, fingerprint
 from batchinfer.workers.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the sink only calls the metrics it is handed
@@ -119,12 +119,15 @@ class ModelCache:
     """Tokenizers per model name, rebuilt when a model's tokenizer fingerprint changes.
 
     A name is a registered model or an alias of one (``--served-model-name``): an alias gives the
-    model it routes to, so ``served.info.name`` is always the canonical name.
+    model it routes to, so ``served.info.name`` is always the canonical name. An adapter model
+    (``BASE:NAME``) registers its base's tokenizer files: models with the same files share one
+    tokenizer, so dozens of adapters cost one.
     """
 
     def __init__(self, registry: Registry, refresh: float = 5.0):
         self.registry, self.refresh = registry, refresh
         self._models: dict[str, tuple[float, ServedModel | None]] = {}
+        self._tokenizers: dict[str, Tokenizer] = {}  # by the sha256 of the tokenizer files alone
 
     def get(self, name: str) -> ServedModel | None:
         """The served model ``name`` names, or None when no worker registered it or an alias of that
@@ -151,6 +154,10 @@ class ModelCache:
         if info is None:
             return None
         files = info.files
+        digest = fingerprint(files)
+        tokenizer = self._tokenizers.get(digest)
+        if tokenizer is not None:
+            return ServedModel(info, tokenizer)
         template = files.get("chat_template.jinja")
         try:
             tokenizer = Tokenizer.from_files(files["tokenizer.json"], files.get("tokenizer_config.json"),
@@ -159,6 +166,9 @@ class ModelCache:
         except ValueError as e:
             log.error("model %s: registered tokenizer files are unusable: %s", name, e)
             return None
+        if len(self._tokenizers) >= 64:
+            self._tokenizers.clear()  # bounded memory; a miss builds one tokenizer again
+        self._tokenizers[digest] = tokenizer
         return ServedModel(info, tokenizer)
 
 

@@ -5,7 +5,7 @@ A generation request with ``structured_outputs`` (from ``response_format``, ``st
 (``BATCHINFER_STRUCTURED_*``) and compiled with the default grammar backend (llguidance) built for
 its model's tokenizer, so that an invalid or unsupported schema, a regex that does not compile, or a
 spec over a limit is an ``invalid_request`` row naming the problem and the line, and never reaches a
-worker. One backend per model (and tokenizer fingerprint); the backend's LRU caches compiled specs,
+worker. One backend per model (and tokenizer; a model's adapters share it); the backend's LRU caches compiled specs,
 so a job whose rows share one schema compiles it once. A compile is bounded by
 ``structured_compile_timeout_s``, so a hostile spec holds the intake for at most that long.
 
@@ -83,7 +83,10 @@ class StructuredCheck:
                                f"({type(e).__name__}: {e})", field=where) from None
 
     def _backend(self, served: ServedModel) -> GrammarBackend | None:
-        key = (served.info.name, served.info.fingerprint)
+        # A base model and its adapters (``BASE:NAME``) share one tokenizer object (the ModelCache
+        # shares identical tokenizer files), hence one backend; the backend holds the tokenizer,
+        # so its id is not reused while the entry lives.
+        key = (served.info.base_model or served.info.name, id(served.tokenizer))
         if key in self._backends:
             return self._backends[key]
         from batchinfer.workers.structured.factory import make_backend

@@ -96,11 +96,15 @@ def held_models(r: redis.Redis, keys: Keys) -> dict[str, int]:
 
 
 def served_models(r: redis.Redis, keys: Keys) -> list[str]:
-    """The names live workers answer to now: their models and those models' aliases
-    (``{p}:model_aliases``: ``--served-model-name``), sorted."""
+    """The names live workers answer to now: their models, their adapters' models (``BASE:NAME``)
+    and the aliases of both (``{p}:model_aliases``: ``--served-model-name``, adapter short
+    names), sorted."""
     from batchinfer.store.registry import Registry
 
-    live = {w.model for w in Registry(r, keys).live_workers()}
+    live: set[str] = set()
+    for w in Registry(r, keys).live_workers():
+        adapters = w.info.get("adapter_models")
+        live |= {w.model, *(adapters if isinstance(adapters, list) else [])}
     aliases = {as_text(a, "replace"): as_text(m, "replace") for a, m in r.hgetall(keys.model_aliases).items()}
     return sorted(live | {a for a, m in aliases.items() if m in live})
 

@@ -24,6 +24,7 @@ from batchinfer.keys import Keys
 from batchinfer.protocol.rows import TASKS, now_ms
 from batchinfer.redis_conn import as_text
 from batchinfer.store import replies
+from batchinfer.workers.lora.request import check_adapter_name
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
@@ -67,6 +68,9 @@ class ModelInfo:
     ``task`` is what its workers do with it: ``"generate"`` (a registration written before tasks
     existed reads as one) or ``"embed"``, with ``embedding_dim`` (the width of its vectors) and
     ``matryoshka`` (whether a request may ask for fewer ``dimensions``).
+
+    An adapter model (``BASE:NAME``, :func:`adapter_model_name`) has ``adapter`` = NAME, the LoRA its
+    requests run with, and ``base_model`` = BASE, the canonical model whose tokenizer it registers.
     """
 
     name: str
@@ -81,6 +85,8 @@ class ModelInfo:
     task: str = "generate"
     embedding_dim: int | None = None
     matryoshka: bool = False
+    adapter: str | None = None
+    base_model: str | None = None
 
     @property
     def capacity(self) -> dict[str, int]:
@@ -123,14 +129,18 @@ def _worker_info(name: str, raw: dict) -> WorkerInfo:
 
 
 def fingerprint(files: dict[str, bytes], task: str = "generate", embedding_dim: int | None = None,
-                matryoshka: bool = False) -> str:
+                matryoshka: bool = False, adapter: str | None = None) -> str:
     """sha256 of the tokenizer files, and of the task of an embedding model (a generation model's
-    is the files' alone, as before tasks existed): caches rebuild when either changes."""
+    is the files' alone, as before tasks existed) and of an adapter model's adapter (it registers
+    its base's files, yet a cache keyed by fingerprint must tell the two apart): caches rebuild
+    when any of them changes."""
     digest = hashlib.sha256()
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + files[name] + b"\0")
     if task != "generate":
         digest.update(f"task\0{task}\0{embedding_dim}\0{int(matryoshka)}\0".encode())
+    if adapter is not None:
+        digest.update(f"adapter\0{adapter}\0".encode())
     return digest.hexdigest()
 
 
@@ -138,6 +148,23 @@ def adapter_model_name(base: str, adapter: str) -> str:
     """The model name an adapter's requests are staged and batched under (``{p}:batches:BASE:NAME``):
     ``adapter`` of canonical model ``base``. Workers register it as a model of its own."""
     return f"{base}:{adapter}"
+
+
+def _adapter_base(name: str, adapter: str, task: str) -> str:
+    """BASE of adapter model ``name`` = ``BASE:<adapter>``; ValueError naming what does not fit."""
+    check_adapter_name(adapter, f"model {name!r}: adapter")
+    base = name.removesuffix(":" + adapter)
+    if base == name or not base:
+        raise ValueError(f"model {name!r}: an adapter model is named BASE:{adapter} "
+                         f"(adapter_model_name), got {name!r}")
+    if task != "generate":
+        raise ValueError(f"model {name!r}: an adapter model generates (task 'generate'), got task {task!r}")
+    return base
+
+
+def _str_list(value: Any) -> list[str]:
+    """A worker info field that holds a list of names (anything else: none)."""
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
 
 class Registry:
@@ -150,13 +177,17 @@ class Registry:
     # models
     def register_model(self, name: str, files: dict[str, bytes], capacity: dict[str, Any],
                        eos_token_ids: list[int] | None = None, *, task: str = "generate",
-                       embedding_dim: int | None = None, matryoshka: bool = False) -> None:
+                       embedding_dim: int | None = None, matryoshka: bool = False,
+                       adapter: str | None = None) -> None:
         """Store (or replace) model ``name``: tokenizer ``files`` by file name, and ``capacity``.
 
         ``capacity`` needs ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens`` and
         ``kv_tokens`` (the dict ``Engine.capacity()`` returns); ``eos_token_ids`` may also be in it.
         ``task``: ``"generate"`` or ``"embed"``; an embedding model also gives ``embedding_dim``.
+        ``adapter``: ``name`` is the adapter model ``BASE:<adapter>`` (:func:`adapter_model_name`,
+        with the base's files and capacity); ``adapter`` and ``base_model`` = BASE are stored with it.
         """
+        base_model = _adapter_base(name, adapter, task) if adapter is not None else None
         if task not in TASKS:
             raise ValueError(f"model {name!r}: task must be one of {', '.join(TASKS)}, got {task!r}")
         if task == "embed" and (not isinstance(embedding_dim, int) or embedding_dim <= 0):
@@ -182,6 +213,9 @@ class Registry:
         if task == "embed":
             assert embedding_dim is not None  # checked above
             extra.update(embedding_dim=int(embedding_dim), matryoshka=int(bool(matryoshka)))
+        if adapter is not None and base_model is not None:
+            extra.update(adapter=adapter, base_model=base_model,
+                         fingerprint=fingerprint(files, task, embedding_dim, matryoshka, adapter))
         # joined as pairs: hset's field map is keyed by redis-py's key union, which no dict[str, ...]
         # is (dict keys are invariant); a (str, bytes) pair is a (FieldT, EncodableT) one
         mapping: dict[FieldT, EncodableT] = dict([*files.items(), *values.items(), *extra.items()])
@@ -207,6 +241,8 @@ class Registry:
             task=as_text(raw.get("task", b"generate")) or "generate",
             embedding_dim=int(raw["embedding_dim"]) if "embedding_dim" in raw else None,
             matryoshka=raw.get("matryoshka") == b"1",
+            adapter=as_text(raw["adapter"]) if "adapter" in raw else None,
+            base_model=as_text(raw["base_model"]) if "base_model" in raw else None,
             **{f: int(raw[f]) for f in CAPACITY_FIELDS},
         )
 
@@ -218,6 +254,18 @@ class Registry:
     def models(self) -> list[str]:
         """Names of every registered model, sorted."""
         return sorted(as_text(m) for m in self.redis.smembers(self.keys.models))
+
+    def adapters_of(self, base: str) -> list[str]:
+        """The adapter names registered for canonical model ``base`` (its models ``base:NAME`` whose
+        ``base_model`` is ``base``: a model named ``base:x`` may be a base of its own), sorted."""
+        names = [m for m in self.models() if m.startswith(base + ":")]
+        if not names:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hmget(self.keys.model(name), ["base_model", "adapter"])
+        return sorted(as_text(adapter) for owner, adapter in pipe.execute()
+                      if adapter is not None and as_text(owner) == base)
 
     # served names: aliases of canonical models
     def register_aliases(self, model: str, aliases: list[str]) -> None:
@@ -256,11 +304,15 @@ class Registry:
         workers that are gone is taken over by :meth:`register_aliases` / :meth:`register_model`.
         """
         out = []
-        for w in self.live_workers():
-            if w.name == worker or w.model == model:
+        workers = self.live_workers()
+        aliases = self.aliases() if any(w.info.get("adapter_models") for w in workers) else {}
+        for w in workers:
+            adapter_models = _str_list(w.info.get("adapter_models"))
+            if w.name == worker or w.model == model or model in adapter_models:
                 continue
-            served = w.info.get("served_model_names")
-            theirs = {w.model, *(served if isinstance(served, list) else [])}
+            # an adapter model's names: itself and the aliases routed to it (NAME, ALIAS:NAME)
+            theirs = {w.model, *_str_list(w.info.get("served_model_names")), *adapter_models,
+                      *(a for a, m in aliases.items() if m in adapter_models)}
             out += [f"served model name {n!r} is already served by worker {w.name!r} for model {w.model!r}"
                     for n in names if n in theirs]
         return out
@@ -335,7 +387,8 @@ class Registry:
                     continue
 
     def live_workers(self, model: str | None = None) -> list[WorkerInfo]:
-        """Workers whose registration has not expired (all, or those serving ``model``), by name.
+        """Workers whose registration has not expired (all, or those serving ``model``: as their model
+        or as one of their ``adapter_models``, ``BASE:NAME``), by name.
 
         Names whose hash expired are pruned from ``{p}:workers`` on the way.
         """
@@ -351,7 +404,8 @@ class Registry:
                 dead.append(name)
                 continue
             worker = _worker_info(name, raw)
-            if model is None or worker.model == model:
+            serves = model is None or worker.model == model
+            if serves or model in _str_list(worker.info.get("adapter_models")):
                 live.append(worker)
         if dead:
             self.redis.zrem(self.keys.workers, *dead)

@@ -182,6 +182,25 @@ def test_a_jobs_model_may_name_an_adapter(env):
     assert record is not None and record.held == 0 and r.xlen(KEYS.held) == 0
 
 
+def test_a_line_naming_an_adapter_of_the_jobs_model_keeps_it(env):
+    # `batchinfer run FILE --model BASE --lora sql=DIR`: the job names the base, lines their adapters
+    r, registry = env
+    heartbeat(registry, "w1", "base", ["sql"])
+    JobStore(r, KEYS).create("j", model="short")
+    for idx, line_model in enumerate(("sql", "base:sql", "short:sql", "gpt-4o-mini", None, "base:nope")):
+        send(r, line_model, job_id="j", idx=idx, line=idx + 1)
+    run_until_idle(make_scheduler(r))
+    (adapter_batch,) = batches(r, "base:sql")
+    assert [(q.idx, q.model, q.lora) for q in adapter_batch] == [(0, "sql", "sql"), (1, "base:sql", "sql"),
+                                                                  (2, "short:sql", "sql")]
+    (base_batch,) = batches(r, "base")  # another name is still overridden by the job's model
+    assert [(q.idx, q.model, q.lora) for q in base_batch] == [(3, "short", None), (4, "short", None)]
+    (bad,) = rows(r, KEYS.results("j"))  # an adapter of the job's model nobody serves: its row at once
+    assert (bad.idx, bad.error_code) == (5, "unknown_model") and "served adapters: chat, sql" in bad.error_message
+    record = JobStore(r, KEYS).get("j")
+    assert record is not None and record.models_overridden == 1
+
+
 def test_an_unknown_adapter_of_a_served_model_is_answered_at_once(env):
     r, registry = env
     registry.register_model("plain", FILES, CAP)

@@ -169,6 +169,8 @@ class Admission:
         # The job's model wins over the line's own (an OpenAI batch file names a hosted model in every
         # line); such lines are counted once, when first taken in, not again when a held one is re-read.
         job_model = view.model if view else None
+        if job_model and spec.model and self._adapter_of(spec.model, job_model):
+            job_model = None  # a line naming an adapter of the job's model keeps it (run --lora)
         model = job_model or spec.model
         overridden = (spec.model if job_model and spec.model and spec.model != job_model
                       and held_until is None else None)
@@ -209,6 +211,21 @@ class Admission:
         # staged under the canonical name: the tokens are that model's, whichever alias was asked for
         # (an adapter's, BASE:NAME, has its base's tokenizer and runs with lora NAME)
         return Stage(served.info.name, priority, request, overridden)
+
+    def _adapter_of(self, line_model: str, job_model: str) -> bool:
+        """Whether ``line_model`` names an adapter of ``job_model`` (served: ``NAME``,
+        ``BASE:NAME``, ``ALIAS:NAME``; or not served but ``<job model>:NAME``, which then gets its
+        unknown-adapter row instead of silently running on the base)."""
+        if line_model == job_model:
+            return False
+        job = self.models.get(job_model)
+        if job is None or job.info.adapter is not None:
+            return False
+        line = self.models.get(line_model)
+        if line is not None:
+            return line.info.base_model == job.info.name
+        head = line_model.rpartition(":")[0]
+        return head in (job_model, job.info.name)
 
     def _unknown_adapter(self, model: str) -> str | None:
         """The ``unknown_model`` message of ``model`` = ``X:Y`` (not served itself) when X names a served

@@ -57,7 +57,7 @@ class StructuredCheck:
         self.limits = structured_limits(settings)
         self.backend_name, self.cache_size = backend, cache_size
         # None: no backend could be built for that tokenizer (then the workers' engines decide alone)
-        self._backends: dict[tuple[str, str], GrammarBackend | None] = {}
+        self._backends: dict[tuple[str, int], GrammarBackend | None] = {}
 
     def check(self, spec: RequestSpec, served: ServedModel) -> None:
         """``RequestError("invalid_request")`` naming the spec's body field when ``spec``'s constraint

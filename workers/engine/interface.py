@@ -66,7 +66,7 @@ class WorkerEngine(Protocol):
 
     def add_request(self, request_id: str, prompt: str | None = None,
                     prompt_token_ids: Sequence[int] | None = None,
-                    sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                    sampling_params: SamplingParams | Mapping[str, Any] | None = None, *,
                     lora: str | None = None) -> None:
         """Queue one request under a fresh ``request_id``, with the served adapter named ``lora``
         (None: the base model; a name it does not serve is a ValueError). ``ValueError`` (with a

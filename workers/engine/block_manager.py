@@ -7,6 +7,8 @@ full block of tokens it holds, so a later sequence with the same prefix reuses i
 recomputing it. Allocation takes the least recently freed block and evicts its hash.
 
 Hash of block j = H(hash of block j-1, token ids of block j): equal hashes mean equal prefixes.
+Block 0's parent is the sequence's ``hash_root`` (b"" for the base model, one per LoRA adapter):
+the same tokens under another adapter have other K/V, so they never share blocks.
 A full block is registered as soon as the step that computes it is scheduled; a sequence
 scheduled later in the same step may already use it, because every layer writes the step's
 K/V before it attends.
@@ -71,7 +73,7 @@ class BlockManager:
         hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
         while len(hashes) < num_blocks:
             j = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else b"", tokens[j * bs:(j + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else seq.hash_root, tokens[j * bs:(j + 1) * bs]))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

@@ -19,6 +19,7 @@ from batchinfer.workers.engine.scheduler import ScheduledSequence
 
 if TYPE_CHECKING:
     from batchinfer.workers.engine.model_runner import ModelRunner
+    from batchinfer.workers.models.decoder import LoRAApply
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,11 @@ class DecodeGraphs:
             backend=self.runner.config.attention_backend,
         )
 
-    def can_run(self, scheduled: list[ScheduledSequence]) -> bool:
-        """A decode-only step (one token per sequence) no larger than the largest graph."""
-        return len(scheduled) <= self.sizes[-1] and all(s.num_new_tokens == 1 for s in scheduled)
+    def can_run(self, scheduled: list[ScheduledSequence], lora: LoRAApply | None = None) -> bool:
+        """A decode-only step (one token per sequence) no larger than the largest graph, of the
+        base model alone (``lora``: the step's adapters; graphs are captured without any)."""
+        return (lora is None and len(scheduled) <= self.sizes[-1]
+                and all(s.num_new_tokens == 1 for s in scheduled))
 
     def run(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """Replay the graph for this step; returns the hidden states of the sampling rows [N, C]."""

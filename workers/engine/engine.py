@@ -4,6 +4,11 @@
 ``add_request`` validates and queues; each ``step()`` is schedule -> run -> sample ->
 postprocess and returns the outputs of the requests that moved. A request whose postprocessing
 raises is finished as aborted with its error; the other requests and the loop carry on.
+
+LoRA (``config.lora_enabled``): a ``LoRAManager`` holds the served adapters and gates admission
+(a request waits while its adapter loads); requests of different adapters and of the base model
+share every step. A request whose adapter fails to load in the background ends aborted with
+the loader's error.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +36,10 @@ from batchinfer.workers.structured.manager import StructuredOutputManager
 from batchinfer.workers.text.detokenizer import IncrementalDetokenizer, append_tokens
 from batchinfer.workers.text.stopping import check_stop, is_stop_token
 from batchinfer.workers.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from batchinfer.workers.lora.manager import LoRAManager
+    from batchinfer.workers.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +67,23 @@ class Engine(WorkerEngine):
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
         wanted_len = config.max_model_len or mc.max_position_embeddings
+        # Adapters are read (and checked) and their stacked weights allocated before the KV cache
+        # is sized, so that the cache takes what they leave.
+        self.lora: LoRAManager | None = None
         try:
+            if config.lora_enabled:
+                from batchinfer.workers.lora.manager import LoRAManager
+
+                self.lora = LoRAManager(config, mc, self.model.dtype, self.model.device)
             self.runner = ModelRunner(self.model, config, wanted_len, ranks=self.ranks)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close()
+            if self.lora is not None:
+                self.lora.close()
             raise
+        if self.lora is not None:
+            self.runner.lora_stack = self.lora.stack
         self.kv_tokens = self.runner.num_blocks * config.block_size
         if config.max_model_len is not None and config.max_model_len > self.kv_tokens:
             self.runner.close()
@@ -74,7 +94,8 @@ class Engine(WorkerEngine):
         self.runner.max_model_len = self.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   gate=self.lora)
         self.eos_token_ids = sorted({*mc.eos_token_ids, *self.tokenizer.eos_token_ids})
         # Requests that set no seed draw from this engine's own generator, not torch's global one:
         # building an engine leaves the process's RNG alone, and its unseeded draws are still
@@ -101,8 +122,11 @@ class Engine(WorkerEngine):
     def make_request(self, request_id: str, prompt: str | None = None,
                      prompt_token_ids: Seq[int] | None = None,
                      sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-                     arrival_time: float | None = None) -> Request:
-        """Validate a request without queueing it: ``ValueError`` naming the bad field."""
+                     arrival_time: float | None = None, *, lora: str | LoRARequest | None = None) -> Request:
+        """Validate a request without queueing it: ``ValueError`` naming the bad field.
+
+        ``lora``: the name of a served adapter, or a ``LoRARequest`` (served from then on);
+        None: the base model."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
@@ -129,13 +153,17 @@ class Engine(WorkerEngine):
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"max_model_len {self.max_model_len}")
+        adapter = None if lora is None else self._resolve_lora(lora)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         matchers = None
         if params.structured_outputs is not None:  # compiled (or found cached) before anything is queued
             matchers = self.structured.matchers_for(params.structured_outputs, params.n)
         req = Request(request_id, prompt, ids, params, arrival, self._next_seq_id)
         self._next_seq_id += params.n
+        req.lora = adapter
         for seq in req.seqs:
+            if adapter is not None and self.lora is not None:
+                seq.lora, seq.hash_root = adapter, self.lora.root(adapter)
             if matchers is not None:
                 seq.matcher = matchers[seq.index]
             if params.seed is not None:
@@ -147,6 +175,13 @@ class Engine(WorkerEngine):
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return req
 
+    def _resolve_lora(self, lora: str | LoRARequest) -> str:
+        if self.lora is None:
+            name = getattr(lora, "lora_name", lora)
+            raise ValueError(f"lora: adapter {name!r} is not served by this engine; it serves no adapters "
+                             "(start it with lora_modules or enable_lora)")
+        return self.lora.resolve(lora)
+
     def enqueue(self, req: Request) -> None:
         """Queue a request built by ``make_request``."""
         if req.request_id in self.requests:
@@ -157,10 +192,12 @@ class Engine(WorkerEngine):
 
     def add_request(self, request_id: str, prompt: str | None = None,
                     prompt_token_ids: Seq[int] | None = None,
-                    sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue one request (``ValueError`` naming the field when it is bad)."""
-        self.enqueue(self.make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time))
+                    sampling_params: SamplingParams | Mapping[str, Any] | None = None, *,
+                    lora: str | LoRARequest | None = None, arrival_time: float | None = None) -> None:
+        """Validate and queue one request (``ValueError`` naming the field when it is bad);
+        ``lora`` as in ``make_request``."""
+        self.enqueue(self.make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time,
+                                       lora=lora))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its final output (finish_reason "abort") comes with the next ``step()``.
@@ -178,7 +215,12 @@ class Engine(WorkerEngine):
         """Run one step; returns the outputs of requests that got a token or finished."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
+        if self.lora is not None and self.lora.failed:
+            outputs += self._fail_lora_loads(self.lora.take_failed())
         if plan.is_empty:
+            if self.lora is not None and self.lora.num_loading:  # nothing runs until an adapter loads
+                self.lora.wait(timeout=0.05)
+                return outputs
             if self.scheduler.has_unfinished():  # cannot happen: a lone sequence always fits the pool
                 raise RuntimeError(f"scheduler made no progress with {self.num_waiting} waiting sequences")
             return outputs
@@ -192,6 +234,15 @@ class Engine(WorkerEngine):
         self.num_steps += 1
         self.num_computed_tokens += plan.num_batched_tokens
         return outputs
+
+    def _fail_lora_loads(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """End the waiting requests whose adapter failed to load, as aborted with its error."""
+        reqs = {seq.request.request_id: seq.request for seq in self.scheduler.waiting
+                if seq.lora in failed and seq.request is not None}
+        for req in reqs.values():
+            req.error = f"lora adapter {req.lora!r} failed to load: {failed[req.lora or '']}"
+            self._finish_request(req, "abort")
+        return [self._output(req) for req in reqs.values()]
 
     @staticmethod
     def _sampling_row(seq: Sequence) -> SamplingRow:
@@ -302,6 +353,8 @@ class Engine(WorkerEngine):
         (idempotent; nothing to do without TP). The engine steps no more after it."""
         self.runner.close()
         self.structured.close()  # the mask-fill thread
+        if self.lora is not None:
+            self.lora.close()  # the adapter loader thread
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -324,6 +377,14 @@ class Engine(WorkerEngine):
         """What this engine accepts: the scheduler daemon packs batches to it."""
         return {"max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
                 "max_num_batched_tokens": self.config.max_num_batched_tokens, "kv_tokens": self.kv_tokens}
+
+    def lora_adapters(self) -> list[str]:
+        """The adapters this engine serves (``add_request(lora=NAME)``), sorted."""
+        return [] if self.lora is None else self.lora.served()
+
+    def resident_adapters(self) -> list[str]:
+        """The adapters in the forward's weight slots now, sorted."""
+        return [] if self.lora is None else self.lora.resident()
 
     @property
     def num_running(self) -> int:

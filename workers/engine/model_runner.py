@@ -12,6 +12,10 @@ the same number of blocks (the smallest any rank fits, agreed at start). ``execu
 the step's host arrays once, hands them to the ranks (``StepChannel``) and runs rank 0's shard;
 every rank's forward meets in the same collectives. A failure there leaves the ranks out of step:
 this and every later step raise ``RankFailure``.
+
+LoRA: with ``lora_stack`` set (by an engine that serves adapters), a step whose sequences hold
+adapter slots gets a ``LoRAStep`` (the tokens' slots, grouped once for every layer) as the
+forward's ``lora``; steps of the base model alone run as before, CUDA graphs included.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.engine.scheduler import ScheduledSequence
+from batchinfer.workers.lora.stack import LoRAStack, LoRAStep
 from batchinfer.workers.models import Decoder
 
 if TYPE_CHECKING:
@@ -78,6 +83,7 @@ class ModelRunner:
              torch.zeros(shape, dtype=model.dtype, device=self.device))
             for _ in range(model.num_layers)
         ]
+        self.lora_stack: LoRAStack | None = None  # set by an engine that serves LoRA adapters
         self.graphs = None
         # Under TP no CUDA graphs: a graph replay is decided from the scheduled sequences, which
         # only rank 0 holds, and would need the same decision and NCCL capture on every rank.
@@ -218,12 +224,22 @@ class ModelRunner:
         """Run one step; returns the float32 logits ``[N, V]`` of the sequences that sample, in order."""
         if self.ranks is not None:
             return self._execute_parallel(scheduled)
-        if self.graphs is not None and self.graphs.can_run(scheduled):
+        lora = None if self.lora_stack is None else self._lora_step(self.lora_stack, scheduled)
+        if self.graphs is not None and self.graphs.can_run(scheduled, lora):
             hidden = self.graphs.run(scheduled)
             return self.model.compute_logits(hidden)
         inputs = self.prepare(scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, lora)
         return self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V]
+
+    def _lora_step(self, stack: LoRAStack, scheduled: list[ScheduledSequence]) -> LoRAStep | None:
+        """The step's adapters: every token gets its sequence's slot (-1: the base model)."""
+        S = len(scheduled)
+        seq_slots = np.fromiter((s.seq.lora_slot for s in scheduled), np.int64, S)
+        if not (seq_slots >= 0).any():
+            return None
+        nums = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, S)
+        return stack.step(np.repeat(seq_slots, nums))
 
     def _execute_parallel(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """Rank 0's step under TP: the inputs to the ranks, then rank 0's shard of the forward."""

@@ -7,6 +7,11 @@ sequences are admitted in arrival order, their prompts chunked to the budget lef
 chunks and decodes share one forward. When a running sequence needs a block and none is free,
 the newest running sequence is preempted: its blocks are freed and it goes back to the front of
 the queue owing all of its tokens (recompute). Nothing is ever dropped.
+
+An optional admission ``gate`` (the LoRA manager) may hold a waiting sequence back (its adapter
+is not loaded yet, or no adapter slot is free): it stays in the queue, in order, and the
+sequences behind it are still admitted. The gate hears of every admission and every running
+sequence that stops running (preempted or finished).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import bisect
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from batchinfer.workers.engine.block_manager import BlockManager
 from batchinfer.workers.engine.sequence import Sequence, SequenceStatus
@@ -44,11 +50,23 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class AdmissionGate(Protocol):
+    """Decides which waiting sequences may start running (``workers.lora.manager.LoRAManager``)."""
+
+    def can_admit(self, seq: Sequence) -> bool: ...
+
+    def admitted(self, seq: Sequence) -> None: ...
+
+    def released(self, seq: Sequence) -> None: ...
+
+
 class Scheduler:
     """Keeps the waiting queue and the running set; ``schedule()`` plans one step."""
 
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 gate: AdmissionGate | None = None) -> None:
         self.block_manager = block_manager
+        self.gate = gate
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -91,8 +109,13 @@ class Scheduler:
                 budget -= n
                 i += 1
         # Admitting new work while preempting would only thrash.
+        gate = self.gate
+        held: list[Sequence] = []  # waiting sequences the gate holds back this step
         while self.waiting and not out.preempted and budget > 0 and len(running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if gate is not None and not gate.can_admit(seq):
+                held.append(self.waiting.popleft())  # put back in order below
+                continue
             cached = bm.find_cached_prefix(seq)
             hit = len(cached) * bm.block_size
             n = min(seq.num_tokens - hit, budget)
@@ -104,8 +127,12 @@ class Scheduler:
                 seq.num_cached_tokens = hit
             seq.status = SequenceStatus.RUNNING
             bisect.insort(running, seq, key=lambda s: s.sort_key)
+            if gate is not None:
+                gate.admitted(seq)
             out.scheduled.append(ScheduledSequence(seq, hit, n, hit + n == seq.num_tokens))
             budget -= n
+        if held:
+            self.waiting.extendleft(reversed(held))
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
@@ -118,6 +145,8 @@ class Scheduler:
         """Remove a finished or aborted sequence and free its blocks (idempotent)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            if self.gate is not None:
+                self.gate.released(seq)
         elif seq.status is SequenceStatus.WAITING:
             with contextlib.suppress(ValueError):  # created but never added
                 self.waiting.remove(seq)
@@ -125,6 +154,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.gate is not None:
+            self.gate.released(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -34,7 +34,7 @@ class Sequence:
         "num_computed_tokens", "block_table", "block_hashes", "num_hashed_blocks", "status",
         "num_cached_tokens", "num_preemptions", "sort_key", "generator", "detokenizer",
         "logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "matcher", "forced_tokens",
-        "sampling_row",
+        "sampling_row", "lora", "lora_slot", "hash_root",
     )
 
     def __init__(self, seq_id: int, request: Request | None, index: int, prompt_token_ids: list[int],
@@ -69,6 +69,12 @@ class Sequence:
         # The engine's SamplingRow for this completion, built on its first sampling step and reused
         # (it refers to output_token_ids, which only ever grows in place).
         self.sampling_row: Any = None
+        # LoRA: the adapter it runs with (None: the base model), the slot of the stacked weights
+        # that holds it while the sequence runs (-1: none), and the parent hash of its first
+        # KV block (b"" for the base; an adapter's own root, so adapters never share KV blocks).
+        self.lora: str | None = None
+        self.lora_slot = -1
+        self.hash_root = b""
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +115,7 @@ class Request:
         self.seqs = [Sequence(first_seq_id + i, self, i, self.prompt_token_ids, arrival_time)
                      for i in range(params.n)]
         self.error: str | None = None  # set when postprocessing failed and the request was aborted
+        self.lora: str | None = None  # the adapter its sequences run with (None: the base model)
 
     @property
     def is_finished(self) -> bool:

@@ -20,6 +20,8 @@ gathers the vocabulary. ``forward`` returns the full hidden states on every rank
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -33,6 +35,13 @@ from batchinfer.workers.models.sharding import ShardPlan
 from batchinfer.workers.parallel.group import TPGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class LoRAApply(Protocol):
+    """A step's LoRA adapters (``workers.lora.stack.LoRAStep``): ``apply`` adds each token's
+    adapter delta of projection ``group`` of layer ``layer`` to its output ``y`` in place."""
+
+    def apply(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -73,6 +82,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TPGroup | None = None):
         super().__init__()
         self.tp = tp
+        self.layer = layer
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -96,9 +106,13 @@ class Attention(nn.Module):
         cos_sin: torch.Tensor,  # [max_positions, D]
         kv_cache: KVCache | None,  # None: no cache, meta.cu_seqlens_q delimits whole sequences
         meta: AttentionMetadata,
+        lora: LoRAApply | None = None,
     ) -> torch.Tensor:  # [T, C]
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, Q + 2 * KV]
+        if lora is not None:
+            lora.apply(self.layer, "qkv_proj", qkv, x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
@@ -110,35 +124,44 @@ class Attention(nn.Module):
             o = varlen_attention(q, k, v, meta.cu_seqlens_q, causal=True, scale=self.scale,
                                  sliding_window=self.sliding_window, softcap=self.softcap,
                                  backend=meta.backend)
-            return row_parallel(self.o_proj, o.reshape(T, self.q_size), self.tp)
+            return self._out(o.reshape(T, self.q_size), lora)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
         o = paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
             scale=self.scale, sliding_window=self.sliding_window, backend=meta.backend, softcap=self.softcap,
         )  # [T, H, D]
-        return row_parallel(self.o_proj, o.reshape(T, self.q_size), self.tp)
+        return self._out(o.reshape(T, self.q_size), lora)
+
+    def _out(self, o: torch.Tensor, lora: LoRAApply | None) -> torch.Tensor:  # [T, Q] -> [T, C]
+        y = row_parallel(self.o_proj, o, self.tp)
+        return y if lora is None else lora.apply(self.layer, "o_proj", y, o)
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up in one matmul
     (GeGLU with tanh-approximated GELU instead of SiLU for Gemma)."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0):
         super().__init__()
         self.tp = tp
+        self.layer = layer  # the decoder layer's index: the LoRA weights it reads
         inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
         self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C] -> [T, C]
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lora: LoRAApply | None = None) -> torch.Tensor:  # [T, C] -> [T, C]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I]
+        if lora is not None:
+            lora.apply(self.layer, "gate_up_proj", gate_up, x)
         if self.gelu_tanh:
             gate, up = gate_up.chunk(2, dim=-1)
-            return row_parallel(self.down_proj, torch.nn.functional.gelu(gate, approximate="tanh").mul_(up),
-                                self.tp)
-        return row_parallel(self.down_proj, silu_and_mul(gate_up), self.tp)
+            h = torch.nn.functional.gelu(gate, approximate="tanh").mul_(up)
+        else:
+            h = silu_and_mul(gate_up)  # [T, I]
+        y = row_parallel(self.down_proj, h, self.tp)
+        return y if lora is None else lora.apply(self.layer, "down_proj", y, h)
 
 
 class DecoderLayer(nn.Module):
@@ -155,20 +178,25 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(*norm) if config.sandwich_norms else None
         # MoE: the sparse block in config.moe_layers, a dense MLP elsewhere (Qwen's mlp_only_layers).
         self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(config, tp) if layer in config.moe_layers
-                                          else MLP(config, tp))
+                                          else MLP(config, tp, layer))
 
-    def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
+    def forward(self, x, residual, positions, cos_sin, kv_cache, meta, lora: LoRAApply | None = None):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
+        x = self.self_attn(x, positions, cos_sin, kv_cache, meta, lora)
         if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
             # Gemma: residual + norm(attn) is fused into the pre-MLP norm; norm(mlp) joins at the next norm.
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
-            return self.post_feedforward_layernorm(self.mlp(x)), residual
+            return self.post_feedforward_layernorm(self._mlp(x, lora)), residual
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self._mlp(x, lora), residual
+
+    def _mlp(self, x: torch.Tensor, lora: LoRAApply | None) -> torch.Tensor:
+        if lora is None or isinstance(self.mlp, SparseMoeBlock):  # MoE experts are no LoRA targets
+            return self.mlp(x)
+        return self.mlp(x, lora)
 
 
 class Decoder(nn.Module):
@@ -246,6 +274,7 @@ class Decoder(nn.Module):
         positions: torch.Tensor,  # [T] int64, position of each token in its sequence
         kv_caches: list[KVCache] | None,  # one (k_cache, v_cache) per layer; None: no cache (embeddings)
         attn_metadata: AttentionMetadata,
+        lora: LoRAApply | None = None,  # the step's adapters (None: the base model for every token)
     ) -> torch.Tensor:  # [T, C], final norm applied
         caches: list[KVCache | None] = [None] * self.num_layers if kv_caches is None else list(kv_caches)
         if len(caches) != self.num_layers:
@@ -256,7 +285,7 @@ class Decoder(nn.Module):
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, caches, strict=True)):
             cos_sin = self.cos_sin_local if self._local_rope[i] else self.cos_sin_cache
-            x, residual = layer(x, residual, positions, cos_sin, kv_cache, attn_metadata)
+            x, residual = layer(x, residual, positions, cos_sin, kv_cache, attn_metadata, lora)
         if residual is None:  # no layers
             return self.norm(x)
         x, _ = self.norm(x, residual)

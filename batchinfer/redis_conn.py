@@ -7,12 +7,16 @@ created in one place too: :func:`ensure_group`.
 
 from __future__ import annotations
 
-from typing import overload
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, overload
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+
+if TYPE_CHECKING:
+    from redis.typing import KeyT, StreamIdT
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 SCHEMES = ("redis", "rediss", "unix")
@@ -91,6 +95,22 @@ def read_group(r: redis.Redis, stream: str, group: str, consumer: str, start: by
         if "NOGROUP" not in str(e):
             raise
         ensure_group(r, stream, group)
+        return []
+
+
+def read_groups(r: redis.Redis, starts: Mapping[str, bytes | str], group: str, consumer: str, *,
+                count: int | None, block_ms: int | None) -> object:
+    """:func:`read_group` over several streams in one XREADGROUP: ``starts`` maps each stream to
+    its start id; ``count`` is per stream. A NOGROUP (any of them) creates every missing group and
+    reads nothing this time. One stream: the very call :func:`read_group` makes."""
+    try:
+        streams: dict[KeyT, StreamIdT] = dict(starts.items())
+        return r.xreadgroup(group, consumer, streams, count=count, block=block_ms)
+    except redis.ResponseError as e:
+        if "NOGROUP" not in str(e):
+            raise
+        for stream in starts:
+            ensure_group(r, stream, group)
         return []
 
 

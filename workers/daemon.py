@@ -23,6 +23,11 @@ At start the worker claims its name (a live worker holding it ends ``run`` with
 :class:`~batchinfer.store.registry.WorkerNameTaken`) and its served model names (a live worker of
 another model serving one: :class:`~batchinfer.store.registry.ServedNameTaken`); see
 :meth:`WorkerDaemon._claim_name`.
+
+LoRA adapters: each adapter ``NAME`` the engine serves (``lora_adapters()``) is registered as
+model ``BASE:NAME`` with its own batch stream; one XREADGROUP reads the model's stream and the
+adapter streams the cache-affinity policy picks (:mod:`batchinfer.workers.streams`), and each
+request runs with its adapter (``BatchRequest.lora``).
 """
 
 from __future__ import annotations
@@ -46,11 +51,17 @@ from batchinfer.ops.httpserver import Readiness
 from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.protocol import batches
 from batchinfer.protocol.rows import ResultRow, now_ms
-from batchinfer.redis_conn import Backoff, as_text, ensure_group, read_group
+from batchinfer.redis_conn import Backoff, as_text, ensure_group, read_groups
 from batchinfer.store import replies
 from batchinfer.store.jobstore import JobStatus, read_status
 from batchinfer.store.publish import Publisher
-from batchinfer.store.registry import NameConflict, Registry, ServedNameTaken, WorkerNameTaken
+from batchinfer.store.registry import (
+    NameConflict,
+    Registry,
+    ServedNameTaken,
+    WorkerNameTaken,
+    adapter_model_name,
+)
 from batchinfer.workers.config import WorkerConfig
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import PooledRequestOutput, RequestOutput
@@ -58,11 +69,14 @@ from batchinfer.workers.inflight import Book, Held, Quarantine
 from batchinfer.workers.keeper import Keeper
 from batchinfer.workers.outbox import DeadLetter, Outbox
 from batchinfer.workers.parallel.ranks import RankFailure
+from batchinfer.workers.streams import BatchStreams, split_key, streams_to_read
 
 log = logging.getLogger(__name__)
 
 BACKOFF_START_S, BACKOFF_CAP_S = 0.5, 10.0  # waits after a failed iteration: 0.5, 1, 2, 4, 8, 10 s
 EXIT_ENGINE_BROKEN = 3
+# What one XREADGROUP gave from one stream: the stream, its entries by key, the last id read (or None)
+StreamRead = tuple[str, list[tuple[str, replies.Fields]], bytes | None]
 
 
 @runtime_checkable
@@ -99,7 +113,10 @@ class WorkerDaemon:
         self.instance = uuid.uuid4().hex  # tells this process's registration from another's
         self._claimed = False
         self.keys = Keys(settings.prefix)
-        self.stream = self.keys.batches(self.model)
+        self.adapters = list(engine.lora_adapters() or [])  # LoRA adapters served: BASE:NAME models
+        self.streams = BatchStreams(self.keys, self.model, self.adapters)
+        self.stream = self.streams.base
+        self._resident = self._read_resident()  # adapters loaded in the engine, as of the last step
         self.publisher = Publisher(r, self.keys, direct_retention_s=settings.direct_results_retention_seconds)
         self.capacity = dict(engine.capacity())
         self.task = engine.task  # "embed": PoolingParams in, vectors out
@@ -121,8 +138,8 @@ class WorkerDaemon:
         self.keeper = Keeper(r, self.keys, worker=self.name, model=self.model, status=self.status,
                              register=self._register_model,
                              lease_seconds=settings.lease_seconds, stall_seconds=stall_seconds,
-                             heartbeat_seconds=settings.heartbeat_seconds)
-        self.outbox = Outbox(r, self.keys, self.stream, self.publisher, enqueue_export=self._enqueue_export,
+                             heartbeat_seconds=settings.heartbeat_seconds, streams=self.streams)
+        self.outbox = Outbox(r, self.keys, self.streams, self.publisher, enqueue_export=self._enqueue_export,
                              on_published=self.metrics.row_published, on_acked=self.keeper.release,
                              max_attempts=settings.max_attempts)
 
@@ -183,6 +200,8 @@ class WorkerDaemon:
             self._step()
         elif self.draining or not self.book.empty():
             time.sleep(0.005)  # nothing the engine can do: rows wait for Redis, or requests for a group
+        if self.adapters:
+            self._resident = self._read_resident()  # a list replaced whole: the keeper thread reads it
 
     def _wants_batch(self) -> bool:
         """Pull while the requests held but not started cannot fill the engine's free room: when the
@@ -210,16 +229,20 @@ class WorkerDaemon:
                                   "--served-model-name values, or stop that worker first")
         self._register_model()
         self._ensure_group()
-        entries: list[replies.Entry] = [(b"0-0", {})]
-        while entries:  # XREADGROUP from an id re-reads this consumer's pending entries
-            entries = self._read(entries[-1][0], count=100)
-            for entry_id, fields in entries:
-                self._take_batch(entry_id, fields)
+        starts: dict[str, bytes] = dict.fromkeys(self.streams.all(), b"0-0")
+        while starts:  # XREADGROUP from an id re-reads this consumer's pending entries, per stream
+            more: dict[str, bytes] = {}
+            for stream, entries, last in self._read(starts, count=100):
+                for key, fields in entries:
+                    self._take_batch(key, fields)
+                if last is not None:
+                    more[stream] = last
+            starts = more
         self.keeper.start()
         self._ready = True
         self.readiness.mark("serving", True)
-        log.info("worker %s serving %s on %s (capacity %s)", self.name, self.model, self.device,
-                 self.capacity)
+        log.info("worker %s serving %s on %s (capacity %s)%s", self.name, self.model, self.device,
+                 self.capacity, f" with adapters {', '.join(self.adapters)}" if self.adapters else "")
 
     def _claim_name(self) -> bool:
         """Take this worker's name in ``{p}:worker:<name>``; False only on a hard stop meanwhile.
@@ -266,29 +289,71 @@ class WorkerDaemon:
         registry.register_model(self.model, self.tokenizer_files, self.capacity, eos, task=self.task,
                                 embedding_dim=dim, matryoshka=matryoshka)
         registry.register_aliases(self.model, self.config.aliases)
+        for name in self.adapters:
+            model = adapter_model_name(self.model, name)
+            registry.register_model(model, self.tokenizer_files, self.capacity, eos, adapter=name)
+            registry.register_aliases(model, self._free_adapter_aliases(registry, model, name))
+
+    def _free_adapter_aliases(self, registry: Registry, model: str, name: str) -> list[str]:
+        """The aliases of adapter model ``model`` (``NAME``, ``ALIAS:NAME`` per alias of the base)
+        no live worker of another model serves; those taken are skipped with a warning: the adapter
+        stays reachable as ``BASE:NAME``."""
+        free = []
+        for alias in [name, *(adapter_model_name(a, name) for a in self.config.aliases)]:
+            owner = registry.resolve_alias(alias)
+            taken = registry.served_name_conflicts([alias], self.model, self.name)
+            if not taken and owner not in (None, model) and registry.live_workers(owner):
+                taken = [f"alias {alias!r} routes to model {owner!r}, which a live worker serves"]
+            if taken:
+                log.warning("worker %s: not serving adapter %r as %r: %s; requests name it %r",
+                            self.name, name, alias, taken[0], model)
+            else:
+                free.append(alias)
+        return free
 
     def _ensure_group(self) -> None:
-        ensure_group(self.redis, self.stream, WORKERS_GROUP)
+        for stream in self.streams.all():
+            ensure_group(self.redis, stream, WORKERS_GROUP)
 
     # -- batches in -------------------------------------------------------------------------------
 
-    def _read(self, from_id: bytes | str, count: int = 1, block: int | None = None) -> list[replies.Entry]:
-        reply = read_group(self.redis, self.stream, WORKERS_GROUP, self.name, from_id, count=count,
-                           block_ms=block)
-        streams = replies.read_pending(reply)
-        entries = streams[0][1] if streams else []
-        gone = [eid for eid, f in entries if not f]  # pending to us, but deleted from the stream
-        if gone:
-            self.redis.xack(self.stream, WORKERS_GROUP, *gone)
-        return [(eid, f) for eid, f in entries if f]
+    def _read(self, starts: dict[str, bytes], count: int = 1, block: int | None = None) -> list[StreamRead]:
+        """One XREADGROUP over ``starts`` (stream -> start id): per stream read, its entries (keyed,
+        see :mod:`batchinfer.workers.streams`) and the last id it returned (None: it returned none)."""
+        reply = read_groups(self.redis, starts, WORKERS_GROUP, self.name, count=count, block_ms=block)
+        out: list[StreamRead] = []
+        for raw_stream, entries in replies.read_pending(reply):
+            stream = as_text(raw_stream)
+            gone = [eid for eid, f in entries if not f]  # pending to us, but deleted from the stream
+            if gone:
+                self.redis.xack(stream, WORKERS_GROUP, *gone)
+            live = [(self.streams.key(stream, eid), f) for eid, f in entries if f]
+            out.append((stream, live, entries[-1][0] if entries else None))
+        return out
 
     def _pull(self, block: bool) -> None:
-        for entry_id, fields in self._read(">", block=self.block_ms if block else None):
-            self._take_batch(entry_id, fields)
+        """Read the next batches: ``block`` (nothing held, nothing running) waits for one."""
+        starts = dict.fromkeys(self._streams_now(idle=block), b">")
+        for _stream, entries, _last in self._read(starts, block=self.block_ms if block else None):
+            for key, fields in entries:
+                self._take_batch(key, fields)
 
-    def _take_batch(self, entry_id: bytes, fields: replies.Fields) -> None:
-        entry = entry_id.decode()
+    def _streams_now(self, idle: bool) -> list[str]:
+        """The streams to read now: the base alone without adapters, else the affinity policy's."""
+        if not self.adapters:
+            return [self.stream]
+        picked = streams_to_read(self.adapters, set(self._resident), self.keeper.resident_elsewhere(), idle)
+        return [self.streams.stream(a) for a in picked]
+
+    def _read_resident(self) -> list[str]:
+        return list(self.engine.resident_adapters() or []) if self.adapters else []
+
+    def _take_batch(self, entry: str, fields: replies.Fields) -> None:
         batch = self._decode_batch(entry, fields)
+        adapter = split_key(entry)[0]
+        if adapter is not None:  # an adapter's stream: its requests run with the adapter
+            for q in batch.requests:
+                q.lora = q.lora or adapter
         requests = batch.requests
         published = self.publisher.published_mask([(q.job_id, q.idx, q.request_id) for q in requests])
         if self.book.add_batch(entry, requests, published, solo=batch.solo):
@@ -350,8 +415,9 @@ class WorkerDaemon:
                 add: Any = self.engine.add_request  # an embed engine's takes inputs + pooling_params
                 add(engine_id, inputs=req.inputs, pooling_params=req.pooling_params or {})
             else:
+                lora = {"lora": req.lora} if req.lora is not None else {}  # a base request: as before
                 self.engine.add_request(engine_id, prompt_token_ids=req.prompt_token_ids,
-                                        sampling_params=req.params())
+                                        sampling_params=req.params(), **lora)
             self.metrics.request_started(engine_id)
         except ValueError as e:
             self._end(held, "failed", "invalid_request", str(e), started=False)  # it never ran
@@ -521,5 +587,8 @@ class WorkerDaemon:
                 "batches": len(self.book.batches),
                 "load": round(min(1.0, self.engine.num_unfinished() / self.max_seqs), 3),
                 "requests_done": self.requests_done, "steps": self.steps,
+                "adapters": self.adapters,
+                "adapter_models": [self.streams.model_of(a) for a in self.adapters],
+                "loras_resident": self._resident,
                 **self.metrics.heartbeat_fields()}  # tokens_per_s (prompt + generated), engine state
 

@@ -12,6 +12,12 @@ queue at Redis speed on any machine.
 waiting requests in arrival order, after an optional ``step_delay``. ``abort`` hands out an
 ``"abort"`` output with the next step, as the real engine does.
 
+LoRA adapters: ``adapters=[names]`` are served (``add_request(lora=NAME)``; a name not served is
+a ``ValueError`` naming those served), and a completion run with adapter NAME has its text
+prefixed ``"[NAME] "`` (:func:`adapter_marker`; the tokens are the echo's), so routing tests see
+which adapter answered. All served adapters are resident (``resident_adapters()``), or, with
+``max_loras=N``, the N used last (an LRU, none at first), so cache-affinity tests can see them move.
+
 Two hooks inject faults for the reliability tests: ``fault_hook(request_id)`` raising makes that
 request finish with ``finish_reason="abort"`` and an ``error`` (as the real engine does when one
 request's postprocessing fails); ``step_fault_hook(request_ids)`` raising makes ``step()`` raise
@@ -84,6 +90,12 @@ class _Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora: str | None = None
+
+
+def adapter_marker(name: str) -> str:
+    """What the echo engine puts before the text of a completion run with adapter ``name``."""
+    return f"[{name}] "
 
 
 class EchoEngine(WorkerEngine):
@@ -104,9 +116,21 @@ class EchoEngine(WorkerEngine):
         step_fault_hook: StepFaultHook | None = None,
         poison: str | None = None,
         poison_exit: bool = False,
+        adapters: Sequence[str] = (),
+        max_loras: int | None = None,
     ):
         if requests_per_step < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError("requests_per_step and max_num_seqs must be >= 1, max_model_len >= 2")
+        if max_loras is not None and (isinstance(max_loras, bool) or not isinstance(max_loras, int)
+                                      or max_loras < 1):
+            raise ValueError(f"max_loras must be a positive integer or None, got {max_loras!r}")
+        from batchinfer.workers.lora.request import check_adapter_name
+
+        if isinstance(adapters, str):  # one name passed bare (--engine-option adapters=a)
+            adapters = [adapters]
+        self._adapters = sorted({check_adapter_name(a, "adapters") for a in adapters})
+        self.max_loras = max_loras
+        self._resident: OrderedDict[str, None] = OrderedDict()  # the LRU with max_loras, last used last
         from batchinfer.workers.text.tokenizer import Tokenizer
 
         self.model_name = model_name
@@ -147,10 +171,15 @@ class EchoEngine(WorkerEngine):
         prompt: str | None = None,
         prompt_token_ids: Sequence[int] | None = None,
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        lora: str | None = None,
     ) -> None:
-        """Queue a request; ``ValueError`` naming what is wrong (duplicate id, bad prompt, too long)."""
+        """Queue a request; ``ValueError`` naming what is wrong (duplicate id, bad prompt, too long,
+        an adapter not served)."""
         if request_id in self._waiting:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if lora is not None and lora not in self._adapters:
+            raise ValueError(f"lora: adapter {lora!r} is not served by this engine; it serves: "
+                             f"{', '.join(self._adapters) or 'none'}")
         if prompt is not None and prompt_token_ids is None:
             ids = self.tokenizer.encode(prompt)
         elif prompt is None and prompt_token_ids is not None:
@@ -166,7 +195,12 @@ class EchoEngine(WorkerEngine):
         if len(ids) + max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {max_tokens} "
                              f"exceed max_model_len {self.max_model_len}")
-        self._waiting[request_id] = _Request(request_id, ids, params)
+        self._waiting[request_id] = _Request(request_id, ids, params, lora)
+        if lora is not None and self.max_loras is not None:  # loaded now: the LRU's newest
+            self._resident[lora] = None
+            self._resident.move_to_end(lora)
+            while len(self._resident) > self.max_loras:
+                self._resident.popitem(last=False)
         if self.poison and self.poison in self.tokenizer.decode(ids, skip_special_tokens=False):
             self._poisoned.add(request_id)
 
@@ -210,6 +244,14 @@ class EchoEngine(WorkerEngine):
         return {"max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "kv_tokens": self.kv_tokens}
 
+    def lora_adapters(self) -> list[str]:
+        """The adapters given to the constructor, sorted."""
+        return list(self._adapters)
+
+    def resident_adapters(self) -> list[str]:
+        """Every served adapter, or with ``max_loras`` the ones used last (oldest first)."""
+        return list(self._adapters) if self.max_loras is None else list(self._resident)
+
     def tokenizer_files(self) -> dict[str, bytes]:
         """The files this engine tokenises with (the byte-level tokenizer's unless given)."""
         return dict(self._tokenizer_files)
@@ -252,6 +294,8 @@ class EchoEngine(WorkerEngine):
         tokens = list(itertools.islice(itertools.cycle(prompt), want))
         reason = "length" if want == max_tokens else "stop"
         text = self.tokenizer.decode(tokens, skip_special_tokens=p.skip_special_tokens)
+        if req.lora is not None:
+            text = adapter_marker(req.lora) + text
         outputs = [CompletionOutput(index=i, text=text, token_ids=list(tokens), finish_reason=reason)
                    for i in range(p.n)]
         self.num_generated_tokens += want * p.n

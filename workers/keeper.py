@@ -11,6 +11,11 @@ iteration, and when no tick came for ``stall_seconds`` (default ten leases) the 
 refreshing leases *and* heartbeats, so the scheduler takes the batches back and stops counting
 this worker as live. Both resume on the next tick; batches lost meanwhile (claimed by the
 scheduler, or already re-dispatched) are reported by :meth:`take_lost`.
+
+Entries are the worker's keys (:mod:`batchinfer.workers.streams`): each is refreshed on its own
+stream, the model's or an adapter's. A worker serving adapters also reads, each heartbeat, which
+adapters the other live workers of its model have loaded (:meth:`resident_elsewhere`, for the
+cache-affinity policy :func:`~batchinfer.workers.streams.streams_to_read`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.redis_conn import as_text
 from batchinfer.store import scripts
 from batchinfer.store.registry import Registry
+from batchinfer.workers.streams import BatchStreams
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +42,12 @@ class Keeper:
 
     def __init__(self, r: redis.Redis, keys: Keys, *, worker: str, model: str, lease_seconds: float,
                  heartbeat_seconds: float, status: Callable[[], dict[str, Any]],
-                 register: Callable[[], None] | None = None, stall_seconds: float | None = None):
+                 register: Callable[[], None] | None = None, stall_seconds: float | None = None,
+                 streams: BatchStreams | None = None):
         self.redis = r
-        self.stream = keys.batches(model)
+        self.streams = streams or BatchStreams(keys, model)
+        self.stream = self.streams.base
+        self.model = model
         self.registry = Registry(r, keys)
         self.worker = worker
         self.lease_interval = max(0.05, lease_seconds / 3)
@@ -50,6 +59,7 @@ class Keeper:
         self._lock = threading.Lock()
         self._entries: set[str] = set()
         self._lost: set[str] = set()
+        self._resident_elsewhere: dict[str, frozenset[str]] = {}  # replaced whole, never mutated
         self._last_tick = time.monotonic()
         self._stalled = False
         self._stop = threading.Event()
@@ -84,6 +94,11 @@ class Keeper:
         with self._lock:
             lost, self._lost = sorted(self._lost), set()
             return lost
+
+    def resident_elsewhere(self) -> dict[str, frozenset[str]]:
+        """Adapter -> the other live workers of this model that have it loaded, as of the last
+        heartbeat (empty for a worker without adapters)."""
+        return self._resident_elsewhere
 
     @property
     def stalled(self) -> bool:
@@ -124,8 +139,10 @@ class Keeper:
             entries = sorted(self._entries)
         if not entries:
             return
-        claimed = self._refresh(keys=[self.stream], args=[WORKERS_GROUP, self.worker, *entries])
-        kept = {as_text(c) for c in claimed}
+        kept: set[str] = set()
+        for stream, ids in self.streams.by_stream(entries).items():  # one call without adapters
+            claimed = self._refresh(keys=[stream], args=[WORKERS_GROUP, self.worker, *ids])
+            kept.update(self.streams.key(stream, as_text(c)) for c in claimed)
         with self._lock:
             # Entries released while XCLAIM ran were acked by us, not lost.
             lost = {e for e in entries if e not in kept and e in self._entries}
@@ -137,7 +154,21 @@ class Keeper:
     def heartbeat(self) -> None:
         """Refresh the worker's registration; re-register the model if Redis lost it (a restart)."""
         self.registry.heartbeat_worker(self.worker, self.status(), ttl=3 * self.heartbeat_seconds)
+        if self.streams.adapters:
+            self._resident_elsewhere = self._read_resident_elsewhere()
         if self.register is not None and not self.redis.exists(self.model_key):
             log.warning("worker %s: model registration missing (Redis restarted?); registering again",
                         self.worker)
             self.register()
+
+    def _read_resident_elsewhere(self) -> dict[str, frozenset[str]]:
+        """Which of this worker's adapters the other live workers of its model have loaded."""
+        where: dict[str, set[str]] = {}
+        served = set(self.streams.adapters)
+        for w in self.registry.live_workers(self.model):
+            resident = w.info.get("loras_resident")
+            if w.name == self.worker or not isinstance(resident, list):
+                continue
+            for name in served.intersection(n for n in resident if isinstance(n, str)):
+                where.setdefault(name, set()).add(w.name)
+        return {name: frozenset(names) for name, names in where.items()}

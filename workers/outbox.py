@@ -8,11 +8,13 @@ is a no-op, a retried request carries its attempt count).
 - **Rows** go out in one pipeline per chunk (:meth:`batchinfer.store.publish.Publisher.publish_many`).
   A row may carry a dead letter: it is XADDed to ``{p}:deadletter`` only by the call that
   actually published the row, so a re-sent row never dead-letters twice.
-- **Retries**: a request the engine failed on goes back to the model's batch stream as a batch of
-  its own with ``attempts + 1`` (any worker may take it) instead of getting its error row, until
-  ``max_attempts``; ``{p}:attempts:<job>`` mirrors the count (docs/worker.md, "Faults").
-- **Acknowledgements**: a batch entry is XACKed and XDELed (one MULTI) once every request of it
-  has its row or its retry.
+- **Retries**: a request the engine failed on goes back to its batch stream (the model's, or its
+  adapter's when ``lora`` is set) as a batch of its own with ``attempts + 1`` (any worker may take
+  it) instead of getting its error row, until ``max_attempts``; ``{p}:attempts:<job>`` mirrors the
+  count (docs/worker.md, "Faults").
+- **Acknowledgements**: a batch entry is XACKed and XDELed on its own stream (one MULTI for all)
+  once every request of it has its row or its retry; entries are the worker's keys
+  (:mod:`batchinfer.workers.streams`).
 - **Exports**: the job this worker's row made final gets its rq export enqueued.
 """
 
@@ -34,6 +36,7 @@ from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.store import replies
 from batchinfer.store.publish import Publisher
 from batchinfer.workers.inflight import Book
+from batchinfer.workers.streams import BatchStreams
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +79,16 @@ def attempts_field(request: BatchRequest) -> tuple[str, str]:
 class Outbox:
     """Rows, retries, acknowledgements and exports owed to Redis by one worker."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, stream: str, publisher: Publisher, *,
+    def __init__(self, r: redis.Redis, keys: Keys, streams: BatchStreams, publisher: Publisher, *,
                  enqueue_export: Callable[[str], None], on_published: Callable[[ResultRow], None],
                  on_acked: Callable[[list[str]], None], max_attempts: int, chunk: int = FLUSH_CHUNK):
-        self.redis, self.keys, self.stream, self.publisher = r, keys, stream, publisher
+        self.redis, self.keys, self.streams, self.publisher = r, keys, streams, publisher
         self.max_attempts = max_attempts
         self.enqueue_export, self.on_published, self.on_acked = enqueue_export, on_published, on_acked
         self.chunk = chunk
         self.rows: deque[Outgoing] = deque()
         self.retries: deque[BatchRequest] = deque()  # already carrying their new attempt count
-        self.acks: list[str] = []  # batch entries to XACK + XDEL
+        self.acks: list[str] = []  # keys of batch entries to XACK + XDEL
         self.exports: list[str] = []  # jobs made final by this worker: export to enqueue
         self.dead_letters: list[DeadLetter] = []  # of rows this worker published: to record
 
@@ -93,7 +96,7 @@ class Outbox:
         self.rows.append(Outgoing(row, reply_to, dead_letter))
 
     def retry(self, request: BatchRequest) -> None:
-        """Send ``request`` back to the batch stream for another try (``attempts`` + 1)."""
+        """Send ``request`` back to its batch stream for another try (``attempts`` + 1)."""
         self.retries.append(dataclasses.replace(request, attempts=request.attempts + 1))
 
     def ack(self, entries: list[str]) -> None:
@@ -133,8 +136,9 @@ class Outbox:
             self.dead_letters = []
         if self.acks:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xack(self.stream, WORKERS_GROUP, *self.acks)
-            pipe.xdel(self.stream, *self.acks)  # acked batches are history: keep Redis memory flat
+            for stream, ids in self.streams.by_stream(self.acks).items():
+                pipe.xack(stream, WORKERS_GROUP, *ids)
+                pipe.xdel(stream, *ids)  # acked batches are history: keep Redis memory flat
             pipe.execute()
             self.on_acked(self.acks)
             self.acks = []
@@ -145,11 +149,15 @@ class Outbox:
 
     def _send_retries(self, book: Book) -> None:
         """One MULTI: new batch entries holding every request to retry (those on their last attempt
-        alone, in ``solo`` batches: ``retry_batches``), and their attempt counts."""
+        alone, in ``solo`` batches: ``retry_batches``) on its own stream, and their attempt counts."""
         requests = list(self.retries)
+        by_adapter: dict[str | None, list[BatchRequest]] = {}
+        for q in requests:
+            by_adapter.setdefault(q.lora, []).append(q)
         pipe = self.redis.pipeline(transaction=True)
-        for fields in retry_batches(requests, self.max_attempts):
-            pipe.xadd(self.stream, replies.xadd_fields(fields))
+        for adapter, group in by_adapter.items():
+            for fields in retry_batches(group, self.max_attempts):
+                pipe.xadd(self.streams.stream(adapter), replies.xadd_fields(fields))
         for q in requests:
             job, field = attempts_field(q)
             pipe.hset(self.keys.attempts(job), field, q.attempts)

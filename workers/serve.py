@@ -26,6 +26,8 @@ from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.parallel.ranks import RankFailure
 
 log = logging.getLogger(__name__)
+# How the engine's errors about adapters and the LoRA settings begin (workers.lora.adapter, EngineConfig)
+LORA_SETTINGS = ("lora", "max_loras", "max_cpu_loras", "max_lora_rank")
 
 
 def parse_engine_options(pairs: Iterable[str]) -> dict[str, Any]:
@@ -100,6 +102,9 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
         raise StartupError(f"{e}: --model needs a Hugging Face model folder (config.json, *.safetensors, "
                            f"tokenizer.json); {doctor}") from e
     except ValueError as e:  # an unsupported architecture, a bad config or option value
+        if str(e).startswith(LORA_SETTINGS):  # an adapter folder or a LoRA flag, not the model
+            raise StartupError(f"{e}; check --lora NAME=DIR (a PEFT adapter folder) and --max-loras, "
+                               "--max-cpu-loras, --max-lora-rank") from e
         raise StartupError(f"{e}; {doctor or 'check --engine-option'}") from e
     except RankFailure as e:  # a tensor-parallel rank could not start (its error, or its death)
         raise StartupError(f"--tensor-parallel-size: {e}") from e

@@ -52,6 +52,71 @@ def run_daemon(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> No
     sys.exit(code or 0)
 
 
+def parse_lora_modules(pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """``--lora NAME=DIR`` pairs as adapter name -> absolute folder; a usage error naming the flag
+    for a pair without ``=``, a bad or repeated NAME, or a DIR that is no folder."""
+    from pathlib import Path
+
+    from batchinfer.workers.lora.request import check_adapter_name
+
+    modules: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, folder = pair.partition("=")
+        if not sep or not folder:
+            raise click.BadParameter(f"{pair!r}: use NAME=DIR (a PEFT adapter folder), e.g. "
+                                     "sql=./adapters/sql", param_hint="--lora")
+        try:
+            check_adapter_name(name, repr(pair))
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--lora") from None
+        if name in modules:
+            raise click.BadParameter(f"adapter {name!r} is given twice", param_hint="--lora")
+        path = Path(folder).expanduser()
+        if not path.is_dir():
+            raise click.BadParameter(f"{pair!r}: {folder!r} is not a folder (a PEFT adapter folder: "
+                                     "adapter_config.json, adapter_model.safetensors)", param_hint="--lora")
+        modules[name] = str(path.resolve())
+    return modules
+
+
+def lora_options(modules: dict[str, str], max_loras: int | None, max_cpu_loras: int | None,
+                 max_lora_rank: int | None, echo: bool) -> dict[str, Any]:
+    """The engine settings of the LoRA flags: ``EngineConfig``'s, or the echo engine's (the adapter
+    names, and ``max_loras`` as the size of its resident LRU; the other two are usage errors)."""
+    if echo:
+        if max_cpu_loras is not None or max_lora_rank is not None:
+            raise click.UsageError("--max-cpu-loras and --max-lora-rank are engine settings: the echo "
+                                   "engine has none (it serves --lora names without reading the folders)")
+        options: dict[str, Any] = {"adapters": sorted(modules)} if modules else {}
+    else:
+        options = {"lora_modules": modules} if modules else {}
+        if max_cpu_loras is not None:
+            options["max_cpu_loras"] = max_cpu_loras
+        if max_lora_rank is not None:
+            options["max_lora_rank"] = max_lora_rank
+    if max_loras is not None:
+        options["max_loras"] = max_loras
+    return options
+
+
+def lora_flags(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The LoRA flags of ``worker`` and ``run``: ``--lora`` (repeatable), ``--max-loras``,
+    ``--max-cpu-loras``, ``--max-lora-rank``."""
+    for option in reversed([
+        click.option("--lora", "lora", multiple=True, metavar="NAME=DIR",
+                     help="Serve the PEFT LoRA adapter in folder DIR as NAME, repeatable: requests name it "
+                          "as model NAME or BASE:NAME (BASE: the served model name)."),
+        click.option("--max-loras", type=POSITIVE,
+                     help="Adapters in the forward's weights at once (GPU slots) [4]."),
+        click.option("--max-cpu-loras", type=POSITIVE,
+                     help="Adapters kept loaded in host memory (at least --max-loras) [every served one]."),
+        click.option("--max-lora-rank", type=POSITIVE,
+                     help="Largest adapter rank served (sizes the stacked weights) [the largest --lora's]."),
+    ]):
+        func = option(func)
+    return func
+
+
 def override_settings(settings: Settings, **values: Any) -> None:
     """Set the options the command line gave (not None) on ``settings``, over the environment's."""
     for key, value in values.items():
@@ -121,12 +186,17 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, m
               help="Grammar library that constrains structured outputs [llguidance].")
 @click.option("--no-jump-forward", is_flag=True,
               help="Sample every token a grammar forces instead of appending it without a step.")
+@lora_flags
 @click.pass_obj
 def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names: tuple[str, ...],
            model_name: str | None, device: str | None, echo: bool, metrics_port: int | None,
            engine_option: tuple[str, ...], structured_outputs_backend: str | None,
-           no_jump_forward: bool, tensor_parallel_size: int | None) -> None:
-    """Run a worker daemon: pull batches, run the engine, publish results."""
+           no_jump_forward: bool, tensor_parallel_size: int | None, lora: tuple[str, ...],
+           max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int | None) -> None:
+    """Run a worker daemon: pull batches, run the engine, publish results.
+
+    With ``--lora NAME=DIR`` it also serves each adapter, as model ``BASE:NAME`` (aliases ``NAME``
+    and ``ALIAS:NAME``), reading one batch stream per adapter."""
     from batchinfer.workers.serve import main, parse_engine_options
 
     if not model_dir and not echo:
@@ -151,6 +221,7 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
         options["jump_forward"] = False
     if tensor_parallel_size:
         options["tensor_parallel_size"] = tensor_parallel_size
+    options.update(lora_options(parse_lora_modules(lora), max_loras, max_cpu_loras, max_lora_rank, echo))
     run_daemon(main, ctx.settings, model_dir, name, device, echo, model_name=model_name,
                served_model_names=served_model_names, engine_options=options)
 

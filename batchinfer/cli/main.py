@@ -26,7 +26,17 @@ from batchinfer.cli.context import (
     handle_errors,
     json_option,
 )
-from batchinfer.cli.daemons import POSITIVE, default_device, exporter, override_settings, scheduler, worker
+from batchinfer.cli.daemons import (
+    POSITIVE,
+    default_device,
+    exporter,
+    lora_flags,
+    lora_options,
+    override_settings,
+    parse_lora_modules,
+    scheduler,
+    worker,
+)
 
 log = logging.getLogger("batchinfer.cli")
 
@@ -386,15 +396,21 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 @click.option("--no-partial", is_flag=True,
               help="On Ctrl-C or --timeout, do not write the results so far to OUTPUT.")
 @click.option("--logs", "log_dir", type=click.Path(file_okay=False), help="Keep the daemons' logs here.")
+@lora_flags
 @json_option
 @pass_ctx
 @handle_errors
 def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[str, ...], fmt: str | None,
         force: bool, input_column: str | None, device: str | None, num_workers: int,
         tensor_parallel_size: int | None, structured_outputs_backend: str | None, echo: bool,
-        timeout: float | None, no_partial: bool, log_dir: str | None, json_flag: bool) -> None:
+        timeout: float | None, no_partial: bool, log_dir: str | None, lora: tuple[str, ...],
+        max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int | None,
+        json_flag: bool) -> None:
     """All in one: Redis (embedded unless --redis-url), scheduler, worker(s), exporter; submit FILE,
-    wait with a progress bar, write OUTPUT, stop everything."""
+    wait with a progress bar, write OUTPUT, stop everything.
+
+    ``--lora NAME=DIR`` (and the other LoRA flags) go to every worker: each serves the adapters
+    as ``batchinfer worker`` does."""
     from pathlib import Path
 
     from batchinfer.cli.outfile import output_format, refuse_overwrite
@@ -415,6 +431,14 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
             device = "cuda"  # one GPU per rank, from cuda:0
     if structured_outputs_backend:
         worker_args += ["--structured-outputs-backend", structured_outputs_backend]
+    # the LoRA flags go to every worker as given, checked here first (before anything starts)
+    modules = parse_lora_modules(lora)
+    lora_options(modules, max_loras, max_cpu_loras, max_lora_rank, echo)
+    worker_args += [f"--lora={name}={folder}" for name, folder in modules.items()]
+    for flag, value in (("--max-loras", max_loras), ("--max-cpu-loras", max_cpu_loras),
+                        ("--max-lora-rank", max_lora_rank)):
+        if value is not None:
+            worker_args += [flag, str(value)]
     options = RunOptions(file=file, output=output, model=model, fmt=fmt, device=device or default_device(),
                          num_workers=num_workers, echo=echo, timeout=timeout, log_dir=log_dir,
                          served_model_names=served_model_names, partial=not no_partial,

@@ -5,6 +5,7 @@ queue-side tools::
 
     from batchinfer import LLM, SamplingParams   # in-process engine
     from batchinfer import StructuredOutputsParams  # SamplingParams(structured_outputs=...)
+    from batchinfer import LoRARequest            # LLM.generate(..., lora_request=...)
     from batchinfer import Client                 # the queue client
     from batchinfer import ModelNotServed         # Client.request's timeout for an unserved model
 """
@@ -20,15 +21,18 @@ _LAZY = {
     "LLM": "batchinfer.workers.llm",
     "SamplingParams": "batchinfer.workers.sampling_params",
     "StructuredOutputsParams": "batchinfer.workers.structured.params",
+    "LoRARequest": "batchinfer.workers.lora.request",
     "Client": "batchinfer.client.client",
     "ModelNotServed": "batchinfer.client.client",
 }
 
-__all__ = ["LLM", "Client", "ModelNotServed", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "Client", "LoRARequest", "ModelNotServed", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]
 
 if TYPE_CHECKING:
     from batchinfer.client.client import Client, ModelNotServed
     from batchinfer.workers.llm import LLM
+    from batchinfer.workers.lora.request import LoRARequest
     from batchinfer.workers.sampling_params import SamplingParams
     from batchinfer.workers.structured.params import StructuredOutputsParams
 

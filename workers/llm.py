@@ -7,6 +7,9 @@
     outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32, logprobs=2))
     print(outs[0].outputs[0].logprobs[0])  # {token id: Logprob(logprob, rank, decoded_token), ...}
 
+    llm = LLM(model="path/to/model", enable_lora=True, max_loras=4)   # PEFT adapters per prompt
+    outs = llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "path/to/adapter"))
+
 The progress bar is drawn only when stderr is a terminal unless ``use_tqdm`` says otherwise (the
 rule of the CLI's bars, ``batchinfer.ops.progress.show_progress``).
 """
@@ -26,6 +29,7 @@ from batchinfer.workers.engine.embedder import EmbeddingEngine, engine_for
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from batchinfer.workers.engine.sequence import Request
+from batchinfer.workers.lora.request import LoRARequest
 from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.text.tokenizer import Tokenizer, truncate_text_ids
@@ -96,6 +100,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished ``RequestOutput`` per prompt, in order.
 
@@ -103,13 +108,18 @@ class LLM:
         ``sampling_params``: one for all prompts or one per prompt. Every prompt is validated
         before any runs: a bad one raises ``ValueError`` naming the prompt and the field.
         ``use_tqdm``: draw a progress bar on stderr; ``None`` (the default) = when stderr is a terminal.
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base model);
+        the engine needs ``enable_lora=True`` (or ``lora_modules``). An adapter is loaded and checked
+        on its first use: one it cannot serve raises ``ValueError`` before anything runs.
         """
         engine = self._generator("generate")
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params")
-        requests = [self._request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        loras = _loras_per_prompt(lora_request, len(prompts))
+        requests = [self._request(i, p, sp, lr)
+                    for i, (p, sp, lr) in enumerate(zip(prompts, params, loras, strict=True))]
         for req in requests:
             engine.enqueue(req)
         return self._run(requests, use_tqdm)
@@ -227,6 +237,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to chats, as vLLM's ``LLM.chat``: one ``RequestOutput`` per conversation.
 
@@ -235,6 +246,7 @@ class LLM:
         ``messages`` bodies, then generated as by :meth:`generate`. ``continue_final_message``
         leaves the last (assistant) message open for the model to continue instead of starting a
         new turn. A conversation that does not render raises ``ValueError`` naming it.
+        ``lora_request``: as :meth:`generate`'s, per conversation.
         """
         self._generator("chat")
         if continue_final_message and add_generation_prompt:
@@ -262,9 +274,10 @@ class LLM:
                 text = _open_final_message(text, conversation, where)
             # The template writes BOS and the other special tokens itself: encode without adding them.
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _request(self, index: int, prompt: Prompt, params: SamplingParams) -> Request:
+    def _request(self, index: int, prompt: Prompt, params: SamplingParams,
+                 lora: LoRARequest | None = None) -> Request:
         if isinstance(prompt, str):
             kwargs: dict[str, Any] = {"prompt": prompt}
         elif isinstance(prompt, Mapping):
@@ -277,6 +290,8 @@ class LLM:
             raise ValueError(f"prompts[{index}] must be a string or a dict, got {type(prompt).__name__}")
         try:
             engine = self._generator("generate")
+            if lora is not None:
+                kwargs["lora"] = lora
             return engine.make_request(str(next(self._ids)), sampling_params=params, **kwargs)
         except ValueError as e:
             raise ValueError(f"prompts[{index}]: {e}") from None
@@ -295,6 +310,24 @@ def _per_prompt(given: P | Sequence[P] | None, kind: type[P], n: int, name: str)
     if len(per_prompt) != n:
         raise ValueError(f"{name}: {len(per_prompt)} given for {n} prompts "
                          "(give one for all, or one per prompt)")
+    return per_prompt
+
+
+def _loras_per_prompt(given: LoRARequest | Sequence[LoRARequest | None] | None,
+                      n: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: None or one ``LoRARequest`` for all, or a list of n."""
+    if given is None or isinstance(given, LoRARequest):
+        return [given] * n
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+        raise ValueError(f"lora_request must be a LoRARequest, a list of them (None for the base "
+                         f"model) or None, got {type(given).__name__}")
+    per_prompt = list(given)
+    if len(per_prompt) != n:
+        raise ValueError(f"lora_request: {len(per_prompt)} given for {n} prompts "
+                         "(give one for all, or one per prompt)")
+    for i, lr in enumerate(per_prompt):
+        if lr is not None and not isinstance(lr, LoRARequest):
+            raise ValueError(f"lora_request[{i}] must be a LoRARequest or None, got {type(lr).__name__}")
     return per_prompt
 
 

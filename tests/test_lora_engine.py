@@ -281,3 +281,25 @@ def test_a_lone_request_waits_for_its_background_load(llama):
     done = run_all(engine)
     assert done["x"] == llama["refs"]["a0"][3] and manager.num_loads == 3
     assert engine.resident_adapters() == ["a0"] and list(manager.host) == ["a0"]
+
+
+def test_llm_generate_takes_a_lora_request_per_prompt(llama):
+    from batchinfer import LLM
+
+    llm = LLM(str(llama["base"]), num_kv_blocks=64, enable_lora=True)
+    a0, rs = (LoRARequest(name, i + 1, llama["paths"][name]) for i, name in enumerate(("a0", "rs")))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    picks = [a0, None, rs, a0][:len(prompts)]
+    outs = llm.generate(prompts, GREEDY, lora_request=picks)
+    for p, (out, lr) in enumerate(zip(outs, picks, strict=True)):
+        assert out.outputs[0].token_ids == llama["refs"][None if lr is None else lr.lora_name][p]
+    # one adapter for every prompt
+    outs = llm.generate(prompts, GREEDY, lora_request=rs)
+    assert [o.outputs[0].token_ids for o in outs] == llama["refs"]["rs"]
+    with pytest.raises(ValueError, match="lora_request: 1 given for"):
+        llm.generate(prompts, GREEDY, lora_request=[a0])
+    with pytest.raises(ValueError, match="served from"):  # the same name from another folder
+        llm.generate(prompts, GREEDY, lora_request=LoRARequest("a0", 1, llama["paths"]["a1"]))
+    plain = LLM(str(llama["base"]), num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: lora: .*serves no adapters"):
+        plain.generate(prompts, GREEDY, lora_request=a0)

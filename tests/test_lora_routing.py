@@ -196,7 +196,8 @@ def test_a_line_naming_an_adapter_of_the_jobs_model_keeps_it(env):
     (base_batch,) = batches(r, "base")  # another name is still overridden by the job's model
     assert [(q.idx, q.model, q.lora) for q in base_batch] == [(3, "short", None), (4, "short", None)]
     (bad,) = rows(r, KEYS.results("j"))  # an adapter of the job's model nobody serves: its row at once
-    assert (bad.idx, bad.error_code) == (5, "unknown_model") and "served adapters: chat, sql" in bad.error_message
+    assert (bad.idx, bad.error_code) == (5, "unknown_model")
+    assert "served adapters: chat, sql" in bad.error_message
     record = JobStore(r, KEYS).get("j")
     assert record is not None and record.models_overridden == 1
 

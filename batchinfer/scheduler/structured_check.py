@@ -5,8 +5,8 @@ A generation request with ``structured_outputs`` (from ``response_format``, ``st
 (``BATCHINFER_STRUCTURED_*``) and compiled with the default grammar backend (llguidance) built for
 its model's tokenizer, so that an invalid or unsupported schema, a regex that does not compile, or a
 spec over a limit is an ``invalid_request`` row naming the problem and the line, and never reaches a
-worker. One backend per model (and tokenizer; a model's adapters share it); the backend's LRU caches compiled specs,
-so a job whose rows share one schema compiles it once. A compile is bounded by
+worker. One backend per model (and tokenizer; a model's adapters share it); the backend's LRU
+caches compiled specs, so a job whose rows share one schema compiles it once. A compile is bounded by
 ``structured_compile_timeout_s``, so a hostile spec holds the intake for at most that long.
 
 Workers compile again (their own backend, which may be xgrammar, and their own limits): a spec that

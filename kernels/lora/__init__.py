@@ -16,17 +16,18 @@ One call serves a fused projection (``qkv_proj``: S = 3 slices q, k, v; ``gate_u
 one shrink over all its slices. Ranks below R are zero-padded (the padding adds nothing);
 ``mapping.seg_ranks`` lets a backend skip it.
 
-Backends, with the attention backends' names and rules: ``reference`` (``reference.py``, the
-specification: every token's own A and B gathered), ``cpu`` (``cpu.py``: one matmul pair per
-adapter over its tokens; the default on CPU) and ``triton`` (``triton_lora.py``: segmented
-shrink and expand kernels; the default on CUDA). docs/kernels.md has more.
+Backends (``dispatch.py``): ``reference`` (``reference.py``, the specification: every token's own
+A and B gathered), ``cpu`` (``cpu.py``: one matmul pair per adapter over its tokens, plain torch;
+the default on CPU, and on CUDA when Triton does not import) and ``triton`` (``triton_lora.py``:
+segmented shrink and expand kernels; the default on CUDA). docs/kernels.md has more.
 """
 
 from __future__ import annotations
 
 import torch
 
-from batchinfer.kernels.lora import reference
+from batchinfer.kernels.lora import cpu, dispatch, reference
+from batchinfer.kernels.lora.dispatch import LORA_BACKENDS, available_backends
 from batchinfer.kernels.lora.mapping import LoRAMapping
 
 
@@ -38,8 +39,19 @@ def add_lora(
     mapping: LoRAMapping,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Add each token's adapter delta to ``y`` in place (see the module docstring); returns ``y``."""
-    return reference.add_lora(y, x, lora_a, lora_b, mapping.token_slots)
+    """Add each token's adapter delta to ``y`` in place (see the module docstring); returns ``y``.
+
+    Inputs are checked first (``ValueError`` naming the argument); ``backend`` None picks ``cpu``
+    on CPU, ``triton`` on CUDA (``cpu`` when Triton does not import)."""
+    dispatch.check_inputs(y, x, lora_a, lora_b, mapping)
+    name = dispatch.select_backend(backend, x.device, x.dtype)
+    if name == "reference":
+        return reference.add_lora(y, x, lora_a, lora_b, mapping.token_slots)
+    if name == "cpu":
+        return cpu.add_lora(y, x, lora_a, lora_b, mapping)
+    from batchinfer.kernels.lora import triton_lora
+
+    return triton_lora.add_lora(y, x, lora_a, lora_b, mapping)
 
 
-__all__ = ["LoRAMapping", "add_lora"]
+__all__ = ["LORA_BACKENDS", "LoRAMapping", "add_lora", "available_backends"]

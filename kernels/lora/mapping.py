@@ -9,6 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# Rows of one Triton program (a block of one segment). Fixed so the block table can be built
+# once per step on the host, whatever the layer; 16 is tl.dot's smallest M.
+TRITON_BLOCK_M = 16
+
 
 @dataclass(frozen=True)
 class LoRAMapping:
@@ -18,6 +22,12 @@ class LoRAMapping:
     grouping: ``token_indices`` [M] (device, int64) lists the tokens that use a slot, grouped by
     slot (ascending), in step order within a group; segment k is ``token_indices[seg_bounds[k]:
     seg_bounds[k+1]]``, all of slot ``seg_slots[k]`` whose adapter has rank ``seg_ranks[k]``.
+
+    ``block_table`` [NB, 4] (device, int64) cuts every segment into blocks of ``block_m`` rows for
+    the Triton kernels: row b is ``(start, end, slot, rank)``, the block's rows being
+    ``token_indices[start:min(start + block_m, end)]`` (``end``: its segment's end). Built on the
+    host with the rest, so a launch needs no device read; None (a mapping made by hand) makes
+    the Triton backend build it per call.
     """
 
     token_slots: torch.Tensor  # [T] int64
@@ -25,13 +35,15 @@ class LoRAMapping:
     seg_slots: tuple[int, ...]  # host
     seg_bounds: tuple[int, ...]  # host, len(seg_slots) + 1
     seg_ranks: tuple[int, ...]  # host
+    block_table: torch.Tensor | None = None  # [NB, 4] int64: start, end, slot, rank
+    block_m: int = TRITON_BLOCK_M
 
     @classmethod
     def build(cls, token_slots: np.ndarray, slot_ranks: Sequence[int],
               device: torch.device | str = "cpu") -> LoRAMapping | None:
         """The mapping of a step whose token t uses slot ``token_slots[t]`` (-1: none), slot s
         holding an adapter of rank ``slot_ranks[s]``; None when no token uses an adapter."""
-        slots = np.asarray(token_slots, dtype=np.int64)
+        slots = np.asarray(token_slots, dtype=np.int64).reshape(-1)
         used = np.flatnonzero(slots >= 0)
         if used.size == 0:
             return None
@@ -40,6 +52,24 @@ class LoRAMapping:
         starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
         seg_slots = tuple(int(s) for s in grouped[starts])
         bounds = (*(int(b) for b in starts), int(order.size))
-        return cls(token_slots=torch.from_numpy(slots).to(device),
-                   token_indices=torch.from_numpy(order).to(device), seg_slots=seg_slots,
-                   seg_bounds=bounds, seg_ranks=tuple(int(slot_ranks[s]) for s in seg_slots))
+        seg_ranks = tuple(int(slot_ranks[s]) for s in seg_slots)
+        table = block_table_np(bounds, seg_slots, seg_ranks, TRITON_BLOCK_M)
+        # One host-to-device copy for the three tensors (views of one buffer).
+        buffer = torch.from_numpy(np.concatenate([slots, order, table.reshape(-1)])).to(device)
+        num_tokens, num_used = slots.size, order.size
+        return cls(token_slots=buffer[:num_tokens], token_indices=buffer[num_tokens:num_tokens + num_used],
+                   seg_slots=seg_slots, seg_bounds=bounds, seg_ranks=seg_ranks,
+                   block_table=buffer[num_tokens + num_used:].view(-1, 4), block_m=TRITON_BLOCK_M)
+
+
+def block_table_np(seg_bounds: Sequence[int], seg_slots: Sequence[int], seg_ranks: Sequence[int],
+                   block_m: int) -> np.ndarray:  # [NB, 4] int64
+    """Every segment cut into blocks of ``block_m`` rows: ``(start, end, slot, rank)`` per block."""
+    bounds = np.asarray(seg_bounds, dtype=np.int64)
+    lengths = bounds[1:] - bounds[:-1]  # [K]
+    blocks = -(-lengths // block_m)  # [K]
+    seg = np.repeat(np.arange(lengths.size), blocks)  # [NB] segment of each block
+    first = np.repeat(np.cumsum(blocks) - blocks, blocks)  # [NB] the segment's first block
+    start = bounds[seg] + (np.arange(seg.size) - first) * block_m
+    return np.stack([start, bounds[seg + 1], np.asarray(seg_slots, dtype=np.int64)[seg],
+                     np.asarray(seg_ranks, dtype=np.int64)[seg]], axis=1)

@@ -32,6 +32,8 @@ STEPS = {
     "interleaved": [2, 0, 2, -1, 0, 2],
     "single-token": [1],
     "one-adapter-all": [3] * 5,
+    # an engine's step ordered by slot: the adapter tokens are one run (the cpu path's views)
+    "sorted-by-slot": [-1, -1, 0, 0, 0, 1, 3, 3],
 }
 
 
@@ -171,6 +173,13 @@ def test_strided_inputs_and_a_hand_made_mapping(backend):
     y_t = y.clone().t().contiguous().t()  # column-major y: stride (1, T)
     add_lora(y_t, x, a, bs, built, backend=backend)
     _close(y_t, add_lora(ref.clone(), x, a, bs, built, backend="reference"), TOL[torch.float32])
+
+
+def test_mapping_knows_when_the_adapter_tokens_are_one_run():
+    first = {name: LoRAMapping.build(np.array(slots), RANKS).first_row for name, slots in STEPS.items()}
+    assert first == {"mixed": None, "interleaved": None, "single-token": 0, "one-adapter-all": 0,
+                     "sorted-by-slot": 2}
+    assert LoRAMapping.build(np.array([0, -1, 1]), RANKS).first_row is None  # a base token inside the run
 
 
 def test_mapping_groups_tokens_by_slot_and_cuts_blocks():

@@ -28,6 +28,11 @@ class LoRAMapping:
     ``token_indices[start:min(start + block_m, end)]`` (``end``: its segment's end). Built on the
     host with the rest, so a launch needs no device read; None (a mapping made by hand) makes
     the Triton backend build it per call.
+
+    ``first_row`` (host): when the adapter tokens are one contiguous run of the step's tokens in
+    ``token_indices`` order (an engine that orders its step's sequences by slot), the index of
+    the run's first token, so segment k is simply rows ``first_row + seg_bounds[k]`` onwards of
+    ``x`` and ``y`` (the CPU path then works on views: no gather, no scatter); else None.
     """
 
     token_slots: torch.Tensor  # [T] int64
@@ -37,6 +42,7 @@ class LoRAMapping:
     seg_ranks: tuple[int, ...]  # host
     block_table: torch.Tensor | None = None  # [NB, 4] int64: start, end, slot, rank
     block_m: int = TRITON_BLOCK_M
+    first_row: int | None = None
 
     @classmethod
     def build(cls, token_slots: np.ndarray, slot_ranks: Sequence[int],
@@ -57,9 +63,11 @@ class LoRAMapping:
         # One host-to-device copy for the three tensors (views of one buffer).
         buffer = torch.from_numpy(np.concatenate([slots, order, table.reshape(-1)])).to(device)
         num_tokens, num_used = slots.size, order.size
+        contiguous = int(order[-1]) - int(order[0]) + 1 == num_used and bool((np.diff(order) == 1).all())
         return cls(token_slots=buffer[:num_tokens], token_indices=buffer[num_tokens:num_tokens + num_used],
                    seg_slots=seg_slots, seg_bounds=bounds, seg_ranks=seg_ranks,
-                   block_table=buffer[num_tokens + num_used:].view(-1, 4), block_m=TRITON_BLOCK_M)
+                   block_table=buffer[num_tokens + num_used:].view(-1, 4), block_m=TRITON_BLOCK_M,
+                   first_row=int(order[0]) if contiguous else None)
 
 
 def block_table_np(seg_bounds: Sequence[int], seg_slots: Sequence[int], seg_ranks: Sequence[int],

@@ -165,18 +165,25 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
-        """The step's flat tensors: token ids, positions, slots, block tables, sampling rows."""
+    def prepare(self, scheduled: list[ScheduledSequence], order: np.ndarray | None = None) -> StepInputs:
+        """The step's flat tensors: token ids, positions, slots, block tables, sampling rows.
+
+        ``order`` (a permutation of ``scheduled``): the sequences' tokens are laid out in that
+        order; the sampling rows still come in ``scheduled``'s."""
+        if order is not None:
+            scheduled = [scheduled[i] for i in order]
         rows = [(s.seq.block_table, s.start, s.num_new_tokens, s.samples) for s in scheduled]
         tokens = [s.seq.token_ids[s.start:s.start + s.num_new_tokens] for s in scheduled]
-        return self._build(rows, tokens)
+        return self._tensors(*self._host(rows, tokens, order))
 
     def _build(self, rows: list[tuple[list[int], int, int, bool]], tokens: list[list[int]]) -> StepInputs:
         return self._tensors(*self._host(rows, tokens))
 
-    def _host(self, rows: list[tuple[list[int], int, int, bool]],
-              tokens: list[list[int]]) -> tuple[dict[str, np.ndarray], int, int]:
-        """The step's host arrays (named as ``HostStaging``'s buffers), max query and key lengths."""
+    def _host(self, rows: list[tuple[list[int], int, int, bool]], tokens: list[list[int]],
+              order: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], int, int]:
+        """The step's host arrays (named as ``HostStaging``'s buffers), max query and key lengths.
+        ``order``: ``rows`` are in this permutation of the caller's order, whose order the
+        sampling rows keep."""
         S, bs = len(rows), self.block_size
         starts = np.fromiter((r[1] for r in rows), np.int64, S)
         nums = np.fromiter((r[2] for r in rows), np.int64, S)
@@ -195,7 +202,10 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(S), nums)
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         samples = np.fromiter((r[3] for r in rows), np.bool_, S)
-        sample_indices = (cu[1:] - 1)[samples]
+        last = cu[1:] - 1  # each sequence's last token in the step
+        if order is not None:  # back to the caller's order: row i of the layout is its order[i]
+            last[order], samples[order] = last.copy(), samples.copy()
+        sample_indices = last[samples]
         ids = np.fromiter((t for chunk in tokens for t in chunk), np.int64, T)
 
         host = {"input_ids": ids, "positions": positions, "slot_mapping": slots, "block_tables": tables,
@@ -224,22 +234,28 @@ class ModelRunner:
         """Run one step; returns the float32 logits ``[N, V]`` of the sequences that sample, in order."""
         if self.ranks is not None:
             return self._execute_parallel(scheduled)
-        lora = None if self.lora_stack is None else self._lora_step(self.lora_stack, scheduled)
+        lora, order = None, None
+        if self.lora_stack is not None:
+            lora, order = self._lora_step(self.lora_stack, scheduled)
         if self.graphs is not None and self.graphs.can_run(scheduled, lora):
             hidden = self.graphs.run(scheduled)
             return self.model.compute_logits(hidden)
-        inputs = self.prepare(scheduled)
+        inputs = self.prepare(scheduled, order)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, lora)
         return self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V]
 
-    def _lora_step(self, stack: LoRAStack, scheduled: list[ScheduledSequence]) -> LoRAStep | None:
-        """The step's adapters: every token gets its sequence's slot (-1: the base model)."""
+    def _lora_step(self, stack: LoRAStack,
+                   scheduled: list[ScheduledSequence]) -> tuple[LoRAStep | None, np.ndarray | None]:
+        """The step's adapters (every token gets its sequence's slot, -1: the base model) and the
+        order its sequences are laid out in: by slot, so that each adapter's tokens are one row
+        range every projection reads and writes in place (``LoRAMapping.first_row``)."""
         S = len(scheduled)
         seq_slots = np.fromiter((s.seq.lora_slot for s in scheduled), np.int64, S)
         if not (seq_slots >= 0).any():
-            return None
+            return None, None
+        order = np.argsort(seq_slots, kind="stable")
         nums = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, S)
-        return stack.step(np.repeat(seq_slots, nums))
+        return stack.step(np.repeat(seq_slots[order], nums[order])), order
 
     def _execute_parallel(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """Rank 0's step under TP: the inputs to the ranks, then rank 0's shard of the forward."""

@@ -1,0 +1,152 @@
+"""LoRA adapters per request on the CPU: the same requests on 8 adapters and on the base model.
+
+    .venv/bin/python -P bench/lora_cpu.py            # 256 requests, 8 adapters of rank 16
+    .venv/bin/python -P bench/lora_cpu.py --quick    # 64 requests
+    python -P bench/lora_cpu.py --device cuda --quick  # bench/gpu_check.sh
+
+One random Llama-shaped checkpoint (hidden 512, 4 layers, float32) and 8 random PEFT adapters of
+rank 16 on all seven projections (q, k, v, o, gate, up, down). The same greedy requests (prompts
+of 32-96 tokens, 32 generated, eos ignored) run through one engine: every request on the base
+model, then request i on adapter i % 8 (all 8 resident: ``max_loras=8``), alternating
+``--repeats`` times (3) so that both sides see the same machine load. Printed: tokens/s of each
+side's best run and their ratio (LoRA / base: what mixing adapters into a step costs; the median
+ratio of the pairs too), plus the ratio FLOPs alone allow (the adapters' rank-16 matmuls on top
+of the base's).
+
+The last line is one JSON object. ``-P``: the repository's ``kernels/`` folder must not shadow the
+package transformers probes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from batchinfer.workers.config import EngineConfig
+from batchinfer.workers.engine.engine import Engine
+from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.testing import make_tiny_model
+
+MODEL = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "max_position_embeddings": 1024}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(path: Path, rank: int, seed: int) -> Path:
+    """A random PEFT LoRA folder for ``MODEL`` (B nonzero: a zero B would change nothing)."""
+    c = MODEL
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    shapes = {"q_proj": (c["hidden_size"], c["num_attention_heads"] * head_dim),
+              "k_proj": (c["hidden_size"], c["num_key_value_heads"] * head_dim),
+              "v_proj": (c["hidden_size"], c["num_key_value_heads"] * head_dim),
+              "o_proj": (c["num_attention_heads"] * head_dim, c["hidden_size"]),
+              "gate_proj": (c["hidden_size"], c["intermediate_size"]),
+              "up_proj": (c["hidden_size"], c["intermediate_size"]),
+              "down_proj": (c["intermediate_size"], c["hidden_size"])}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(c["num_hidden_layers"]):
+        for name in TARGETS:
+            fan_in, fan_out = shapes[name]
+            part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * fan_in ** -0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.02
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
+              "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
+              "fan_in_fan_out": False, "task_type": "CAUSAL_LM"}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def run(engine: Engine, prompts: list[list[int]], loras: list[str | None],
+        max_tokens: int) -> dict[str, Any]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    began = time.perf_counter()
+    steps = engine.num_steps
+    for i, (p, lora) in enumerate(zip(prompts, loras, strict=True)):
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", prompt_token_ids=p, sampling_params=params,
+                           lora=lora)
+    tokens = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+    seconds = time.perf_counter() - began
+    return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+            "steps": engine.num_steps - steps}
+
+
+def flops_ratio(rank: int) -> float:
+    """(base + adapter) / base matmul FLOPs per token of the decoder layers (LM head excluded)."""
+    c = MODEL
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    q, kv, h, inter = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim, \
+        c["hidden_size"], c["intermediate_size"]
+    pairs = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    base = sum(i * o for i, o in pairs)
+    extra = sum(rank * (i + o) for i, o in pairs)
+    return base / (base + extra)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's)")
+    ap.add_argument("--repeats", type=int, default=3, help="base / LoRA pairs run (best of each reported)")
+    ap.add_argument("--quick", action="store_true", help="64 requests")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests = 64
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = make_tiny_model(root / "base", **MODEL)
+        adapters = {f"a{i}": str(write_adapter(root / f"a{i}", args.rank, seed=i))
+                    for i in range(args.adapters)}
+        engine = Engine(EngineConfig(model=str(model), device=args.device, max_num_seqs=256,
+                                     max_num_batched_tokens=2048, num_kv_blocks=2048, lora_modules=adapters,
+                                     max_loras=args.adapters, max_lora_rank=args.rank))
+        vocab = engine.model.config.vocab_size
+        lengths = torch.randint(32, 97, (args.requests,), generator=g).tolist()
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+        names = list(adapters)
+        run(engine, prompts[:8], [names[i % len(names)] for i in range(8)], 4)  # warm every adapter's slot
+        picks = [names[i % len(names)] for i in range(len(prompts))]
+        pairs = [(run(engine, prompts, [None] * len(prompts), args.max_tokens),
+                  run(engine, prompts, picks, args.max_tokens)) for _ in range(args.repeats)]
+    base = max((b for b, _ in pairs), key=lambda r: r["tokens_per_s"])
+    lora = max((lo for _, lo in pairs), key=lambda r: r["tokens_per_s"])
+    ratio = lora["tokens_per_s"] / base["tokens_per_s"]
+    pair_ratios = sorted(lo["tokens_per_s"] / b["tokens_per_s"] for b, lo in pairs)
+    median = pair_ratios[len(pair_ratios) // 2]
+    print(f"base model:            {base['tokens_per_s']:8.1f} tokens/s "
+          f"({base['seconds']} s, {base['steps']} steps)")
+    print(f"{args.adapters} adapters, rank {args.rank}: {lora['tokens_per_s']:8.1f} tokens/s "
+          f"({lora['seconds']} s, {lora['steps']} steps)")
+    print(f"throughput ratio LoRA / base: {ratio:.3f} best of {args.repeats}, {median:.3f} median pair "
+          f"(FLOPs alone would allow {flops_ratio(args.rank):.3f}; target >= 0.8 on the 2-core CPU)")
+    print(json.dumps({"bench": "lora_cpu", "device": args.device, "requests": args.requests,
+                      "adapters": args.adapters, "rank": args.rank, "threads": torch.get_num_threads(),
+                      "base": base, "lora": lora, "ratio": round(ratio, 3),
+                      "median_pair_ratio": round(median, 3),
+                      "flops_ratio": round(flops_ratio(args.rank), 3)}))
+
+
+if __name__ == "__main__":
+    main()

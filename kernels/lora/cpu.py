@@ -44,10 +44,7 @@ def add_lora(
         if rank == 0:
             delta[rows] = 0  # an adapter with nothing to add
             continue
-        a = lora_a[slot]  # [S * R, in]
-        if rank < max_rank:
-            a = a.view(num_slices, max_rank, -1)[:, :rank].reshape(num_slices * rank, -1)  # [S * r, in]
-        h = torch.nn.functional.linear(x_sorted[rows], a)  # [n, S * r]
+        h = torch.nn.functional.linear(x_sorted[rows], _slot_a(lora_a, slot, rank, num_slices))  # [n, S * r]
         offset = 0
         for i, b in enumerate(lora_b):
             out = b.shape[1]
@@ -55,6 +52,15 @@ def add_lora(
                          out=delta[rows, offset:offset + out])  # [n, out_i], written in place
             offset += out
     return y.index_add_(0, tokens, delta)
+
+
+def _slot_a(lora_a: torch.Tensor, slot: int, rank: int, num_slices: int) -> torch.Tensor:  # [S * r, in]
+    """Slot ``slot``'s A without the zero padding past ``rank`` in each slice."""
+    a = lora_a[slot]  # [S * R, in]
+    max_rank = a.shape[0] // num_slices
+    if rank == max_rank:
+        return a
+    return a.view(num_slices, max_rank, -1)[:, :rank].reshape(num_slices * rank, -1)
 
 
 def _add_lora_contiguous(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
@@ -71,10 +77,7 @@ def _add_lora_contiguous(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
         if rank == 0:
             continue
         rows = slice(first + bounds[k], first + bounds[k + 1])
-        a = lora_a[slot]  # [S * R, in]
-        if rank < max_rank:
-            a = a.view(num_slices, max_rank, -1)[:, :rank].reshape(num_slices * rank, -1)  # [S * r, in]
-        h = torch.nn.functional.linear(x[rows], a)  # [n, S * r]
+        h = torch.nn.functional.linear(x[rows], _slot_a(lora_a, slot, rank, num_slices))  # [n, S * r]
         offset = 0
         for i, b in enumerate(lora_b):
             out = b.shape[1]

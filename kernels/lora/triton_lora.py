@@ -61,6 +61,13 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
+def _block_row(table_ptr, pid_b):
+    """Block ``pid_b``'s row of the block table: its rows' start, its segment's end, slot, rank."""
+    row = table_ptr + pid_b * 4
+    return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+
+
+@triton.jit
 def _shrink_kernel(
     h_ptr, x_ptr, a_ptr, token_indices_ptr, table_ptr,
     N, K, R, split_k, stride_xm, stride_xk, stride_al, stride_an, stride_ak, stride_hm,
@@ -73,10 +80,7 @@ def _shrink_kernel(
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    start = tl.load(table_ptr + pid_b * 4)
-    end = tl.load(table_ptr + pid_b * 4 + 1)
-    slot = tl.load(table_ptr + pid_b * 4 + 2)
-    rank = tl.load(table_ptr + pid_b * 4 + 3)
+    start, end, slot, rank = _block_row(table_ptr, pid_b)
     if rank == 0:
         return
     rows = start + tl.arange(0, BLOCK_M)  # [BLOCK_M] sorted positions
@@ -112,10 +116,7 @@ def _expand_kernel(
     block's rows p (token = token_indices[p]) and this tile's n < N."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    start = tl.load(table_ptr + pid_b * 4)
-    end = tl.load(table_ptr + pid_b * 4 + 1)
-    slot = tl.load(table_ptr + pid_b * 4 + 2)
-    rank = tl.load(table_ptr + pid_b * 4 + 3)
+    start, end, slot, rank = _block_row(table_ptr, pid_b)
     if rank == 0:
         return
     rows = start + tl.arange(0, BLOCK_M)

@@ -171,6 +171,7 @@ class EchoEngine(WorkerEngine):
         prompt: str | None = None,
         prompt_token_ids: Sequence[int] | None = None,
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
         lora: str | None = None,
     ) -> None:
         """Queue a request; ``ValueError`` naming what is wrong (duplicate id, bad prompt, too long,

@@ -115,6 +115,8 @@ BAD_BODIES = [
     ("[1, 2]", "invalid_request", None, ["JSON object", "list"]),
     ('"text"', "invalid_request", None, ["JSON object", "string"]),
     ({"prompt": "x", "foo": 1, "bar": 2}, "invalid_request", "bar", ["unknown field", "bar", "foo"]),
+    # the in-process engine's knob is no field of a queued request
+    ({"prompt": "x", "output_kind": "final_only"}, "invalid_request", "output_kind", ["unknown field"]),
     ({}, "invalid_request", "prompt", ["exactly one of", "got none"]),
     ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "invalid_request", "messages",
      ["exactly one", "prompt, messages"]),

@@ -16,6 +16,7 @@ rule of the CLI's bars, ``batchinfer.ops.progress.show_progress``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -116,7 +117,8 @@ class LLM:
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params")
+        # Only finished outputs are read here: the engine builds no per-step ones (final_only).
+        params = _final_only(_per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params"))
         loras = _loras_per_prompt(lora_request, len(prompts))
         requests = [self._request(i, p, sp, lr)
                     for i, (p, sp, lr) in enumerate(zip(prompts, params, loras, strict=True))]
@@ -311,6 +313,23 @@ def _per_prompt(given: P | Sequence[P] | None, kind: type[P], n: int, name: str)
         raise ValueError(f"{name}: {len(per_prompt)} given for {n} prompts "
                          "(give one for all, or one per prompt)")
     return per_prompt
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """``params`` with ``output_kind="final_only"`` (one copy per distinct object; anything not a
+    ``SamplingParams`` or a dict is left for ``make_request`` to reject as before)."""
+    copies: dict[int, Any] = {}
+    out: list[Any] = []
+    for p in params:
+        if id(p) not in copies:
+            if isinstance(p, SamplingParams):
+                copies[id(p)] = dataclasses.replace(p, output_kind="final_only")
+            elif isinstance(p, Mapping):
+                copies[id(p)] = {**p, "output_kind": "final_only"}
+            else:
+                copies[id(p)] = p
+        out.append(copies[id(p)])
+    return out
 
 
 def _loras_per_prompt(given: LoRARequest | Sequence[LoRARequest | None] | None,

@@ -21,6 +21,9 @@ GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 # Seeds are fed to torch.Generator.manual_seed through a 64-bit mix; any 64-bit value is allowed.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# What the engine hands back while a request runs (vLLM's RequestOutputKind): "cumulative", the
+# request's state after every step it moved in; "final_only", one output when it finishes.
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 
 def _is_int(value: Any) -> bool:
@@ -51,6 +54,9 @@ class SamplingParams:
     # Constrain the output to a JSON schema / regex / choice / grammar (vLLM's field); a dict is
     # converted. See batchinfer.workers.structured.
     structured_outputs: StructuredOutputsParams | None = None
+    # "final_only": no RequestOutput until the request finishes (callers that read only final
+    # outputs skip building one per step); see OUTPUT_KINDS.
+    output_kind: str = "cumulative"
 
     FIELDS: ClassVar[tuple[str, ...]]  # the allowed field names, set below the class
 
@@ -86,6 +92,9 @@ class SamplingParams:
             if not isinstance(so, Mapping):
                 raise ValueError(f"structured_outputs must be an object, got {so!r}")
             self.structured_outputs = StructuredOutputsParams.from_dict(so)
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(map(repr, OUTPUT_KINDS))}, "
+                             f"got {self.output_kind!r}")
 
     # -- validation helpers ---------------------------------------------------------------------
 
@@ -156,6 +165,11 @@ class SamplingParams:
         if self.structured_outputs is not None:
             d["structured_outputs"] = self.structured_outputs.to_dict()
         return d
+
+    @property
+    def final_only(self) -> bool:
+        """True when the engine hands out this request's output only once it finishes."""
+        return self.output_kind == "final_only"
 
     @property
     def greedy(self) -> bool:

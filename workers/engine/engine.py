@@ -212,7 +212,8 @@ class Engine(WorkerEngine):
     # -- the step loop --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of requests that got a token or finished."""
+        """Run one step; returns the outputs of requests that got a token or finished (of a
+        ``final_only`` request: only the one when it finishes)."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         if self.lora is not None and self.lora.failed:
@@ -269,7 +270,8 @@ class Engine(WorkerEngine):
                 log.exception("request %s failed in postprocessing; aborting it", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"
                 self._finish_request(req, "abort")
-        return [self._output(req) for req in moved.values()]
+        # A final-only request's output is built once, when it finishes.
+        return [self._output(req) for req in moved.values() if not req.final_only or req.is_finished]
 
     def _bulk_texts(self, seqs: list[Sequence], token_ids: list[int]) -> dict[int, str]:
         """The new tokens' texts, detokenised in two batched decodes for the rows that allow it:

@@ -2,7 +2,9 @@
 
 A step is flat: the scheduled sequences' new tokens are concatenated (prefill chunks and decode
 tokens alike) and described to the attention kernels by ``AttentionMetadata``. Index arrays are
-built with numpy over whole steps, not per token in Python. On CUDA they reach the device
+built with numpy over whole steps, not per token in Python; the running sequences' block tables
+persist across steps as rows of one array (:class:`BlockTableRows`), so a step copies in only
+the blocks added since the last one. On CUDA they reach the device
 through page-locked host buffers allocated once (:class:`HostStaging`). Only the hidden states of
 sequences that sample this step (their last token) go through the vocabulary projection.
 
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,6 +34,7 @@ import torch
 from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.engine.scheduler import ScheduledSequence
+from batchinfer.workers.engine.sequence import Sequence, SequenceStatus
 from batchinfer.workers.lora.stack import LoRAStack, LoRAStep
 from batchinfer.workers.models import Decoder
 
@@ -37,6 +42,9 @@ if TYPE_CHECKING:
     from batchinfer.workers.parallel.ranks import RankProcesses
 
 log = logging.getLogger(__name__)
+
+# A step's per-sequence fields, read in C (map) rather than by a generator.
+_START, _NUM_NEW, _SAMPLES = attrgetter("start"), attrgetter("num_new_tokens"), attrgetter("samples")
 
 # Without a byte budget on CPU: KV for every sequence at full length, but at most this much.
 CPU_DEFAULT_KV_BYTES = 2 << 30
@@ -84,6 +92,9 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
         self.lora_stack: LoRAStack | None = None  # set by an engine that serves LoRA adapters
+        # Running sequences' block tables, kept across steps (sized on the first step, once the
+        # engine has settled max_model_len).
+        self.table_rows: BlockTableRows | None = None
         self.graphs = None
         # Under TP no CUDA graphs: a graph replay is decided from the scheduled sequences, which
         # only rank 0 holds, and would need the same decision and NCCL capture on every rank.
@@ -170,18 +181,57 @@ class ModelRunner:
 
         ``order`` (a permutation of ``scheduled``): the sequences' tokens are laid out in that
         order; the sampling rows still come in ``scheduled``'s."""
+        return self._tensors(*self.step_host(scheduled, order))
+
+    def step_host(self, scheduled: list[ScheduledSequence],
+                  order: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], int, int]:
+        """What ``_host`` builds for ``scheduled`` (the same arrays), from the block-table rows
+        kept across steps (:class:`BlockTableRows`) and, in a decode-only step, one token per
+        sequence read straight from its token list. Fresh arrays: nothing aliases the rows."""
         if order is not None:
             scheduled = [scheduled[i] for i in order]
-        rows = [(s.seq.block_table, s.start, s.num_new_tokens, s.samples) for s in scheduled]
-        tokens = [s.seq.token_ids[s.start:s.start + s.num_new_tokens] for s in scheduled]
-        return self._tensors(*self._host(rows, tokens, order))
+        S, bs = len(scheduled), self.block_size
+        if self.table_rows is None:
+            width = -(-self.max_model_len // bs) + 1
+            self.table_rows = BlockTableRows(2 * self.config.max_num_seqs, width)
+        rows = self.table_rows.rows([s.seq for s in scheduled])  # [S]
+        starts = np.fromiter(map(_START, scheduled), np.int64, S)  # [S]
+        nums = np.fromiter(map(_NUM_NEW, scheduled), np.int64, S)  # [S]
+        samples = np.fromiter(map(_SAMPLES, scheduled), np.bool_, S)  # [S]
+        seq_lens = starts + nums
+        T, max_q = int(nums.sum()), int(nums.max())
+        if max_q == 1 and T == S:  # decode-only: each sequence runs the one token at its start
+            cu = np.arange(S + 1, dtype=np.int64)
+            positions = starts
+            seq_of_token = np.arange(S)
+            ids = np.array([s.seq.token_ids[s.start] for s in scheduled], np.int64)  # [T]
+        else:
+            cu = np.zeros(S + 1, np.int64)
+            np.cumsum(nums, out=cu[1:])
+            # As in _host: the token's index in the step, less where its chunk begins in the step,
+            # plus where the chunk begins in the sequence.
+            positions = np.arange(T, dtype=np.int64) - np.repeat(cu[:-1] - starts, nums)
+            seq_of_token = np.repeat(np.arange(S), nums)
+            ids = np.fromiter(chain.from_iterable(s.seq.token_ids[s.start:s.start + s.num_new_tokens]
+                                                  for s in scheduled), np.int64, T)
+        max_blocks = int(-(-seq_lens.max() // bs))
+        tables = self.table_rows.gather(rows, max_blocks)  # [S, M] int32
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs  # [T]
+        last = cu[1:] - 1  # each sequence's last token in the step
+        if order is not None:  # back to the caller's order: row i of the layout is its order[i]
+            last[order], samples[order] = last.copy(), samples.copy()
+        host = {"input_ids": ids, "positions": positions, "slot_mapping": slots, "block_tables": tables,
+                "cu_seqlens_q": cu.astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
+                "sample_indices": last[samples]}
+        return host, max_q, int(seq_lens.max())
 
     def _build(self, rows: list[tuple[list[int], int, int, bool]], tokens: list[list[int]]) -> StepInputs:
         return self._tensors(*self._host(rows, tokens))
 
     def _host(self, rows: list[tuple[list[int], int, int, bool]], tokens: list[list[int]],
               order: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], int, int]:
-        """The step's host arrays (named as ``HostStaging``'s buffers), max query and key lengths.
+        """The step's host arrays (named as ``HostStaging``'s buffers), max query and key lengths,
+        built from scratch (the profiling step; ``step_host``'s reference in the tests).
         ``order``: ``rows`` are in this permutation of the caller's order, whose order the
         sampling rows keep."""
         S, bs = len(rows), self.block_size
@@ -262,9 +312,7 @@ class ModelRunner:
         assert self.ranks is not None
         try:
             self.ranks.check()  # a rank that died between steps (or an earlier failure): fail now
-            rows = [(s.seq.block_table, s.start, s.num_new_tokens, s.samples) for s in scheduled]
-            host, max_q, max_k = self._host(rows, [s.seq.token_ids[s.start:s.start + s.num_new_tokens]
-                                                   for s in scheduled])
+            host, max_q, max_k = self.step_host(scheduled)
             self.ranks.send(host, max_q, max_k)
             return self.run_step(host, max_q, max_k)
         except Exception as e:
@@ -276,6 +324,89 @@ class ModelRunner:
         inputs = self._tensors(host, max_seqlen_q, max_seqlen_k)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         return self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V]
+
+
+class BlockTableRows:
+    """Sequences' block tables as rows of one int32 array kept across steps: a step gathers its
+    sequences' rows (numpy) instead of converting every Python table again.
+
+    A sequence's row is written whole when it first runs and whenever its ``block_table`` is a
+    new list (a preemption frees the blocks and starts a new one); otherwise only the blocks
+    appended since its last step are copied in (block tables only grow while a sequence holds
+    them). When no row is free, the rows of sequences that no longer run are reclaimed; if none
+    is, the array doubles. A row holds zeros past its table, as ``_host``'s tables do.
+    """
+
+    def __init__(self, num_rows: int, width: int) -> None:
+        num_rows, width = max(num_rows, 1), max(width, 1)
+        self.array = np.zeros((num_rows, width), np.int32)  # [R, W]
+        self._row_of: dict[Sequence, int] = {}
+        self._seqs: list[Sequence | None] = [None] * num_rows
+        self._tables: list[list[int] | None] = [None] * num_rows  # the list each row copies
+        self._lens = [0] * num_rows  # how much of that list the row holds
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def rows(self, seqs: list[Sequence]) -> np.ndarray:
+        """The rows holding ``seqs``' block tables as they are now: ``[S]`` int64."""
+        row_of, tables, lens = self._row_of, self._tables, self._lens
+        out = []
+        for seq in seqs:
+            table = seq.block_table
+            row = row_of.get(seq)
+            if row is None or tables[row] is not table or lens[row] > len(table):
+                row = self._write(seq, row, seqs)
+            elif lens[row] != len(table):  # blocks appended since the last step
+                n = lens[row]
+                if len(table) > self.array.shape[1]:
+                    self._widen(len(table))
+                self.array[row, n:len(table)] = table[n:]
+                lens[row] = len(table)
+            out.append(row)
+        return np.array(out, np.int64)
+
+    def gather(self, rows: np.ndarray, width: int) -> np.ndarray:
+        """The first ``width`` blocks of ``rows``: ``[S, width]`` int32, a fresh array."""
+        if width > self.array.shape[1]:
+            self._widen(width)
+        return self.array[rows, :width]
+
+    def _write(self, seq: Sequence, row: int | None, step: list[Sequence]) -> int:
+        if row is None:
+            if not self._free:
+                self._reclaim(step)
+            row = self._free.pop()
+            self._row_of[seq] = row
+            self._seqs[row] = seq
+        table = seq.block_table
+        if len(table) > self.array.shape[1]:
+            self._widen(len(table))
+        self.array[row] = 0
+        self.array[row, :len(table)] = table
+        self._tables[row], self._lens[row] = table, len(table)
+        return row
+
+    def _reclaim(self, step: list[Sequence]) -> None:
+        """Free the rows of sequences not running (finished, or preempted and waiting) and not in
+        this ``step``; double the rows when that frees none."""
+        in_step = set(step)
+        for seq, row in list(self._row_of.items()):
+            if seq.status is not SequenceStatus.RUNNING and seq not in in_step:
+                del self._row_of[seq]
+                self._seqs[row] = self._tables[row] = None
+                self._free.append(row)
+        if self._free:
+            return
+        old = self.array.shape[0]
+        self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+        self._seqs += [None] * old
+        self._tables += [None] * old
+        self._lens += [0] * old
+        self._free = list(range(2 * old - 1, old - 1, -1))
+
+    def _widen(self, width: int) -> None:
+        grown = np.zeros((self.array.shape[0], max(width, 2 * self.array.shape[1])), np.int32)
+        grown[:, :self.array.shape[1]] = self.array
+        self.array = grown
 
 
 class HostStaging:

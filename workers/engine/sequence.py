@@ -111,6 +111,7 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        self.final_only = params.final_only  # read for every moved request every step
         self.arrival_time = arrival_time
         self.seqs = [Sequence(first_seq_id + i, self, i, self.prompt_token_ids, arrival_time)
                      for i in range(params.n)]

@@ -200,6 +200,7 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
             t_q, job = through_queue()
             print(f"  overhead repeat {i + 1}: in-process {t_in:.2f} s, queue {t_q:.2f} s", flush=True)
             pairs.append((t_in, t_q))
+        loop = worker_loop_overhead(r, (repeats + 1) * n, daemons)
     finally:
         for d in daemons:
             d.stop()
@@ -216,7 +217,22 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
             "overhead_ratio": round(statistics.median(t_in / t_q for t_in, t_q in pairs), 3),
             "overhead_added_s": round(statistics.median(t_q - t_in for t_in, t_q in pairs), 3),
             "overhead_ratio_best": round(min(t for t, _ in pairs) / min(t for _, t in pairs), 3),
-            "overhead_tokens_match": match}
+            "overhead_tokens_match": match,
+            "engine_thread_us_per_request": round(loop["loop_overhead_s"] / loop["requests_done"] * 1e6, 1)}
+
+
+def worker_loop_overhead(r: redis.Redis, requests: int, daemons: tuple[Daemon, ...]) -> dict:
+    """Worker ``w0``'s heartbeat once it counts ``requests`` rows: ``loop_overhead_s`` is the engine
+    thread's time outside ``engine.step()`` / ``add_request`` and idle waits, over every job it ran."""
+    from batchinfer.store.registry import Registry
+
+    def info() -> dict | None:
+        for w in Registry(r, Keys(PREFIX)).live_workers():
+            if w.name == "w0" and int(w.info.get("requests_done", 0)) >= requests:
+                return w.info
+        return None
+
+    return wait_for(info, 60, f"a heartbeat of w0 with {requests} requests done", daemons)
 
 
 # -- scale ----------------------------------------------------------------------------------------------
@@ -281,7 +297,8 @@ def main() -> None:
             print(f"overhead: in-process {figures['inprocess_s']} s vs queue {figures['queue_s']} s "
                   f"(medians) -> ratio {figures['overhead_ratio']} "
                   f"(best-of ratio {figures['overhead_ratio_best']}), added {figures['overhead_added_s']} s "
-                  f"(tokens match: {figures['overhead_tokens_match']})",
+                  f"(tokens match: {figures['overhead_tokens_match']}); engine thread "
+                  f"{figures['engine_thread_us_per_request']} us per request",
                   flush=True)
         if not args.skip_scale:
             small = bench_scale(server.url, workdir, 10_000)

@@ -1,22 +1,25 @@
 """The worker daemon: pull batches for one model, drive an ``Engine`` (or an ``EmbeddingEngine``:
 ``task == "embed"``, inputs and pooling parameters in, vectors out), publish each result once.
 
-One loop, one screen (:meth:`WorkerDaemon._iteration`): publish finished rows and ack complete
-batches -> forget batches whose lease was lost -> poll cancellations -> pull a batch when the
-engine has room (one batch stays prefetched) -> feed waiting requests into the engine -> step.
+One loop, one screen (:meth:`WorkerDaemon._iteration`): take publication confirmations and hand
+complete batches' acks over -> forget batches whose lease was lost -> act on cancellations -> pull
+a batch when the engine has room (one batch stays prefetched) -> feed waiting requests into the
+engine -> step. Publishing, retries, acks, exports and the cancellation poll run on the publisher
+thread (:class:`~batchinfer.workers.outbox.PublisherThread`, a Redis connection of its own): the
+engine thread hands rows over through a bounded queue and makes no Redis call for them.
 Requests from consecutive batches share the engine (continuous batching across batches).
 
 Faults stay local: a request the engine refuses gets an ``invalid_request`` row; a request the
 engine fails on goes back to the batch stream for another try, and gets its ``engine_error`` row
 (and a dead letter) once it has failed ``max_attempts`` times; a step that raises without naming
-its request is bisected (:class:`~batchinfer.workers.inflight.Quarantine`) so that only the
-culprit counts a failure; Redis outages are retried with backoff while rows wait in the outbox
-(:mod:`batchinfer.workers.outbox`; publication is idempotent). Only an engine whose every
-step fails (``max_failed_steps`` in a row) ends the daemon, with exit code 3: its batches return
-to the queue through their leases; so does, at once, a tensor-parallel engine whose rank died
+its request is bisected (:class:`~batchinfer.workers.inflight.Quarantine`) so that only the culprit
+counts a failure; Redis outages are retried with backoff while rows wait in the publisher thread's
+outbox (:mod:`batchinfer.workers.outbox`; publication is idempotent). Only an engine whose every
+step fails (``max_failed_steps`` in a row) ends the daemon, with exit code 3: its batches return to
+the queue through their leases; so does, at once, a tensor-parallel engine whose rank died
 (``RankFailure``); serve.py then closes the engine (its rank processes). SIGTERM drains: no more
-pulling, everything held finishes, exit 0; a second SIGTERM / SIGINT stops at once (exit 1;
-leases return the batches). The process around the loop (engine, signals, ``/metrics``) is
+pulling, everything held finishes, exit 0; a second SIGTERM / SIGINT stops at once (exit 1; leases
+return the batches). The process around the loop (engine, signals, ``/metrics``) is
 :mod:`batchinfer.workers.serve`.
 
 At start the worker claims its name (a live worker holding it ends ``run`` with
@@ -53,7 +56,7 @@ from batchinfer.protocol import batches
 from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.redis_conn import Backoff, as_text, ensure_group, read_groups
 from batchinfer.store import replies
-from batchinfer.store.jobstore import JobStatus, read_status
+from batchinfer.store.jobstore import JobField, JobStatus, parse_status
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import (
     NameConflict,
@@ -67,7 +70,7 @@ from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import PooledRequestOutput, RequestOutput
 from batchinfer.workers.inflight import Book, Held, Quarantine
 from batchinfer.workers.keeper import Keeper
-from batchinfer.workers.outbox import DeadLetter, Outbox
+from batchinfer.workers.outbox import DeadLetter, Outbox, PublisherStopped, PublisherThread, own_connection
 from batchinfer.workers.parallel.ranks import RankFailure
 from batchinfer.workers.streams import BatchStreams, split_key, streams_to_read
 
@@ -123,15 +126,22 @@ class WorkerDaemon:
         self.max_seqs = int(self.capacity["max_num_seqs"])
         self.tokenizer_files = tokenizer_files if tokenizer_files is not None else engine.tokenizer_files()
         self.block_ms, self.max_failed_steps = block_ms, max_failed_steps
+        # polled on the publisher thread every cancel_poll_seconds (cancel_poll_steps: unused, kept
+        # for callers of the step-counted poll)
         self.cancel_poll_seconds, self.cancel_poll_steps = cancel_poll_seconds, cancel_poll_steps
         self.hard_stop = hard_stop or threading.Event()
         self.book, self.quarantine = Book(), Quarantine()
         self.cancelled: set[str] = set()
+        # Cancelled job -> (status, code, message) of its rows: replaced whole by the publisher thread
+        self._cancels: dict[str, tuple[str, str, str]] = {}
+        self._seen_cancels = self._cancels
         self.failed_steps = self.steps = self.requests_done = 0
+        # Engine-thread time (perf_counter s): in _iteration, inside engine.step()/add_request, and
+        # idle (a blocking pull, the nap with nothing to run); the rest is the loop's own overhead.
+        self.loop_s = self.engine_s = self.idle_s = 0.0
         self.rank_failed = False  # a tensor-parallel rank died: exit at once (EXIT_ENGINE_BROKEN)
         self.draining = False
         self._ready = False
-        self._last_poll, self._polled_at_step = 0.0, 0
         self.metrics = metrics or WorkerMetrics(self.model, worker=self.name, device=device)
         self.publisher.metrics = self.metrics  # counts reply streams skipped for their type
         self.readiness = readiness or Readiness()
@@ -139,9 +149,15 @@ class WorkerDaemon:
                              register=self._register_model,
                              lease_seconds=settings.lease_seconds, stall_seconds=stall_seconds,
                              heartbeat_seconds=settings.heartbeat_seconds, streams=self.streams)
-        self.outbox = Outbox(r, self.keys, self.streams, self.publisher, enqueue_export=self._enqueue_export,
-                             on_published=self.metrics.row_published, on_acked=self.keeper.release,
-                             max_attempts=settings.max_attempts)
+        # Publishing, retries, acks and exports run on the publisher thread, on a connection of its own
+        own = own_connection(r)
+        sender = Publisher(own, self.keys, direct_retention_s=settings.direct_results_retention_seconds,
+                           metrics=self.metrics)
+        outbox = Outbox(own, self.keys, self.streams, sender, enqueue_export=self._enqueue_export,
+                        on_published=self.metrics.row_published, on_acked=self.keeper.release,
+                        max_attempts=settings.max_attempts)
+        self.outbox = PublisherThread(outbox, hard_stop=self.hard_stop, name=f"publisher-{self.name}",
+                                      poll=self._read_cancelled, poll_seconds=cancel_poll_seconds)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -168,6 +184,8 @@ class WorkerDaemon:
                     backoff.reset()
                 except NameConflict:
                     raise
+                except PublisherStopped:
+                    continue  # a hard stop while the publisher queue was full: the loop ends
                 except Exception as e:  # noqa: BLE001 - Redis away (or a bug): back off, never die
                     delay = backoff.next()
                     if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
@@ -184,24 +202,39 @@ class WorkerDaemon:
                     return EXIT_ENGINE_BROKEN
             return 1
         finally:
+            self.outbox.stop()  # drained when run returns 0; else what is unsent stays to the leases
             self.keeper.stop()
             if self._claimed:
                 with contextlib.suppress(redis.RedisError):  # else the registration expires by itself
                     Registry(self.redis, self.keys).unregister_worker(self.name, self.instance)
 
     def _iteration(self) -> None:
-        self._flush()
-        self._forget_lost()
-        self._poll_cancelled()
-        if self._wants_batch():
-            self._pull(block=not self.engine.has_unfinished() and self.book.empty())
-        self._feed()
-        if self.engine.has_unfinished():
-            self._step()
-        elif self.draining or not self.book.empty():
-            time.sleep(0.005)  # nothing the engine can do: rows wait for Redis, or requests for a group
-        if self.adapters:
-            self._resident = self._read_resident()  # a list replaced whole: the keeper thread reads it
+        began = time.perf_counter()
+        try:
+            self._flush()
+            self._forget_lost()
+            self._poll_cancelled()
+            if self._wants_batch():
+                block = not self.engine.has_unfinished() and self.book.empty()
+                t0 = time.perf_counter()
+                self._pull(block=block)
+                if block:
+                    self.idle_s += time.perf_counter() - t0
+            self._feed()
+            if self.engine.has_unfinished():
+                self._step()
+            elif self.draining or not self.book.empty():
+                time.sleep(0.005)  # nothing the engine can do: rows wait for Redis, or requests for a group
+                self.idle_s += 0.005
+            if self.adapters:
+                self._resident = self._read_resident()  # a list replaced whole: the keeper thread reads it
+        finally:
+            self.loop_s += time.perf_counter() - began
+
+    @property
+    def loop_overhead_s(self) -> float:
+        """Engine-thread seconds spent outside engine calls and idle waits: the queue's cost."""
+        return max(0.0, self.loop_s - self.engine_s - self.idle_s)
 
     def _wants_batch(self) -> bool:
         """Pull while the requests held but not started cannot fill the engine's free room: when the
@@ -238,6 +271,8 @@ class WorkerDaemon:
                 if last is not None:
                     more[stream] = last
             starts = more
+        self._read_cancelled(self.redis)  # at once: batches taken from now on know the cancelled jobs
+        self.outbox.start()
         self.keeper.start()
         self._ready = True
         self.readiness.mark("serving", True)
@@ -405,9 +440,10 @@ class WorkerDaemon:
         """Put one request into the engine; a request it refuses gets its error row at once."""
         req = held.request
         if req.job_id in self.cancelled:
-            self._end(held, *self._cancel_reason(req.job_id))
+            self._end(held, *self._cancels.get(req.job_id, self._cancel_reason(None)))
             return False
         engine_id = self.book.start(held, now_ms())
+        t0 = time.perf_counter()
         try:
             if req.task != self.task:
                 raise ValueError(self._wrong_task(req.task))
@@ -418,6 +454,7 @@ class WorkerDaemon:
                 lora = {"lora": req.lora} if req.lora is not None else {}  # a base request: as before
                 self.engine.add_request(engine_id, prompt_token_ids=req.prompt_token_ids,
                                         sampling_params=req.params(), **lora)
+            self.engine_s += time.perf_counter() - t0
             self.metrics.request_started(engine_id)
         except ValueError as e:
             self._end(held, "failed", "invalid_request", str(e), started=False)  # it never ran
@@ -437,8 +474,10 @@ class WorkerDaemon:
 
     def _step(self) -> None:
         computed, began = self.engine.num_computed_tokens, time.monotonic()
+        t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
+            self.engine_s += time.perf_counter() - t0
         except RankFailure as e:  # a tensor-parallel rank is gone: no step can run again here
             log.critical("worker %s: %s; stopping (held batches return through their leases)", self.name, e)
             self.rank_failed = True  # run() stops with EXIT_ENGINE_BROKEN
@@ -527,8 +566,11 @@ class WorkerDaemon:
         if failures < self.settings.max_attempts:
             log.warning("worker %s: engine failed on %s (attempt %d of %d): %s; retrying", self.name,
                         req.request_id, failures, self.settings.max_attempts, error)
-            self.book.close(req.request_id)
             self.outbox.retry(req)
+            # forgotten now, before the publisher XADDs the retry (which this worker may read back at
+            # once); its batches' acks queue behind the retry, so they go out only once it is sent
+            if done := self.book.done(req.request_id):
+                self.outbox.ack(done)
             return
         message = (f"the engine failed on this request {failures} time(s) (max_attempts "
                    f"{self.settings.max_attempts}); dead-lettered. Last error: {error}")
@@ -537,14 +579,15 @@ class WorkerDaemon:
                   dead_letter=DeadLetter(req, message, failures, set(held.entries), self.name))
 
     def _flush(self) -> None:
-        """Publish queued rows (exactly once, in order), re-dispatch failed requests, ack complete
-        batches, enqueue owed exports."""
+        """Take the publisher thread's confirmations: batches they complete go back to it to ack
+        (it publishes rows exactly once, re-dispatches failed requests, enqueues exports)."""
         self.requests_done += self.outbox.flush(self.book)
 
     def _enqueue_export(self, job_id: str) -> None:
+        """Called on the publisher thread: its own connection."""
         from batchinfer.jobs.queueing import enqueue_export
 
-        enqueue_export(self.redis, self.settings, job_id)
+        enqueue_export(self.outbox.outbox.redis, self.settings, job_id)
 
     def _forget_lost(self) -> None:
         lost = self.keeper.take_lost()
@@ -554,22 +597,31 @@ class WorkerDaemon:
                         self.name, len(dropped))
 
     def _poll_cancelled(self) -> None:
-        now = time.monotonic()
-        recent = now - self._last_poll < self.cancel_poll_seconds
-        if recent and self.steps - self._polled_at_step < self.cancel_poll_steps:
+        """End the held requests of the jobs the publisher thread's last poll found cancelled (no
+        Redis call here: its snapshot is replaced whole)."""
+        cancels = self._cancels
+        if cancels is self._seen_cancels:
             return
-        self._last_poll, self._polled_at_step = now, self.steps
-        self.cancelled = {as_text(m) for m in self.redis.smembers(self.keys.cancelled)}
-        reasons: dict[str | None, tuple[str, str, str]] = {}  # by job id (of_jobs gives job requests)
+        self._seen_cancels = cancels
+        self.cancelled = set(cancels)
         for held in self.book.of_jobs(self.cancelled):
-            job = held.request.job_id
-            if job not in reasons:
-                reasons[job] = self._cancel_reason(job)
             self._abort(held)
-            self._end(held, *reasons[job])
+            self._end(held, *cancels[held.request.job_id or ""])
 
-    def _cancel_reason(self, job_id: str | None) -> tuple[str, str, str]:
-        status = read_status(self.redis, self.keys, job_id) if job_id else None
+    def _read_cancelled(self, r: redis.Redis) -> None:
+        """The cancelled jobs and why (one SMEMBERS, one pipelined HGET of their statuses); called
+        on the publisher thread with its connection, and once at start."""
+        jobs = sorted(as_text(m) for m in r.smembers(self.keys.cancelled))
+        pipe = r.pipeline(transaction=False)
+        for job in jobs:
+            pipe.hget(self.keys.job(job), JobField.STATUS)
+        statuses = pipe.execute() if jobs else []
+        reasons = {job: self._cancel_reason(parse_status(s)) for job, s in zip(jobs, statuses, strict=True)}
+        self._cancels = reasons
+
+    @staticmethod
+    def _cancel_reason(status: JobStatus | None) -> tuple[str, str, str]:
+        """A cancelled job's rows: ``expired`` when its completion window ended, else ``cancelled``."""
         if status is JobStatus.EXPIRED:
             return "expired", "expired", "the job's completion window ended before this request ran"
         return "cancelled", "cancelled", "the job was cancelled"
@@ -587,6 +639,7 @@ class WorkerDaemon:
                 "batches": len(self.book.batches),
                 "load": round(min(1.0, self.engine.num_unfinished() / self.max_seqs), 3),
                 "requests_done": self.requests_done, "steps": self.steps,
+                "loop_overhead_s": round(self.loop_overhead_s, 4), "publisher_queued": self.outbox.queued(),
                 "adapters": self.adapters,
                 "adapter_models": [self.streams.model_of(a) for a in self.adapters],
                 "loras_resident": self._resident,

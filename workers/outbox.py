@@ -16,6 +16,12 @@ is a no-op, a retried request carries its attempt count).
   once every request of it has its row or its retry; entries are the worker's keys
   (:mod:`batchinfer.workers.streams`).
 - **Exports**: the job this worker's row made final gets its rq export enqueued.
+
+:class:`PublisherThread` runs an outbox on a thread of its own, with a Redis connection of its own
+(:func:`own_connection`): the engine thread hands rows, retries and acks over through a bounded
+queue (``put`` blocks when it is full: backpressure, nothing is dropped) and learns back which
+requests are confirmed, so it never waits on Redis to publish. The order guarantees are the
+outbox's: a batch entry is acked only after the engine thread saw all of its requests confirmed.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import dataclasses
 import itertools
 import json
 import logging
+import queue
+import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +42,7 @@ import redis
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
 from batchinfer.protocol.batches import retry_batches
 from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.redis_conn import Backoff
 from batchinfer.store import replies
 from batchinfer.store.publish import Publisher
 from batchinfer.workers.inflight import Book
@@ -41,6 +51,8 @@ from batchinfer.workers.streams import BatchStreams
 log = logging.getLogger(__name__)
 
 FLUSH_CHUNK = 256  # rows per publish pipeline
+QUEUE_SIZE = 64  # hand-overs (one per loop iteration) the engine thread may be ahead of the publisher
+BACKOFF_START_S, BACKOFF_CAP_S = 0.5, 10.0  # the publisher thread's waits after a failed send
 
 
 @dataclass
@@ -91,6 +103,9 @@ class Outbox:
         self.acks: list[str] = []  # keys of batch entries to XACK + XDEL
         self.exports: list[str] = []  # jobs made final by this worker: export to enqueue
         self.dead_letters: list[DeadLetter] = []  # of rows this worker published: to record
+        # (request id, a row: True / a retry: False) sent; confirmed once their dead letters are in
+        self.sent: list[tuple[str, bool]] = []
+        self.confirmed: list[tuple[str, bool]] = []  # the book not told yet (``settle``)
 
     def add(self, row: ResultRow, reply_to: str | None = None, dead_letter: DeadLetter | None = None) -> None:
         self.rows.append(Outgoing(row, reply_to, dead_letter))
@@ -103,16 +118,36 @@ class Outbox:
         self.acks += entries
 
     def empty(self) -> bool:
-        return not (self.rows or self.retries or self.acks or self.exports or self.dead_letters)
+        return not (self.rows or self.retries or self.acks or self.exports or self.dead_letters
+                    or self.sent or self.confirmed)
 
     def flush(self, book: Book) -> int:
         """Send everything owed; returns the number of rows sent (published or found already there).
 
         Raises on a Redis error with everything not yet confirmed still queued.
         """
+        self.send()
+        rows = self.settle(book)
+        self.send_acks()
+        return rows
+
+    def settle(self, book: Book) -> int:
+        """Tell ``book`` which requests are confirmed: batches now complete are queued to ack.
+        Returns the number of rows among them."""
+        rows = 0
+        for request_id, is_row in self.confirmed:
+            self.acks += book.done(request_id)
+            rows += is_row
+        self.confirmed = []
+        return rows
+
+    def send(self) -> None:
+        """Retries, rows, dead letters, exports; what Redis took moves to ``confirmed``.
+
+        Raises on a Redis error with everything not yet confirmed still queued.
+        """
         if self.retries:
-            self._send_retries(book)
-        sent = 0
+            self._send_retries()
         while self.rows:
             chunk = list(itertools.islice(self.rows, self.chunk))
             outcomes = self.publisher.publish_many([(o.row, o.reply_to) for o in chunk])
@@ -124,8 +159,7 @@ class Outbox:
                         self.dead_letters.append(o.dead_letter)
                 if outcome.finalizing and o.row.job_id:
                     self.exports.append(o.row.job_id)
-                self.acks += book.done(o.row.request_id)
-            sent += len(chunk)
+                self.sent.append((o.row.request_id, True))
         if self.dead_letters:
             pipe = self.redis.pipeline(transaction=True)
             for dead in self.dead_letters:
@@ -134,6 +168,14 @@ class Outbox:
                 pipe.hset(self.keys.attempts(job), field, dead.attempts)
             pipe.execute()
             self.dead_letters = []
+        self.confirmed += self.sent  # a batch is acked only after its dead letters are recorded
+        self.sent = []
+        while self.exports:
+            self.enqueue_export(self.exports[0])
+            self.exports.pop(0)
+
+    def send_acks(self) -> None:
+        """XACK + XDEL the complete batch entries (one MULTI)."""
         if self.acks:
             pipe = self.redis.pipeline(transaction=True)
             for stream, ids in self.streams.by_stream(self.acks).items():
@@ -142,12 +184,8 @@ class Outbox:
             pipe.execute()
             self.on_acked(self.acks)
             self.acks = []
-        while self.exports:
-            self.enqueue_export(self.exports[0])
-            self.exports.pop(0)
-        return sent
 
-    def _send_retries(self, book: Book) -> None:
+    def _send_retries(self) -> None:
         """One MULTI: new batch entries holding every request to retry (those on their last attempt
         alone, in ``solo`` batches: ``retry_batches``) on its own stream, and their attempt counts."""
         requests = list(self.retries)
@@ -165,5 +203,196 @@ class Outbox:
         log.warning("re-dispatched %d request(s) the engine failed on: %s", len(requests),
                     ", ".join(f"{q.request_id} (attempt {q.attempts + 1})" for q in requests))
         self.retries.clear()
-        for q in requests:
-            self.acks += book.done(q.request_id)
+        self.sent += [(q.request_id, False) for q in requests]
+
+
+def own_connection(r: redis.Redis) -> redis.Redis:
+    """A client with ``r``'s settings (URL, TLS, timeouts, retries) on a connection pool of its own,
+    so the publisher thread's round trips never queue behind the engine thread's (a blocking
+    XREADGROUP holds its connection for up to ``block_ms``)."""
+    pool = r.connection_pool
+    # the pool derives these per connection itself (redis-py's maintenance notifications)
+    kwargs = {k: v for k, v in pool.connection_kwargs.items()
+              if not k.startswith(("maint_notifications", "orig_"))}
+    return redis.Redis(connection_pool=type(pool)(connection_class=pool.connection_class, **kwargs))
+
+
+class PublisherStopped(RuntimeError):
+    """A hand-over gave up: the queue is full and the worker is stopping at once."""
+
+
+Handover = Callable[[Outbox], None]  # one call on the thread's outbox: add, retry or ack
+
+
+class PublisherThread:
+    """An :class:`Outbox` served by a thread of its own; the engine thread's side has the outbox's
+    methods (``add``, ``retry``, ``ack``, ``flush``, ``empty``) and makes no Redis call.
+
+    ``add`` / ``retry`` / ``ack`` collect; ``flush`` (once per loop iteration) hands what was
+    collected over as one queue item, so a step's rows cost one queue operation. The thread takes
+    what is queued, sends it (:meth:`Outbox.send`, then the acks), and hands the
+    confirmed request ids back; ``flush`` (engine thread) tells the book, which names the batches
+    now complete, and hands their acks over. A Redis outage leaves everything in the thread's outbox,
+    sent again with backoff (every send is idempotent). ``hard_stop`` set: a blocked hand-over
+    raises :class:`PublisherStopped` and the thread ends, leaving what is unsent to the leases.
+    """
+
+    def __init__(self, outbox: Outbox, *, maxsize: int = QUEUE_SIZE, hard_stop: threading.Event | None = None,
+                 name: str = "publisher", poll: Callable[[redis.Redis], None] | None = None,
+                 poll_seconds: float = 0.5):
+        if maxsize < 1:
+            raise ValueError(f"PublisherThread: maxsize must be >= 1, got {maxsize}")
+        self.outbox = outbox
+        self.poll, self.poll_seconds = poll, poll_seconds  # a read run every poll_seconds (cancellations)
+        self.hard_stop = hard_stop or threading.Event()
+        self._queue: queue.Queue[Handover] = queue.Queue(maxsize)
+        self._pending: list[Handover] = []  # collected on the engine thread, handed over by ``flush``
+        self._done: deque[tuple[str, bool]] = deque()  # confirmed (request id, a row), for ``flush``
+        self._halt = threading.Event()  # stop now (``stop``); ``hard_stop`` stops the thread too
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = False
+        self.blocked_s = 0.0  # engine-thread seconds spent waiting for room in the queue
+
+    # -- the engine thread's side -----------------------------------------------------------------
+
+    def add(self, row: ResultRow, reply_to: str | None = None, dead_letter: DeadLetter | None = None) -> None:
+        self._pending.append(lambda o: o.add(row, reply_to, dead_letter))
+
+    def retry(self, request: BatchRequest) -> None:
+        """Collect a retry; the caller tells its book the request is done (its acks queue behind)."""
+        self._pending.append(lambda o: o.retry(request))
+
+    def ack(self, entries: list[str]) -> None:
+        entries = list(entries)
+        self._pending.append(lambda o: o.ack(entries))
+
+    def flush(self, book: Book) -> int:
+        """Tell ``book`` the requests confirmed since the last call, collect the acks of the
+        batches they complete, and hand everything collected over (blocks while the queue is
+        full). Returns the number of rows confirmed. Never touches Redis."""
+        rows, acks = 0, []
+        while self._done:
+            request_id, is_row = self._done.popleft()
+            acks += book.done(request_id)
+            rows += is_row
+        if acks:
+            self.ack(acks)
+        if self._pending:
+            batch, self._pending = self._pending, []
+
+            def apply_all(outbox: Outbox) -> None:
+                for handover in batch:
+                    handover(outbox)
+
+            self._put(apply_all)
+        return rows
+
+    def empty(self) -> bool:
+        """Nothing collected or handed over is unsent, and ``flush`` took every confirmation."""
+        with self._queue.mutex:  # the thread hands confirmations back before it marks items done
+            unfinished = self._queue.unfinished_tasks
+        return unfinished == 0 and not self._done and not self._pending
+
+    def queued(self) -> int:
+        """Hand-overs in the queue, not yet taken by the thread."""
+        return self._queue.qsize()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the thread now; what it has not sent stays unsent (call when ``empty`` to drain)."""
+        self._halt.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.outbox.redis.connection_pool.disconnect()  # the thread's own connection
+
+    def start(self) -> None:
+        """Start the thread (the first hand-over does, too). Engine thread only."""
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def _put(self, handover: Handover) -> None:
+        self.start()
+        try:
+            self._queue.put_nowait(handover)
+            return
+        except queue.Full:
+            pass
+        began = time.perf_counter()
+        try:
+            while True:  # backpressure: wait for room, never drop
+                if self.hard_stop.is_set() or self._halt.is_set():
+                    raise PublisherStopped("the publisher queue is full and the worker is stopping")
+                try:
+                    self._queue.put(handover, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
+        finally:
+            self.blocked_s += time.perf_counter() - began
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def _stopping(self) -> bool:
+        return self._halt.is_set() or self.hard_stop.is_set()
+
+    def _run(self) -> None:
+        backoff = Backoff(BACKOFF_START_S, BACKOFF_CAP_S)
+        taken = 0  # hand-overs taken from the queue, not yet marked done
+        next_poll = time.monotonic() + self.poll_seconds
+        while not self._stopping():
+            if self.poll is not None and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + self.poll_seconds
+                try:
+                    self.poll(self.outbox.redis)
+                except Exception as e:  # noqa: BLE001 - the next poll tries again
+                    log.warning("publisher: poll failed (%s: %s)", type(e).__name__, e)
+            taken += self._take(wait=self.outbox.empty())
+            if self.outbox.empty():
+                taken = self._mark_done(taken)
+                continue
+            try:
+                self.outbox.send()
+                self._hand_back()
+                self.outbox.send_acks()
+                backoff.reset()
+            except Exception as e:  # noqa: BLE001 - Redis away (or a bug): back off, never die
+                self._hand_back()  # what was confirmed before the failure
+                delay = backoff.next()
+                if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
+                    log.warning("publisher: Redis unavailable (%s); %d row(s) wait, retrying in %gs", e,
+                                len(self.outbox.rows), delay)
+                else:
+                    log.exception("publisher: unexpected error; retrying in %gs", delay)
+                self._halt.wait(delay)
+                continue
+            if self.outbox.empty():
+                taken = self._mark_done(taken)
+
+    def _take(self, wait: bool) -> int:
+        """Apply what is queued to the outbox (waiting a little for the first one when ``wait``)."""
+        try:
+            handover = self._queue.get(timeout=0.05) if wait else self._queue.get_nowait()
+        except queue.Empty:
+            return 0
+        n = 0
+        while True:
+            handover(self.outbox)
+            n += 1
+            if n >= self._queue.maxsize:
+                return n
+            try:
+                handover = self._queue.get_nowait()
+            except queue.Empty:
+                return n
+
+    def _hand_back(self) -> None:
+        """Confirmed rows go back to the engine thread; a retry's request was done when handed over
+        (``WorkerDaemon._engine_failed``): the book may hold its re-read batch by now."""
+        self._done.extend(c for c in self.outbox.confirmed if c[1])
+        self.outbox.confirmed = []
+
+    def _mark_done(self, taken: int) -> int:
+        for _ in range(taken):
+            self._queue.task_done()
+        return 0

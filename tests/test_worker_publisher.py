@@ -1,0 +1,207 @@
+"""The worker's publisher thread (``workers.outbox.PublisherThread``) against a real redis-server:
+hand-overs never wait on Redis until the bounded queue is full, rows wait out an outage and are
+published once, a drain publishes everything, and the daemon's engine steps go on while Redis is
+paused (SIGSTOP: commands hang, data stays)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from daemons import ThreadedWorker, wait_until
+
+from batchinfer.config import Settings
+from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
+from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.store.jobstore import JobStore
+from batchinfer.store.publish import Publisher
+from batchinfer.workers.daemon import WorkerDaemon
+from batchinfer.workers.echo_engine import EchoEngine
+from batchinfer.workers.inflight import Book
+from batchinfer.workers.outbox import Outbox, PublisherStopped, PublisherThread, own_connection
+from batchinfer.workers.streams import BatchStreams
+
+PREFIX = "{pt}"
+KEYS = Keys(PREFIX)
+
+
+def _request(job: str | None, idx: int, max_tokens: int = 4) -> BatchRequest:
+    rid = f"{job}:{idx}" if job else f"d{idx}"
+    return BatchRequest(request_id=rid, job_id=job, idx=idx if job else None, prompt_token_ids=[5, 6, 7],
+                        sampling_params={"max_tokens": max_tokens, "temperature": 0.0}, model="echo",
+                        line=idx + 1, custom_id=f"c{idx}", created_at=1)
+
+
+def _row(q: BatchRequest) -> ResultRow:
+    return ResultRow(job_id=q.job_id, request_id=q.request_id, idx=q.idx, status="completed", model="echo")
+
+
+def _dispatch(r, requests: list[BatchRequest]) -> str:
+    """What the scheduler does: one batch entry on the model's stream."""
+    if not r.exists(KEYS.batches("echo")):
+        r.xgroup_create(KEYS.batches("echo"), WORKERS_GROUP, id="0", mkstream=True)
+    fields = {"v": "1", "requests": json.dumps([q.to_dict() for q in requests])}
+    return r.xadd(KEYS.batches("echo"), fields).decode()
+
+
+def _rows(r, job: str) -> list[dict]:
+    return [json.loads(f[b"row"]) for _, f in r.xrange(KEYS.results(job))]
+
+
+def _publisher(r, **kw) -> PublisherThread:
+    own = own_connection(r)
+    outbox = Outbox(own, KEYS, BatchStreams(KEYS, "echo"), Publisher(own, KEYS),
+                    enqueue_export=lambda job: None, on_published=lambda row: None,
+                    on_acked=lambda keys: None, max_attempts=3)
+    return PublisherThread(outbox, **kw)
+
+
+@contextmanager
+def paused(server) -> Iterator[None]:
+    """Redis stopped mid-flight (SIGSTOP): every command waits, nothing is lost."""
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
+def _settle(pub: PublisherThread, book: Book, expected: int) -> None:
+    """Take confirmations (as the engine thread does) until ``expected`` rows came back."""
+    got = [0]
+
+    def more() -> bool:
+        got[0] += pub.flush(book)
+        return got[0] >= expected
+
+    wait_until(more, what=f"{expected} rows confirmed")
+    assert got[0] == expected
+
+
+def test_hand_overs_wait_for_a_paused_redis_only_once_the_queue_is_full(redis_server):
+    r = redis_server.client()
+    JobStore(r, KEYS).create("jp", model="echo")
+    reqs = [_request("jp", i) for i in range(6)]
+    entry = _dispatch(r, reqs)
+    book = Book()
+    book.add_batch(entry, reqs, [False] * 6)
+    pub = _publisher(r, maxsize=4)
+    with paused(redis_server):
+        pub.add(_row(reqs[0]))
+        assert pub.flush(book) == 0  # one hand-over per flush (a loop iteration)
+        wait_until(lambda: pub.queued() == 0, what="the thread to take the first row")  # it waits on Redis
+        began = time.monotonic()
+        for q in reqs[1:5]:
+            pub.add(_row(q))
+            pub.flush(book)  # room in the queue: no wait
+        assert time.monotonic() - began < 0.5
+
+        def last() -> None:
+            pub.add(_row(reqs[5]))
+            pub.flush(book)
+
+        late = threading.Thread(target=last, daemon=True)
+        late.start()
+        late.join(0.5)
+        assert late.is_alive()  # the queue is full: the hand-over waits (backpressure), nothing dropped
+        assert not pub.empty()
+    late.join(10)
+    assert not late.is_alive()
+    _settle(pub, book, 6)
+    wait_until(pub.empty, what="the ack sent")
+    pub.stop()
+    assert sorted(x["idx"] for x in _rows(r, "jp")) == list(range(6))
+    assert r.xlen(KEYS.batches("echo")) == 0  # acked and deleted once all six were published
+
+
+def test_rows_handed_over_during_an_outage_are_published_once_redis_is_back(redis_server):
+    r = redis_server.client()
+    reqs = [_request(None, i) for i in range(3)]
+    book = Book()
+    book.add_batch("1-0", reqs, [False] * 3)
+    pub = _publisher(r)
+    pub.start()
+    redis_server.stop()
+    for q in [*reqs, reqs[0]]:  # the first row twice: a re-run's
+        pub.add(_row(q))
+    assert pub.flush(book) == 0  # handed over without waiting for Redis
+    time.sleep(1.0)  # the thread fails and backs off; the rows wait in its outbox
+    assert pub.flush(book) == 0 and not pub.empty()
+    redis_server.start()  # an empty Redis (no persistence in tests): the script is loaded again
+    r = redis_server.client()
+    _settle(pub, book, 4)
+    wait_until(pub.empty, what="the ack sent")
+    pub.stop()
+    assert sorted(x["request_id"] for x in _rows(r, DIRECT)) == ["d0", "d1", "d2"]  # exactly once
+    assert book.empty()
+
+
+def test_a_hard_stop_gives_up_a_blocked_hand_over(redis_server):
+    r = redis_server.client()
+    hard = threading.Event()
+    pub = _publisher(r, maxsize=1, hard_stop=hard)
+    reqs = [_request(None, i) for i in range(3)]
+    with paused(redis_server):
+        pub.add(_row(reqs[0]))
+        pub.flush(Book())
+        wait_until(lambda: pub.queued() == 0, what="the thread to take the first row")
+        pub.add(_row(reqs[1]))
+        pub.flush(Book())  # fills the queue
+        hard.set()
+        pub.add(_row(reqs[2]))
+        with pytest.raises(PublisherStopped):
+            pub.flush(Book())
+    pub.stop()
+    assert not pub._thread.is_alive()  # what it had not sent is left to the leases
+
+
+def _worker(r, engine: EchoEngine) -> ThreadedWorker:
+    settings = Settings(prefix=PREFIX, heartbeat_seconds=0.3)
+    return ThreadedWorker(WorkerDaemon(r, settings, engine, "w1", block_ms=50))
+
+
+def test_engine_steps_go_on_while_redis_is_paused(redis_server):
+    r = redis_server.client()
+    JobStore(r, KEYS).create("js", model="echo")
+    reqs = [_request("js", i) for i in range(40)]
+    Publisher(r, KEYS).finish_submission("js", 40)
+    _dispatch(r, reqs)  # one batch: 4 in the engine, the rest waiting, nothing more to pull
+    worker = _worker(r, EchoEngine(max_num_seqs=4, requests_per_step=1, step_delay=0.02))
+    daemon = worker.daemon
+    wait_until(lambda: len(daemon.book.held) == 40 and daemon.steps > 0)
+    with paused(redis_server):
+        time.sleep(0.1)  # a send answered just before the pause is handed back by now
+        steps, done = daemon.steps, daemon.requests_done
+        time.sleep(0.4)
+        assert daemon.steps - steps >= 5  # the engine thread does not wait on Redis
+        assert daemon.requests_done == done  # while no row can be published
+    wait_until(lambda: len(_rows(r, "js")) == 40, what="40 rows")
+    assert worker.stop() == 0
+    assert sorted(x["idx"] for x in _rows(r, "js")) == list(range(40))
+    assert r.hget(KEYS.job("js"), "status") == b"finalizing"
+
+
+def test_a_drain_publishes_every_row_before_it_exits(redis_server):
+    r = redis_server.client()
+    JobStore(r, KEYS).create("jd", model="echo")
+    reqs = [_request("jd", i) for i in range(12)]
+    Publisher(r, KEYS).finish_submission("jd", 12)
+    _dispatch(r, reqs)
+    worker = _worker(r, EchoEngine(requests_per_step=4, step_delay=0.02))
+    daemon = worker.daemon
+    wait_until(lambda: len(daemon.book.held) == 12)
+    worker.stop_event.set()  # SIGTERM: drain (no more pulling)
+    with paused(redis_server):
+        wait_until(lambda: not daemon.engine.has_unfinished(), what="every request finished")
+        time.sleep(0.3)
+        assert worker.thread.is_alive()  # rows still wait for Redis: no exit yet
+    assert worker.stop() == 0
+    # at once, no waiting: the drain returned only after every row was published and acked
+    assert sorted(x["idx"] for x in _rows(r, "jd")) == list(range(12))
+    assert r.xlen(KEYS.batches("echo")) == 0

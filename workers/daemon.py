@@ -103,7 +103,7 @@ class WorkerDaemon:
                  model_name: str | None = None, *, served_model_names: list[str] | None = None,
                  device: str = "cpu",
                  tokenizer_files: dict[str, bytes] | None = None, block_ms: int = 1000,
-                 cancel_poll_seconds: float = 0.5, cancel_poll_steps: int = 8, max_failed_steps: int = 32,
+                 cancel_poll_seconds: float = 0.5, max_failed_steps: int = 32,
                  stall_seconds: float | None = None, hard_stop: threading.Event | None = None,
                  metrics: WorkerMetrics | None = None, readiness: Readiness | None = None):
         config = WorkerConfig(model=engine.model_name, served_model_names=list(served_model_names or []),
@@ -126,9 +126,7 @@ class WorkerDaemon:
         self.max_seqs = int(self.capacity["max_num_seqs"])
         self.tokenizer_files = tokenizer_files if tokenizer_files is not None else engine.tokenizer_files()
         self.block_ms, self.max_failed_steps = block_ms, max_failed_steps
-        # polled on the publisher thread every cancel_poll_seconds (cancel_poll_steps: unused, kept
-        # for callers of the step-counted poll)
-        self.cancel_poll_seconds, self.cancel_poll_steps = cancel_poll_seconds, cancel_poll_steps
+        self.cancel_poll_seconds = cancel_poll_seconds  # the publisher thread polls this often
         self.hard_stop = hard_stop or threading.Event()
         self.book, self.quarantine = Book(), Quarantine()
         self.cancelled: set[str] = set()

@@ -166,10 +166,6 @@ class LoRAManager:
             self.refs[seq.lora_slot] -= 1
             seq.lora_slot = -1
 
-    def slot_of(self, seq: Sequence) -> int:
-        """The slot ``seq``'s adapter is in while it runs (-1: none)."""
-        return seq.lora_slot
-
     def root(self, name: str) -> bytes:
         return self.roots[name]
 

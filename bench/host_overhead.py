@@ -16,8 +16,13 @@ are) show the sampler's cost with real vocabularies. One torch thread.
 Besides wall time, each step's CPU time of this thread (``time.thread_time``) is reported: on a
 machine shared with other work it leaves out the time the process waited for a core.
 
+Each case also reports the median CPU time per step of each engine stage (the scheduler's plan,
+the model runner, the sampler, postprocessing), so that a change to one stage shows through the
+noise of a shared machine. ``--output-kind final_only`` runs the requests as the worker daemon
+does (no per-step ``RequestOutput``).
+
 The last line printed is one JSON object: {case: {"us_per_step", "us_per_seq_step",
-"cpu_us_per_step"}} (medians), cases named ``"{mode}/{running}/{vocab}"``.
+"cpu_us_per_step", "stages_cpu_us"}} (medians), cases named ``"{mode}/{running}/{vocab}"``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,10 +61,39 @@ def build_engine(model_dir: Path, running: int) -> Engine:
                                max_num_batched_tokens=max(2048, running * PROMPT_LEN)))
 
 
-def time_case(model_dir: Path, mode: str, running: int, steps: int,
-              profiler: cProfile.Profile | None = None) -> tuple[list[float], list[float]]:
+STAGES = ("schedule", "execute", "sample", "postprocess")
+
+
+class StageClock:
+    """This thread's CPU seconds in each engine stage of the current step: the scheduler's plan,
+    the model runner (inputs + forward + LM head), the sampler, and postprocessing (tokens, text,
+    stops, outputs); wrapped around the engine's own members."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.spent = dict.fromkeys(STAGES, 0.0)
+        engine.scheduler.schedule = self._wrap("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
+        engine.runner.execute = self._wrap("execute", engine.runner.execute)  # type: ignore[method-assign]
+        engine.sampler = self._wrap("sample", engine.sampler)  # type: ignore[assignment]
+        engine._postprocess = self._wrap("postprocess", engine._postprocess)  # type: ignore[method-assign]
+
+    def _wrap(self, stage: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[stage] += time.thread_time() - t0
+        return timed
+
+    def take(self) -> dict[str, float]:
+        spent, self.spent = self.spent, dict.fromkeys(STAGES, 0.0)
+        return spent
+
+
+def time_case(model_dir: Path, mode: str, running: int, steps: int, output_kind: str = "cumulative",
+              profiler: cProfile.Profile | None = None) -> tuple[list[float], list[float], dict[str, float]]:
     """Wall and CPU (this thread's) seconds of each of ``steps`` decode steps with ``running``
-    sequences decoding together."""
+    sequences decoding together, and each stage's median CPU seconds per step."""
     engine = build_engine(model_dir, running)
     for i in range(running):
         params = dict(MODES[mode])
@@ -67,13 +102,16 @@ def time_case(model_dir: Path, mode: str, running: int, steps: int,
         prompt = [(7 * i + j) % 300 + 3 for j in range(PROMPT_LEN)]
         engine.add_request(f"r{i}", prompt_token_ids=prompt,
                            sampling_params=SamplingParams(max_tokens=steps + WARMUP + 8, ignore_eos=True,
-                                                          **params))
+                                                          output_kind=output_kind, **params))
     engine.step()  # the prefill of every prompt (one step: the token budget holds them all)
     if engine.num_waiting:
         raise RuntimeError(f"{engine.num_waiting} requests still waiting after the prefill step")
     for _ in range(WARMUP):
         engine.step()
-    times, cpu = [], []
+    clock = StageClock(engine)
+    times: list[float] = []
+    cpu: list[float] = []
+    stages: dict[str, list[float]] = {stage: [] for stage in STAGES}
     for _ in range(steps):
         if profiler is not None:
             profiler.enable()
@@ -81,12 +119,14 @@ def time_case(model_dir: Path, mode: str, running: int, steps: int,
         engine.step()
         cpu.append(time.thread_time() - c0)
         times.append(time.perf_counter() - t0)
+        for stage, spent in clock.take().items():
+            stages[stage].append(spent)
         if profiler is not None:
             profiler.disable()
     if engine.num_running != running:
         raise RuntimeError(f"{engine.num_running} sequences running, expected {running}")
     engine.close()
-    return times, cpu
+    return times, cpu, {stage: statistics.median(v) for stage, v in stages.items()}
 
 
 def main() -> None:
@@ -96,6 +136,8 @@ def main() -> None:
     ap.add_argument("--vocabs", type=int, nargs="+", default=[320, 49152, 151936])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--profile", choices=list(MODES), help="cProfile this mode (256 running, first vocab)")
+    ap.add_argument("--output-kind", choices=["cumulative", "final_only"], default="cumulative",
+                    help="the requests' SamplingParams.output_kind (the worker daemon's: final_only)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     results: dict[str, dict[str, float]] = {}
@@ -104,19 +146,21 @@ def main() -> None:
             model_dir = make_tiny_model(Path(tmp) / f"v{vocab}", vocab_size=vocab, **MODEL)
             if args.profile:
                 prof = cProfile.Profile()
-                time_case(model_dir, args.profile, args.running[0], args.steps, prof)
+                time_case(model_dir, args.profile, args.running[0], args.steps, args.output_kind, prof)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
                 return
             for running in args.running:
                 for mode in args.modes:
-                    wall, cpu = time_case(model_dir, mode, running, args.steps)
+                    wall, cpu, stages = time_case(model_dir, mode, running, args.steps, args.output_kind)
                     med, med_cpu = statistics.median(wall), statistics.median(cpu)
                     name = f"{mode}/{running}/{vocab}"
                     results[name] = {"us_per_step": round(med * 1e6, 1),
                                      "us_per_seq_step": round(med * 1e6 / running, 2),
-                                     "cpu_us_per_step": round(med_cpu * 1e6, 1)}
+                                     "cpu_us_per_step": round(med_cpu * 1e6, 1),
+                                     "stages_cpu_us": {k: round(v * 1e6, 1) for k, v in stages.items()}}
                     print(f"{name:24s} {med * 1e6:10.1f} us/step {med * 1e6 / running:8.2f} us/seq-step "
-                          f"(cpu {med_cpu * 1e6:8.1f} us/step)", flush=True)
+                          f"(cpu {med_cpu * 1e6:8.1f} us/step; "
+                          + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in stages.items()) + ")", flush=True)
     print(json.dumps(results))
 
 

@@ -1,7 +1,10 @@
-"""The batched host paths of an engine step (issue 16): counter-based seeded draws, the sort-free
-top-p threshold, bulk detokenisation, and the engine wired to them."""
+"""The batched host paths of an engine step (issue 16): counter-based seeded draws, the sorted
+top-k / top-p threshold, bulk detokenisation, and the engine wired to them."""
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 from hypothesis import given, settings
@@ -12,7 +15,7 @@ from batchinfer.workers.engine.sampler import (
     Sampler,
     SamplingRow,
     _nucleus_threshold,
-    _nucleus_threshold_radix,
+    _sorted_threshold,
     _splitmix64,
     counter_uniforms,
     make_generator,
@@ -69,33 +72,58 @@ def test_seeded_rows_in_a_full_batch_match_their_draws_alone():
     assert together[::17] == alone
 
 
+def sorted_top_p(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    return _sorted_threshold(row, torch.tensor([row.shape[1]]), torch.tensor([top_p]))
+
+
 @settings(max_examples=150, deadline=None)
 @given(values=st.lists(st.sampled_from([-1e9, -5.5, -1.0, -0.0, 0.0, 0.25, 1.0, 3.0, 7.5])
                        | st.floats(-20, 20), min_size=1, max_size=60),
        top_p=st.floats(0.001, 0.999), masked=st.integers(0, 5))
-def test_radix_threshold_equals_the_sorted_cumulative_sum(values, top_p, masked):
+def test_sorted_threshold_equals_the_cumulative_sum_of_the_candidates(values, top_p, masked):
     row = torch.tensor([values], dtype=torch.float32)
     row[0, :min(masked, len(values) - 1)] = float("-inf")  # masked tokens: no mass
     p = torch.tensor([top_p])
     ranked = row.sort(dim=-1, descending=True).values
     expected, found = _nucleus_threshold(row, ranked, p)
-    got = _nucleus_threshold_radix(row, p)
+    got = sorted_top_p(row, top_p)
+    assert got.item() in row[0].tolist()  # a logit of the row
     if found.item():
-        # the threshold is a logit of the row; equal mass at a boundary may round either way
+        # equal mass at a boundary may round either way
         mass = lambda t: float(torch.softmax(row, -1)[row >= t].sum())  # noqa: E731
         assert got.item() == expected.item() or abs(mass(got.item()) - top_p) < 1e-5
-        assert got.item() in row[0].tolist()
-    else:
-        assert not (row < got).any()  # mass short of top_p by rounding: nothing is masked
+    else:  # the candidates' float32 sum fell short of top_p: the sorted one keeps nearly all
+        assert float(torch.softmax(row, -1)[row >= got.item()].sum()) >= top_p - 1e-5
 
 
-def test_radix_threshold_rows_do_not_depend_on_each_other():
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(st.floats(-20, 20, width=32), min_size=1, max_size=40),
+       top_k=st.integers(1, 45), top_p=st.floats(0.001, 1.0))
+def test_sorted_threshold_applies_top_p_to_the_top_k(values, top_k, top_p):
+    row = torch.tensor([values], dtype=torch.float32)
+    v = len(values)
+    got = _sorted_threshold(row, torch.tensor([top_k]), torch.tensor([top_p])).item()
+    kth = sorted(values, reverse=True)[min(top_k, v) - 1]
+    if top_p >= 1.0:
+        assert got == (kth if top_k < v else float("-inf"))
+        return
+    alive = sorted((x for x in values if x >= kth), reverse=True)
+    z = sum(math.exp(x - alive[0]) for x in alive)
+    cums = list(itertools.accumulate(math.exp(x - alive[0]) / z for x in alive))  # float64 reference
+    boundary = next((x for x, c in zip(alive, cums, strict=True) if c >= top_p), alive[-1])
+    assert got in alive and got >= kth
+    if all(abs(c - top_p) > 1e-5 for c in cums):  # not within rounding of a boundary
+        assert got == boundary
+
+
+def test_sorted_threshold_rows_do_not_depend_on_each_other():
     torch.manual_seed(1)
     logits = torch.randn(64, 500)
     p = torch.rand(64) * 0.9 + 0.05
-    whole = _nucleus_threshold_radix(logits, p)
+    k = torch.randint(1, 600, (64,))
+    whole = _sorted_threshold(logits, k, p)
     for i in (0, 13, 63):
-        assert torch.equal(whole[i], _nucleus_threshold_radix(logits[i:i + 1], p[i:i + 1])[0])
+        assert torch.equal(whole[i], _sorted_threshold(logits[i:i + 1], k[i:i + 1], p[i:i + 1])[0])
 
 
 def test_append_tokens_equals_appending_one_by_one():

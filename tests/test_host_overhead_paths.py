@@ -85,7 +85,7 @@ def test_sorted_threshold_equals_the_cumulative_sum_of_the_candidates(values, to
     row[0, :min(masked, len(values) - 1)] = float("-inf")  # masked tokens: no mass
     p = torch.tensor([top_p])
     ranked = row.sort(dim=-1, descending=True).values
-    expected, found = _nucleus_threshold(row, ranked, p)
+    expected, found = _nucleus_threshold(row.logsumexp(dim=-1, keepdim=True), ranked, p)
     got = sorted_top_p(row, top_p)
     assert got.item() in row[0].tolist()  # a logit of the row
     if found.item():

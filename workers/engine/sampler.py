@@ -375,8 +375,8 @@ def top_k_top_p_threshold(
     :func:`apply_top_k_top_p` defines them.
 
     Both come off the row sorted once (:func:`_sorted_threshold`). In a vocabulary wider than
-    ``16 * max(k, candidates)`` a ``topk`` of the largest candidates is tried first, and only the
-    rows whose nucleus reaches past them are sorted whole.
+    ``16 * max(k, candidates)`` the largest candidates are tried first, and only the rows whose
+    nucleus reaches past them are sorted whole.
     """
     vocab = logits.shape[1]
     use_k, use_p = top_k < vocab, top_p < 1.0
@@ -387,22 +387,44 @@ def top_k_top_p_threshold(
     width = max(int(top_k[use_k].max()) if any_k else 0, candidates if any_p else 0)
     if vocab <= 16 * width:
         return _sorted_threshold(logits, top_k, top_p)
-    ranked = logits.topk(min(width, vocab), dim=-1).values  # [M, W] descending
+    ranked = _largest(logits, min(width, vocab))  # [M, W] descending
     kth = ranked.gather(1, (top_k.clamp(max=ranked.shape[1]) - 1).long().unsqueeze(1))  # [M, 1]
     kth = torch.where(use_k.unsqueeze(1), kth, float("-inf"))
     if not any_p:
         return kth
-    if any_k:  # top-p sees the top-k only
-        logits_k = logits.masked_fill(logits < kth, float("-inf"))
-        ranked_k = ranked.masked_fill(ranked < kth, float("-inf"))
-        threshold, found = _nucleus_threshold(logits_k, ranked_k, top_p)
-    else:
-        threshold, found = _nucleus_threshold(logits, ranked, top_p)
+    # top-p sees the top-k only: its mass and candidates are those at or above kth
+    ranked = ranked.masked_fill(ranked < kth, float("-inf")) if any_k else ranked
+    threshold, found = _nucleus_threshold(_logsumexp(logits, kth if any_k else None), ranked, top_p)
     redo = (use_p & ~found).nonzero().squeeze(1)
     if len(redo):
         threshold[redo] = _sorted_threshold(logits[redo], top_k[redo], top_p[redo])
     # the nucleus of the top-k lies within it: its threshold is >= kth wherever top-p is on
     return torch.where(use_p.unsqueeze(1), threshold, kth)
+
+
+def _largest(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """Each row's ``width`` largest values, largest first ([M, W]). CPU: numpy's partition and a
+    sort of the W (4x faster than torch's single-thread ``topk`` of [64, 49152])."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return logits.topk(width, dim=-1).values
+    vocab = logits.shape[1]
+    top = np.partition(logits.detach().numpy(), vocab - width, axis=1)[:, vocab - width:]
+    top.sort(axis=1)
+    return torch.from_numpy(top[:, ::-1].copy())
+
+
+def _logsumexp(logits: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, 1]: log of each row's sum of e**logit over the tokens at or above ``floor`` ([M, 1];
+    None: all). CPU: numpy's exp (torch's single-thread ``logsumexp`` of [64, 49152] takes ~5 ms,
+    this ~2; a masked copy of the logits would take ~10 ms more)."""
+    top = logits.amax(dim=-1, keepdim=True)  # [M, 1]
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        kept = logits if floor is None else logits.masked_fill(logits < floor, float("-inf"))
+        return kept.logsumexp(dim=-1, keepdim=True)
+    weights = np.exp((logits - top).detach().numpy())  # [M, V]
+    if floor is not None:
+        weights *= np.greater_equal(logits.detach().numpy(), floor.detach().numpy())
+    return torch.from_numpy(weights.sum(axis=1, keepdims=True)).log() + top
 
 
 def _sort_descending(logits: torch.Tensor) -> torch.Tensor:
@@ -465,16 +487,17 @@ def _at_or_above(x: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
 
 
 def _nucleus_threshold(
-    logits: torch.Tensor, ranked: torch.Tensor, top_p: torch.Tensor
+    lse: torch.Tensor, ranked: torch.Tensor, top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The logit at which the cumulative probability of ``ranked`` (the largest logits of each row,
-    descending) reaches top_p: [M, 1], and [M] bool, False where ``ranked`` holds too little mass
-    (then the threshold is -inf)."""
-    probs = (ranked - logits.logsumexp(dim=-1, keepdim=True)).exp()  # [M, W], shares of the row
-    reached = probs.cumsum(dim=-1) >= top_p.unsqueeze(1)  # [M, W]
-    found = reached.any(dim=-1)
-    first = reached.int().argmax(dim=-1, keepdim=True)  # the first position that reaches top_p
-    threshold = torch.where(found.unsqueeze(1), ranked.gather(1, first), float("-inf"))
+    descending; ``lse`` [M, 1] the log of the row's whole mass) reaches top_p: [M, 1], and [M] bool,
+    False where ``ranked`` holds too little mass (then the threshold is -inf)."""
+    probs = (ranked - lse).exp()  # [M, W], shares of the row
+    short = probs.cumsum(dim=-1) < top_p.unsqueeze(1)  # [M, W]: a prefix of each row (cumsum grows)
+    first = short.sum(dim=-1, keepdim=True)  # [M, 1]: the first position that reaches top_p
+    found = first.squeeze(1) < ranked.shape[1]
+    threshold = torch.where(found.unsqueeze(1), ranked.gather(1, first.clamp(max=ranked.shape[1] - 1)),
+                            float("-inf"))
     return threshold, found
 
 

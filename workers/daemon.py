@@ -450,8 +450,12 @@ class WorkerDaemon:
                 add(engine_id, inputs=req.inputs, pooling_params=req.pooling_params or {})
             else:
                 lora = {"lora": req.lora} if req.lora is not None else {}  # a base request: as before
+                params = req.params()
+                # Only final outputs are read (the row; metrics take engine.step_stats): the engine
+                # builds no per-step output of every running request.
+                params.output_kind = "final_only"
                 self.engine.add_request(engine_id, prompt_token_ids=req.prompt_token_ids,
-                                        sampling_params=req.params(), **lora)
+                                        sampling_params=params, **lora)
             self.engine_s += time.perf_counter() - t0
             self.metrics.request_started(engine_id)
         except ValueError as e:
@@ -491,7 +495,8 @@ class WorkerDaemon:
 
     def _step_done(self, outputs: Sequence[Any], seconds: float, num_batched_tokens: int) -> None:
         engine = self.engine
-        self.metrics.step_done(outputs, seconds, num_batched_tokens=num_batched_tokens)
+        self.metrics.step_done(outputs, seconds, num_batched_tokens=num_batched_tokens,
+                               stats=engine.step_stats)
         self.metrics.set_engine_state(engine.num_running, engine.num_waiting, engine.kv_usage,
                                       engine.num_preemptions)
         self.failed_steps = 0

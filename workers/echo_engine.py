@@ -42,7 +42,7 @@ from typing import Any
 
 from batchinfer.store.registry import read_tokenizer_files
 from batchinfer.workers.engine.interface import WorkerEngine
-from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput
+from batchinfer.workers.engine.outputs import CompletionOutput, FirstToken, RequestOutput, StepStats
 from batchinfer.workers.sampling_params import SamplingParams
 
 FaultHook = Callable[[str], None]  # raises to make that request fail (finished with an error)
@@ -154,6 +154,7 @@ class EchoEngine(WorkerEngine):
         # Prompt + generated tokens of the requests answered: what an engine without a prefix cache
         # computes for them (the echo engine computes nothing).
         self.num_computed_tokens = 0
+        self.step_stats = StepStats()  # the last step's: each answered request's first token
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
         self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
 
@@ -226,6 +227,7 @@ class EchoEngine(WorkerEngine):
         if poisoned:
             raise RuntimeError(f"poison request in the step: {poisoned[0]} (prompt contains {self.poison!r})")
         outputs, self._pending = self._pending, []
+        self.step_stats = StepStats()  # _answer fills it
         for req in chosen:
             del self._waiting[req.request_id]
             self._poisoned.discard(req.request_id)
@@ -301,4 +303,7 @@ class EchoEngine(WorkerEngine):
                    for i in range(p.n)]
         self.num_generated_tokens += want * p.n
         self.num_computed_tokens += len(prompt) + want * p.n
+        stats = self.step_stats  # every token of the answer comes out in this one step
+        stats.first_tokens.append(FirstToken(req.request_id, len(prompt), 0, time.monotonic()))
+        stats.num_generated_tokens += want * p.n
         return RequestOutput(req.request_id, prompt, outputs, num_cached_tokens=0, finished=True)

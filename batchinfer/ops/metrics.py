@@ -17,7 +17,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 from prometheus_client import (
@@ -34,6 +34,9 @@ from prometheus_client.registry import Collector
 
 from batchinfer.keys import Keys
 from batchinfer.store import queue_state
+
+if TYPE_CHECKING:
+    from batchinfer.workers.engine.outputs import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -272,14 +275,21 @@ class WorkerMetrics(_DaemonMetrics):
         self._inflight.pop(request_id, None)
 
     def step_done(self, outputs: Iterable[Any], seconds: float, *,
-                  num_batched_tokens: int | None = None) -> None:
+                  num_batched_tokens: int | None = None, stats: StepStats | None = None) -> None:
         """Record one ``Engine.step()``: its duration, tokens, and each output's progress.
 
         ``outputs`` are the step's ``RequestOutput``s (or an embedding engine's
         ``PooledRequestOutput``s: their prompt tokens count when they finish).
         ``num_batched_tokens`` is what the engine computed this step when it reports it; otherwise
         new prompt tokens (cache hits excluded) plus new generated tokens are used.
+        ``stats``: the engine's ``step_stats`` of this step. With it, first tokens (TTFT, prompt
+        tokens) and generated tokens come from ``stats`` and only finished outputs are read, so
+        the requests may run ``final_only``; without it, every running request's cumulative output
+        is compared with the previous step's.
         """
+        if stats is not None:
+            self._step_stats_done(outputs, seconds, num_batched_tokens, stats)
+            return
         now = self.clock()
         new_prompt = new_generated = computed_prompt = 0
         inflight = self._inflight  # a hot loop: every running request, every step
@@ -310,6 +320,42 @@ class WorkerMetrics(_DaemonMetrics):
                 del inflight[out.request_id]
                 if all(c.finish_reason != "abort" for c in out.outputs):
                     self.inference.observe(now - timing[0])
+        self.step_seconds.observe(seconds)
+        self.step_tokens.observe(num_batched_tokens if num_batched_tokens is not None
+                                 else computed_prompt + new_generated)
+        self.prompt_tokens.inc(new_prompt)
+        self.generation_tokens.inc(new_generated)
+        self.throughput.add(new_prompt + new_generated)
+
+    def _step_stats_done(self, outputs: Iterable[Any], seconds: float, num_batched_tokens: int | None,
+                         stats: StepStats) -> None:
+        """``step_done`` from the engine's step statistics: O(first tokens + finished outputs)."""
+        now = self.clock()
+        new_prompt = computed_prompt = 0
+        inflight = self._inflight
+        for first in stats.first_tokens:  # prefill finished: first token
+            timing = inflight.get(first.request_id)
+            if timing is None:  # not admitted through request_started (e.g. metrics enabled late)
+                timing = inflight[first.request_id] = [now - seconds, None, 0]
+            if timing[1] is None:
+                timing[1] = now
+                self.ttft.observe(now - timing[0])
+                new_prompt += first.num_prompt_tokens
+                computed_prompt += first.num_prompt_tokens - first.num_cached_tokens
+        for out in outputs:
+            if not out.finished:  # a cumulative output: its progress is in ``stats``
+                continue
+            timing = inflight.pop(out.request_id, None)
+            started = timing[0] if timing is not None else now - seconds
+            completions = getattr(out, "outputs", None)
+            if completions is None:  # a PooledRequestOutput (embeddings): one prompt pass, no tokens out
+                new_prompt += out.num_prompt_tokens
+                computed_prompt += out.num_prompt_tokens
+                if out.error is None:
+                    self.inference.observe(now - started)
+            elif all(c.finish_reason != "abort" for c in completions):
+                self.inference.observe(now - started)
+        new_generated = stats.num_generated_tokens
         self.step_seconds.observe(seconds)
         self.step_tokens.observe(num_batched_tokens if num_batched_tokens is not None
                                  else computed_prompt + new_generated)

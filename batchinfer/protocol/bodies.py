@@ -219,7 +219,7 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
                                field="max_completion_tokens")
         body["max_tokens"] = value if value is not None else body.get("max_tokens")
     # output_kind is the in-process engine's knob (LLM sets it): a queued request's row is its final
-    # output whatever it says, and the worker's metrics read every step's outputs.
+    # output whatever it says, and the worker runs every request final_only.
     unknown = sorted(k for k in body if k not in REQUEST_FIELDS
                      and (k not in SamplingParams.FIELDS or k == "output_kind"))
     if unknown and not embed:

@@ -29,7 +29,7 @@ from batchinfer.workers.config import EngineConfig, resolve_dtype
 from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.engine.engine import Engine, check_token_ids
 from batchinfer.workers.engine.interface import WorkerEngine
-from batchinfer.workers.engine.outputs import PooledRequestOutput
+from batchinfer.workers.engine.outputs import PooledRequestOutput, StepStats
 from batchinfer.workers.models.bert import BertModel, load_encoder
 from batchinfer.workers.models.decoder import Decoder
 from batchinfer.workers.models.loader import load_model
@@ -114,6 +114,8 @@ class EmbeddingEngine(WorkerEngine):
         self._pending: list[PooledRequestOutput] = []  # aborts, handed out by the next step()
         self.num_steps = 0
         self.num_computed_tokens = 0
+        # Always empty: nothing is generated (prompt tokens count from the finished outputs).
+        self.step_stats = StepStats()
 
     @classmethod
     def from_model(cls, model: str | Path, **config: Any) -> EmbeddingEngine:

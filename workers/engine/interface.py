@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from batchinfer.workers.engine.outputs import PooledRequestOutput, RequestOutput
+from batchinfer.workers.engine.outputs import PooledRequestOutput, RequestOutput, StepStats
 from batchinfer.workers.sampling_params import SamplingParams
 
 
@@ -126,3 +126,11 @@ class WorkerEngine(Protocol):
     num_computed_tokens: int
     """Tokens computed since the engine started (cumulative); its growth over a step is the step's
     batch size in tokens."""
+
+    step_stats: StepStats
+    """What the last ``step()`` did: the requests whose first token came out in it (request id,
+    prompt length, cached prompt tokens, time) and the tokens it generated. A generating engine's
+    ``step()`` sets a new object each time (a step that raises may leave it partly filled). The
+    daemon's metrics read it instead of per-step outputs, so its generation requests run
+    ``final_only``; an engine that generates nothing (``"embed"``) reports no first tokens and 0
+    tokens (its prompt tokens count from its finished outputs)."""

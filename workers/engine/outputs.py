@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass
@@ -64,6 +64,30 @@ class RequestOutput:
     # Set when the engine finished this request as aborted because it failed (e.g. an exception
     # while processing it); the worker daemon publishes it as an ``engine_error`` row.
     error: str | None = None
+
+
+class FirstToken(NamedTuple):
+    """A request whose first generated token came out in a step (its prefill finished)."""
+
+    request_id: str
+    num_prompt_tokens: int  # len(prompt_token_ids)
+    num_cached_tokens: int  # of them, served from the prefix cache (not computed)
+    time: float  # time.monotonic() when the token was appended
+
+
+@dataclass
+class StepStats:
+    """What one ``step()`` did, for the worker's metrics (``WorkerEngine.step_stats``).
+
+    Filled at a cost of O(requests that got their first token), so that metrics need no per-step
+    output of every running request (the worker runs its requests ``final_only``): TTFT and prompt
+    tokens come from ``first_tokens``, generation tokens from ``num_generated_tokens``, and the
+    end-to-end time from the finished outputs ``step()`` returned.
+    """
+
+    # Each request once, in the step its first token came out (of any of its ``n`` completions).
+    first_tokens: list[FirstToken] = field(default_factory=list)
+    num_generated_tokens: int = 0  # tokens appended this step, every completion, forced ones too
 
 
 # -- embeddings ---------------------------------------------------------------------------------

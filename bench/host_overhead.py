@@ -17,9 +17,13 @@ Besides wall time, each step's CPU time of this thread (``time.thread_time``) is
 machine shared with other work it leaves out the time the process waited for a core.
 
 Each case also reports the median CPU time per step of each engine stage (the scheduler's plan,
-the model runner, the sampler, postprocessing), so that a change to one stage shows through the
-noise of a shared machine. ``--output-kind final_only`` runs the requests as the worker daemon
-does (no per-step ``RequestOutput``).
+the step's inputs, the model's forward + LM head, the sampler, postprocessing), so that a change
+to one stage shows through the noise of a shared machine, and ``host``: the step's CPU time less
+the forward's. On this CPU even the 1-layer model's forward is not negligible (paged decode
+attention over 256 sequences is ~1 ms of torch ops); on a GPU it is device work the host
+overlaps or waits on, so ``host`` is the part of the step a GPU would wait on (the sampler's
+tensor ops included, which a GPU would also run). ``--output-kind final_only`` runs the requests
+as the worker daemon does (no per-step ``RequestOutput``).
 
 The last line printed is one JSON object: {case: {"us_per_step", "us_per_seq_step",
 "cpu_us_per_step", "stages_cpu_us"}} (medians), cases named ``"{mode}/{running}/{vocab}"``.
@@ -61,18 +65,20 @@ def build_engine(model_dir: Path, running: int) -> Engine:
                                max_num_batched_tokens=max(2048, running * PROMPT_LEN)))
 
 
-STAGES = ("schedule", "execute", "sample", "postprocess")
+STAGES = ("schedule", "prepare", "forward", "sample", "postprocess")
 
 
 class StageClock:
     """This thread's CPU seconds in each engine stage of the current step: the scheduler's plan,
-    the model runner (inputs + forward + LM head), the sampler, and postprocessing (tokens, text,
-    stops, outputs); wrapped around the engine's own members."""
+    the step's input arrays and tensors (``ModelRunner.prepare``), the model's forward and LM head
+    (the rest of ``ModelRunner.execute``: what a GPU runs), the sampler, and postprocessing
+    (tokens, text, stops, outputs); wrapped around the engine's own members."""
 
     def __init__(self, engine: Engine) -> None:
-        self.spent = dict.fromkeys(STAGES, 0.0)
+        self.spent = dict.fromkeys((*STAGES, "execute"), 0.0)
         engine.scheduler.schedule = self._wrap("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
         engine.runner.execute = self._wrap("execute", engine.runner.execute)  # type: ignore[method-assign]
+        engine.runner.prepare = self._wrap("prepare", engine.runner.prepare)  # type: ignore[method-assign]
         engine.sampler = self._wrap("sample", engine.sampler)  # type: ignore[assignment]
         engine._postprocess = self._wrap("postprocess", engine._postprocess)  # type: ignore[method-assign]
 
@@ -86,7 +92,9 @@ class StageClock:
         return timed
 
     def take(self) -> dict[str, float]:
-        spent, self.spent = self.spent, dict.fromkeys(STAGES, 0.0)
+        """The step's seconds per stage (then zeroed)."""
+        spent, self.spent = self.spent, dict.fromkeys((*STAGES, "execute"), 0.0)
+        spent["forward"] = spent.pop("execute") - spent["prepare"]
         return spent
 
 
@@ -111,7 +119,7 @@ def time_case(model_dir: Path, mode: str, running: int, steps: int, output_kind:
     clock = StageClock(engine)
     times: list[float] = []
     cpu: list[float] = []
-    stages: dict[str, list[float]] = {stage: [] for stage in STAGES}
+    stages: dict[str, list[float]] = {stage: [] for stage in (*STAGES, "host")}
     for _ in range(steps):
         if profiler is not None:
             profiler.enable()
@@ -119,8 +127,10 @@ def time_case(model_dir: Path, mode: str, running: int, steps: int, output_kind:
         engine.step()
         cpu.append(time.thread_time() - c0)
         times.append(time.perf_counter() - t0)
-        for stage, spent in clock.take().items():
-            stages[stage].append(spent)
+        spent = clock.take()
+        spent["host"] = cpu[-1] - spent["forward"]  # the step but the model's forward
+        for stage, seconds in spent.items():
+            stages[stage].append(seconds)
         if profiler is not None:
             profiler.disable()
     if engine.num_running != running:

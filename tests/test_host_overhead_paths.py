@@ -222,3 +222,62 @@ def test_engine_texts_match_decoding_the_tokens(engine_factory):
             if out.finished:
                 assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
                 assert out.outputs[0].text == text[:text.index(stop)]
+
+
+def _run_all(engine, requests, abort_after: dict[str, int] | None = None) -> dict:
+    """Run ``requests`` ({id: (prompt ids, SamplingParams)}) to the end; {id: final RequestOutput}.
+    ``abort_after``: {id: step} aborts that request after that many steps."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt_token_ids=prompt, sampling_params=params)
+    finals, steps = {}, 0
+    while engine.has_unfinished():
+        steps += 1
+        for rid, at in (abort_after or {}).items():
+            if at == steps:
+                engine.abort(rid)
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    for out in engine.step():  # an abort's output comes with the next step
+        finals[out.request_id] = out
+    return finals
+
+
+def test_final_only_texts_decoded_once_equal_the_step_by_step_texts(engine_factory):
+    """A final-only completion without stop strings is detokenised once, when its output is built;
+    its text is the one the step-by-step detokeniser gives, whatever ended it."""
+    import dataclasses
+
+    base = {
+        "length": ([5, 6, 7, 8], SamplingParams(temperature=1.0, seed=1, max_tokens=40, ignore_eos=True)),
+        "eos": ([9, 10], SamplingParams(temperature=1.0, seed=2, max_tokens=60)),
+        "eos_kept": ([9, 10], SamplingParams(temperature=1.0, seed=2, max_tokens=60,
+                                             include_stop_str_in_output=True, skip_special_tokens=False)),
+        "stop_id": ([11, 12], SamplingParams(temperature=1.0, seed=3, max_tokens=60,
+                                             stop_token_ids=[40, 41, 42])),
+        "n2": ([5, 6, 7], SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=30)),
+        "greedy": ([40, 41, 42], SamplingParams(temperature=0, max_tokens=30)),
+        "aborted": ([20, 21], SamplingParams(temperature=1.0, seed=5, max_tokens=50, ignore_eos=True)),
+        "stop_str": ([7, 8], SamplingParams(temperature=1.0, seed=6, max_tokens=30, stop=["e"])),
+    }
+    final_only = {rid: (p, dataclasses.replace(sp, output_kind="final_only"))
+                  for rid, (p, sp) in base.items()}
+    eager = _run_all(engine_factory(max_num_seqs=32), base, {"aborted": 6})
+    engine = engine_factory(max_num_seqs=32)
+    deferred = _run_all(engine, final_only, {"aborted": 6})
+    assert set(eager) == set(deferred) == set(base)
+    reasons = set()
+    for rid in base:
+        for a, b in zip(eager[rid].outputs, deferred[rid].outputs, strict=True):
+            assert (a.token_ids, a.finish_reason, a.stop_reason) == \
+                (b.token_ids, b.finish_reason, b.stop_reason)
+            assert a.text == b.text, rid
+            reasons.add(a.finish_reason)
+    assert {"length", "stop", "abort"} <= reasons
+    assert eager["length"].outputs[0].text  # texts were produced at all
+    # stop strings need the text every step: such a request is detokenised as it runs
+    assert all(seq.deferred_text is None for r in engine.requests.values() for seq in r.seqs)
+    req = engine.make_request("x", prompt_token_ids=[1, 2], sampling_params=final_only["stop_str"][1])
+    assert req.seqs[0].detokenizer is not None and req.seqs[0].deferred_text is None
+    req = engine.make_request("y", prompt_token_ids=[1, 2], sampling_params=final_only["length"][1])
+    assert req.seqs[0].detokenizer is None and req.seqs[0].deferred_text is not None

@@ -26,7 +26,13 @@ from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.block_manager import BlockManager
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.model_runner import ModelRunner
-from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from batchinfer.workers.engine.outputs import (
+    CompletionOutput,
+    FirstToken,
+    RequestOutput,
+    SampleLogprobs,
+    StepStats,
+)
 from batchinfer.workers.engine.sampler import Sampler, SamplingRow, make_generator
 from batchinfer.workers.engine.scheduler import Scheduler
 from batchinfer.workers.engine.sequence import Request, Sequence
@@ -111,6 +117,7 @@ class Engine(WorkerEngine):
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0
+        self.step_stats = StepStats()  # the last step's first tokens and generated tokens
 
     @classmethod
     def from_model(cls, model: str | Path, **config: Any) -> Engine:
@@ -172,7 +179,11 @@ class Engine(WorkerEngine):
                 seq.generator = make_generator(params.seed, seq.index)
             if params.logprobs is not None:
                 seq.logprobs, seq.cumulative_logprob = [], 0.0
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            if params.final_only and not params.stop and matchers is None:
+                seq.deferred_text = detok  # no step reads its text: decoded once, in _output
+            else:
+                seq.detokenizer = detok
         return req
 
     def _resolve_lora(self, lora: str | LoRARequest) -> str:
@@ -215,6 +226,7 @@ class Engine(WorkerEngine):
         """Run one step; returns the outputs of requests that got a token or finished (of a
         ``final_only`` request: only the one when it finishes)."""
         outputs, self._pending = self._pending, []
+        self.step_stats = stats = StepStats()  # _add_token records first tokens into it
         plan = self.scheduler.schedule()
         if self.lora is not None and self.lora.failed:
             outputs += self._fail_lora_loads(self.lora.take_failed())
@@ -231,7 +243,9 @@ class Engine(WorkerEngine):
         self.scheduler.commit(plan)
         self.structured.apply(logits)  # constrained rows only, before every sampling stage
         sampled = self.sampler(logits, [self._sampling_row(seq) for seq in seqs])
+        generated = self.num_generated_tokens
         outputs += self._postprocess(seqs, sampled.token_ids, sampled.logprobs)
+        stats.num_generated_tokens = self.num_generated_tokens - generated
         self.num_steps += 1
         self.num_computed_tokens += plan.num_batched_tokens
         return outputs
@@ -263,15 +277,17 @@ class Engine(WorkerEngine):
             req = _request_of(seq)
             if seq.is_finished:  # a sibling's failure aborted the whole request
                 continue
-            moved[req.request_id] = req
             try:
                 self._append_token(seq, token, lp, texts.get(j))
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
                 log.exception("request %s failed in postprocessing; aborting it", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"
                 self._finish_request(req, "abort")
-        # A final-only request's output is built once, when it finishes.
-        return [self._output(req) for req in moved.values() if not req.final_only or req.is_finished]
+            # A final-only request's output is built once, when it finishes (its last running
+            # sequence just did).
+            if not req.final_only or (seq.is_finished and req.is_finished):
+                moved[req.request_id] = req
+        return [self._output(req) for req in moved.values()]
 
     def _bulk_texts(self, seqs: list[Sequence], token_ids: list[int]) -> dict[int, str]:
         """The new tokens' texts, detokenised in two batched decodes for the rows that allow it:
@@ -282,8 +298,8 @@ class Engine(WorkerEngine):
         for j, (seq, token) in enumerate(zip(seqs, token_ids, strict=True)):
             req = seq.request
             # n > 1: a sibling's failure may abort the request before this row is reached.
-            if (req is None or seq.is_finished or seq.matcher is not None or len(req.seqs) != 1
-                    or seq.detokenizer is None
+            if (seq.detokenizer is None or req is None or seq.is_finished or seq.matcher is not None
+                    or len(req.seqs) != 1
                     or is_stop_token(len(seq.output_token_ids) + 1, token, req.params, eos)):
                 continue
             rows.append(j)
@@ -317,7 +333,13 @@ class Engine(WorkerEngine):
         """Append one token, advance the grammar, and finish the sequence if it stops here."""
         seq.append_token(token)
         self.num_generated_tokens += 1
-        params = _request_of(seq).params
+        req = _request_of(seq)
+        if len(seq.output_token_ids) == 1 and (len(req.seqs) == 1
+                                               or sum(len(s.output_token_ids) for s in req.seqs) == 1):
+            # The request's first token (of any of its n completions): its TTFT event, once.
+            self.step_stats.first_tokens.append(FirstToken(req.request_id, len(req.prompt_token_ids),
+                                                           req.num_cached_tokens, time.monotonic()))
+        params = req.params
         stop = check_stop(seq.output_token_ids, token, params, self.eos_token_ids, seq.detokenizer,
                           max_len_reached=seq.num_tokens >= self.max_model_len, new_text=text)
         if seq.matcher is not None:
@@ -339,7 +361,7 @@ class Engine(WorkerEngine):
             self.requests.pop(req.request_id, None)
         so = req.params.structured_outputs
         outputs = [
-            CompletionOutput(index=s.index, text=s.detokenizer.text, token_ids=list(s.output_token_ids),
+            CompletionOutput(index=s.index, text=self._text(s), token_ids=list(s.output_token_ids),
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                              logprobs=list(s.logprobs) if s.logprobs is not None else None,
                              cumulative_logprob=s.cumulative_logprob,
@@ -349,6 +371,26 @@ class Engine(WorkerEngine):
         ]
         return RequestOutput(req.request_id, req.prompt_token_ids, outputs, req.num_cached_tokens,
                              req.prompt, finished, error=req.error)
+
+    @staticmethod
+    def _text(seq: Sequence) -> str:
+        """The completion's text so far; a deferred one's detokenizer first takes the tokens it
+        has not seen, in one decode (without a finishing stop token's, as ``check_stop`` leaves
+        it out: without stop strings, a "stop" always ends on a token)."""
+        detok = seq.deferred_text
+        if detok is None:
+            return seq.detokenizer.text if seq.detokenizer is not None else ""
+        ids = seq.output_token_ids
+        end = len(ids)
+        if (seq.finish_reason == "stop" and end
+                and not _request_of(seq).params.include_stop_str_in_output):
+            end -= 1
+        if end > seq.deferred_fed:
+            detok.extend(ids[seq.deferred_fed:end])
+            seq.deferred_fed = end
+        if seq.is_finished:
+            detok.flush()
+        return detok.text
 
     def close(self) -> None:
         """Shut down what the engine runs outside this process: its tensor-parallel ranks

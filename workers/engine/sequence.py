@@ -34,7 +34,7 @@ class Sequence:
         "num_computed_tokens", "block_table", "block_hashes", "num_hashed_blocks", "status",
         "num_cached_tokens", "num_preemptions", "sort_key", "generator", "detokenizer",
         "logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "matcher", "forced_tokens",
-        "sampling_row", "lora", "lora_slot", "hash_root",
+        "sampling_row", "lora", "lora_slot", "hash_root", "deferred_text", "deferred_fed",
     )
 
     def __init__(self, seq_id: int, request: Request | None, index: int, prompt_token_ids: list[int],
@@ -57,6 +57,11 @@ class Sequence:
         self.sort_key = (arrival_time, seq_id)  # oldest first; the newest is preempted first
         self.generator: Any = None  # torch.Generator of a seeded request
         self.detokenizer: Any = None
+        # A final-only completion without stop strings or a grammar: nothing reads its text while
+        # it runs, so its detokenizer (here instead of in ``detokenizer``) takes all its tokens in
+        # one decode when its output is built; ``deferred_fed`` of them are in it so far.
+        self.deferred_text: Any = None
+        self.deferred_fed = 0
         # Set (to [] and 0.0) by the engine for a request that asks for logprobs.
         self.logprobs: list[SampleLogprobs] | None = None
         self.cumulative_logprob: float | None = None

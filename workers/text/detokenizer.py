@@ -60,6 +60,17 @@ class IncrementalDetokenizer:
             return ""
         return self._emit(window)
 
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """Add several output tokens with one decode (a completion whose text nobody read while it
+        ran); return the text they made final, as ``append`` would for the last of them."""
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        window = self._decode(self._ids)
+        if len(window) <= len(self._prefix_text) or window.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._emit(window)
+
     def flush(self) -> str:
         """Emit pending text even if it ends in U+FFFD (the completion ended mid-character)."""
         if not self.has_pending:

@@ -148,8 +148,8 @@ def run_engine(model_dir: Path, prompts, outputs, replay_every: int,
     recorded = []
     stepped = []  # the step's inputs, counted after its timing
 
-    def recording_prepare(scheduled):
-        inputs = prepare(scheduled)
+    def recording_prepare(scheduled, order=None):
+        inputs = prepare(scheduled, order)
         stepped.append(inputs)
         if replay_every and timing["steps"] % replay_every == 0:
             recorded.append(inputs)

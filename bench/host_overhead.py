@@ -12,6 +12,12 @@ are) show the sampler's cost with real vocabularies. One torch thread.
     python bench/host_overhead.py                    # every case (about a minute)
     python bench/host_overhead.py --vocabs 320       # the targets' cases only
     python bench/host_overhead.py --profile seeded   # cProfile of one case (256 running, vocab 320)
+    python bench/host_overhead.py --device cuda --vocabs 49152 --modes greedy sampled  # GPU idle time
+
+With ``--device cuda`` (bfloat16 on the GPU, CUDA graphs for decode) each step also reports
+``gpu_busy``, the device time from the model runner's first kernel to the sampler's last (CUDA
+events), and ``gpu_idle``, the step's wall time less that: how long the GPU waited on the host
+for the step (bench/gpu_check.sh's ``host`` section).
 
 Besides wall time, each step's CPU time of this thread (``time.thread_time``) is reported: on a
 machine shared with other work it leaves out the time the process waited for a core.
@@ -48,9 +54,9 @@ from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.testing import make_tiny_model
 
-MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "max_position_embeddings": 1024}
-MODES = {
+MODEL: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 1024}
+MODES: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
     "sampled": {"temperature": 0.8, "top_p": 0.95},
     "seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 0},  # seed + request number per request
@@ -59,10 +65,12 @@ PROMPT_LEN = 16
 WARMUP = 5
 
 
-def build_engine(model_dir: Path, running: int) -> Engine:
+def build_engine(model_dir: Path, running: int, device: str = "cpu") -> Engine:
     blocks = running * ((PROMPT_LEN + WARMUP + 400) // 16 + 2)
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
     return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=blocks, max_num_seqs=running,
-                               max_num_batched_tokens=max(2048, running * PROMPT_LEN)))
+                               max_num_batched_tokens=max(2048, running * PROMPT_LEN),
+                               device=device, dtype=dtype))
 
 
 STAGES = ("schedule", "prepare", "forward", "sample", "postprocess")
@@ -79,7 +87,7 @@ class StageClock:
         engine.scheduler.schedule = self._wrap("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
         engine.runner.execute = self._wrap("execute", engine.runner.execute)  # type: ignore[method-assign]
         engine.runner.prepare = self._wrap("prepare", engine.runner.prepare)  # type: ignore[method-assign]
-        engine.sampler = self._wrap("sample", engine.sampler)  # type: ignore[assignment]
+        engine.sampler = self._wrap("sample", engine.sampler)
         engine._postprocess = self._wrap("postprocess", engine._postprocess)  # type: ignore[method-assign]
 
     def _wrap(self, stage: str, fn: Any) -> Any:
@@ -98,11 +106,46 @@ class StageClock:
         return spent
 
 
+class DeviceClock:
+    """CUDA: the device time of each step's kernels, from an event recorded as the model runner
+    starts to one recorded as the sampler returns (its ``.tolist()`` has synchronised by then).
+    The step's wall time less this is what the GPU spent waiting on the host."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.begin = self.end = None
+        execute, sample = engine.runner.execute, engine.sampler
+
+        def timed_execute(*args: Any, **kwargs: Any) -> Any:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+            return execute(*args, **kwargs)
+
+        def timed_sample(*args: Any, **kwargs: Any) -> Any:
+            out = sample(*args, **kwargs)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.end.record()
+            return out
+
+        engine.runner.execute = timed_execute  # type: ignore[method-assign]
+        engine.sampler = timed_sample  # type: ignore[assignment]
+
+    def take(self) -> float:
+        """Device seconds of the step just run (0 for a step that ran nothing)."""
+        if self.begin is None or self.end is None:
+            return 0.0
+        self.end.synchronize()
+        seconds = self.begin.elapsed_time(self.end) / 1e3
+        self.begin = self.end = None
+        return seconds
+
+
 def time_case(model_dir: Path, mode: str, running: int, steps: int, output_kind: str = "cumulative",
-              profiler: cProfile.Profile | None = None) -> tuple[list[float], list[float], dict[str, float]]:
+              profiler: cProfile.Profile | None = None,
+              device: str = "cpu") -> tuple[list[float], list[float], dict[str, float]]:
     """Wall and CPU (this thread's) seconds of each of ``steps`` decode steps with ``running``
-    sequences decoding together, and each stage's median CPU seconds per step."""
-    engine = build_engine(model_dir, running)
+    sequences decoding together, and each stage's median CPU seconds per step (on CUDA also
+    ``gpu_busy`` and ``gpu_idle``: the step's device time and its wall time less that)."""
+    engine = build_engine(model_dir, running, device)
     for i in range(running):
         params = dict(MODES[mode])
         if "seed" in params:
@@ -117,9 +160,12 @@ def time_case(model_dir: Path, mode: str, running: int, steps: int, output_kind:
     for _ in range(WARMUP):
         engine.step()
     clock = StageClock(engine)
+    gpu = DeviceClock(engine) if device.startswith("cuda") else None
     times: list[float] = []
     cpu: list[float] = []
     stages: dict[str, list[float]] = {stage: [] for stage in (*STAGES, "host")}
+    if gpu is not None:
+        stages.update(gpu_busy=[], gpu_idle=[])
     for _ in range(steps):
         if profiler is not None:
             profiler.enable()
@@ -129,6 +175,9 @@ def time_case(model_dir: Path, mode: str, running: int, steps: int, output_kind:
         times.append(time.perf_counter() - t0)
         spent = clock.take()
         spent["host"] = cpu[-1] - spent["forward"]  # the step but the model's forward
+        if gpu is not None:
+            spent["gpu_busy"] = gpu.take()
+            spent["gpu_idle"] = max(0.0, times[-1] - spent["gpu_busy"])
         for stage, seconds in spent.items():
             stages[stage].append(seconds)
         if profiler is not None:
@@ -146,22 +195,27 @@ def main() -> None:
     ap.add_argument("--vocabs", type=int, nargs="+", default=[320, 49152, 151936])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--profile", choices=list(MODES), help="cProfile this mode (256 running, first vocab)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (the default) or cuda[:N]: the model in bfloat16 on the GPU; adds the "
+                         "GPU's busy and idle time per step")
     ap.add_argument("--output-kind", choices=["cumulative", "final_only"], default="cumulative",
                     help="the requests' SamplingParams.output_kind (the worker daemon's: final_only)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for vocab in args.vocabs:
             model_dir = make_tiny_model(Path(tmp) / f"v{vocab}", vocab_size=vocab, **MODEL)
             if args.profile:
                 prof = cProfile.Profile()
-                time_case(model_dir, args.profile, args.running[0], args.steps, args.output_kind, prof)
+                time_case(model_dir, args.profile, args.running[0], args.steps, args.output_kind, prof,
+                          args.device)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
                 return
             for running in args.running:
                 for mode in args.modes:
-                    wall, cpu, stages = time_case(model_dir, mode, running, args.steps, args.output_kind)
+                    wall, cpu, stages = time_case(model_dir, mode, running, args.steps, args.output_kind,
+                                                  device=args.device)
                     med, med_cpu = statistics.median(wall), statistics.median(cpu)
                     name = f"{mode}/{running}/{vocab}"
                     results[name] = {"us_per_step": round(med * 1e6, 1),

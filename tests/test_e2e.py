@@ -180,8 +180,10 @@ def test_direct_xadd_producer_with_reply_to(model_stack, llm):
 
 def test_cancel_mid_job(model_stack, tmp_path):
     client = model_stack.client
-    n = 600
-    job = client.submit([{"prompt": f"request {i}", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    # Long enough that the cancel (a CLI process: ~0.5 s) lands mid-job: 600 x 48 tokens took
+    # ~1.2 s on the 2-core VM, and the first rows came at ~0.5 s.
+    n = 1000
+    job = client.submit([{"prompt": f"request {i}", "max_tokens": 128, "ignore_eos": True, "temperature": 0}
                          for i in range(n)], model=MODEL)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while client.status(job).completed < 1:

@@ -7,8 +7,9 @@ created in one place too: :func:`ensure_group`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Any, overload
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import redis
@@ -29,6 +30,29 @@ RETRIES = 6
 BACKOFF_CAP_S = 2.0
 BACKOFF_BASE_S = 0.05
 HEALTH_CHECK_INTERVAL_S = 15
+
+
+def _quiet_handshake() -> dict[str, Any]:
+    """Keywords that keep redis-py's connection handshake to commands every server we support
+    answers: no CLIENT SETINFO (Redis 7.2+) and no maintenance-notifications handshake (redis-py
+    8's "auto" sends one a plain Redis refuses). redis-py ignores those refusals, but when a
+    connection dropped mid-handshake (a server restarting) redis-py 8.1 read a refusal as the next
+    handshake command's reply and raised it, outside the retried errors: an exporter died so.
+    Feature-detected, as ``redis>=5.0`` has neither ``driver_info`` nor maintenance notifications."""
+    params = inspect.signature(redis.Redis.__init__).parameters
+    quiet: dict[str, Any] = {}
+    if "driver_info" in params:
+        quiet["driver_info"] = None
+    elif "lib_name" in params:
+        quiet.update(lib_name=None, lib_version=None)
+    if "maint_notifications_config" in params:
+        from redis.maint_notifications import MaintNotificationsConfig
+
+        quiet["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+    return quiet
+
+
+_QUIET_HANDSHAKE = _quiet_handshake()
 
 
 def connect(
@@ -59,6 +83,7 @@ def connect(
         "health_check_interval": HEALTH_CHECK_INTERVAL_S,
         "socket_timeout": socket_timeout,
         "client_name": "batchinfer",
+        **_QUIET_HANDSHAKE,
     }
     if scheme != "unix":
         kwargs["socket_connect_timeout"] = socket_connect_timeout

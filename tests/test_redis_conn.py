@@ -42,3 +42,17 @@ def test_a_restarted_server_is_reached_again(tmp_path):
 def test_redact_url_hides_only_the_password():
     assert redact_url("rediss://alice:pw@host:6380/1") == "rediss://alice:***@host:6380/1"
     assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+
+
+def test_the_handshake_sends_nothing_the_server_refuses(redis_server):
+    """No handshake command a plain or older Redis refuses (CLIENT SETINFO, redis-py 8's
+    maintenance notifications): such a refusal could be read as another handshake command's reply
+    after a connection dropped mid-handshake."""
+    admin = connect(redis_server.url)  # its own handshake refuses nothing either
+    admin.config_resetstat()  # the fixture's own client's handshake had refusals
+    r = connect(redis_server.url)
+    assert r.ping()
+    r.connection_pool.disconnect()
+    assert r.ping()  # a second handshake on a new connection
+    errors = admin.info("errorstats")
+    assert errors == {}, errors  # no error reply at all, unknown subcommands included

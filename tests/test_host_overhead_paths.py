@@ -102,7 +102,9 @@ def test_sorted_threshold_equals_the_cumulative_sum_of_the_candidates(values, to
 def test_sorted_threshold_applies_top_p_to_the_top_k(values, top_k, top_p):
     row = torch.tensor([values], dtype=torch.float32)
     v = len(values)
-    got = _sorted_threshold(row, torch.tensor([top_k]), torch.tensor([top_p])).item()
+    p = torch.tensor([top_p])  # float32, as the sampler holds it: 0.9999999999999999 is 1.0 (off)
+    got = _sorted_threshold(row, torch.tensor([top_k]), p).item()
+    top_p = p.item()
     kth = sorted(values, reverse=True)[min(top_k, v) - 1]
     if top_p >= 1.0:
         assert got == (kth if top_k < v else float("-inf"))

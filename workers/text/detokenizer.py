@@ -55,10 +55,7 @@ class IncrementalDetokenizer:
     def append(self, token_id: int) -> str:
         """Add one output token; return the text it made final ('' while a character is incomplete)."""
         self._ids.append(token_id)
-        window = self._decode(self._ids)
-        if len(window) <= len(self._prefix_text) or window.endswith(REPLACEMENT_CHAR):
-            return ""
-        return self._emit(window)
+        return self._read()
 
     def extend(self, token_ids: Sequence[int]) -> str:
         """Add several output tokens with one decode (a completion whose text nobody read while it
@@ -66,10 +63,7 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         self._ids.extend(token_ids)
-        window = self._decode(self._ids)
-        if len(window) <= len(self._prefix_text) or window.endswith(REPLACEMENT_CHAR):
-            return ""
-        return self._emit(window)
+        return self._read()
 
     def flush(self) -> str:
         """Emit pending text even if it ends in U+FFFD (the completion ended mid-character)."""
@@ -81,6 +75,13 @@ class IncrementalDetokenizer:
     def truncate(self, length: int) -> None:
         """Cut the emitted text to ``length`` characters (a stop string ended the completion)."""
         self._text = self._text[:length]
+
+    def _read(self) -> str:
+        """Decode the window and emit its new text, unless it ends in an incomplete character."""
+        window = self._decode(self._ids)
+        if len(window) <= len(self._prefix_text) or window.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._emit(window)
 
     def _emit(self, window: str) -> str:
         new = window[len(self._prefix_text):]

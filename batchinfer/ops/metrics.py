@@ -320,12 +320,7 @@ class WorkerMetrics(_DaemonMetrics):
                 del inflight[out.request_id]
                 if all(c.finish_reason != "abort" for c in out.outputs):
                     self.inference.observe(now - timing[0])
-        self.step_seconds.observe(seconds)
-        self.step_tokens.observe(num_batched_tokens if num_batched_tokens is not None
-                                 else computed_prompt + new_generated)
-        self.prompt_tokens.inc(new_prompt)
-        self.generation_tokens.inc(new_generated)
-        self.throughput.add(new_prompt + new_generated)
+        self._record_step(seconds, num_batched_tokens, new_prompt, computed_prompt, new_generated)
 
     def _step_stats_done(self, outputs: Iterable[Any], seconds: float, num_batched_tokens: int | None,
                          stats: StepStats) -> None:
@@ -355,7 +350,12 @@ class WorkerMetrics(_DaemonMetrics):
                     self.inference.observe(now - started)
             elif all(c.finish_reason != "abort" for c in completions):
                 self.inference.observe(now - started)
-        new_generated = stats.num_generated_tokens
+        self._record_step(seconds, num_batched_tokens, new_prompt, computed_prompt,
+                          stats.num_generated_tokens)
+
+    def _record_step(self, seconds: float, num_batched_tokens: int | None, new_prompt: int,
+                     computed_prompt: int, new_generated: int) -> None:
+        """The step's histograms and counters, from what either ``step_done`` path counted."""
         self.step_seconds.observe(seconds)
         self.step_tokens.observe(num_batched_tokens if num_batched_tokens is not None
                                  else computed_prompt + new_generated)

@@ -12,7 +12,7 @@ The order of operations is vLLM's:
 
 Every stage works on the whole batch (or the sub-batch that needs it) at once, and penalties
 touch only the (row, token) pairs they concern. Top-k and top-p become one threshold per row,
-read off the row's logits sorted once (a wide vocabulary first tries a ``topk`` of candidates).
+read off the row's logits sorted once (a wide vocabulary first tries its largest candidates).
 On the CPU the ops torch runs slowly on one thread at these shapes (sort, argmax, exp, a
 broadcast compare: 5-30x numpy's time) run in numpy on the same memory.
 Sampling inverts each row's cumulative distribution (float64) at one uniform draw; a seeded
@@ -402,10 +402,15 @@ def top_k_top_p_threshold(
     return torch.where(use_p.unsqueeze(1), threshold, kth)
 
 
+def _numpy_ok(x: torch.Tensor) -> bool:
+    """Whether the CPU-only numpy paths below may take ``x``: a float32 tensor in host memory."""
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
 def _largest(logits: torch.Tensor, width: int) -> torch.Tensor:
     """Each row's ``width`` largest values, largest first ([M, W]). CPU: numpy's partition and a
     sort of the W (4x faster than torch's single-thread ``topk`` of [64, 49152])."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+    if not _numpy_ok(logits):
         return logits.topk(width, dim=-1).values
     vocab = logits.shape[1]
     top = np.partition(logits.detach().numpy(), vocab - width, axis=1)[:, vocab - width:]
@@ -418,7 +423,7 @@ def _logsumexp(logits: torch.Tensor, floor: torch.Tensor | None = None) -> torch
     None: all). CPU: numpy's exp (torch's single-thread ``logsumexp`` of [64, 49152] takes ~5 ms,
     this ~2; a masked copy of the logits would take ~10 ms more)."""
     top = logits.amax(dim=-1, keepdim=True)  # [M, 1]
-    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+    if not _numpy_ok(logits):
         kept = logits if floor is None else logits.masked_fill(logits < floor, float("-inf"))
         return kept.logsumexp(dim=-1, keepdim=True)
     weights = np.exp((logits - top).detach().numpy())  # [M, V]
@@ -430,7 +435,7 @@ def _logsumexp(logits: torch.Tensor, floor: torch.Tensor | None = None) -> torch
 def _sort_descending(logits: torch.Tensor) -> torch.Tensor:
     """Each row's values, largest first ([M, V] float32). CPU: numpy's sort (torch's single-thread
     sort of [256, 320] takes ~3 ms, numpy's ~0.1 ms); the values alone, so any order of ties."""
-    if logits.device.type != "cpu":
+    if not _numpy_ok(logits):
         return logits.sort(dim=-1, descending=True).values
     ascending = np.sort(logits.detach().numpy(), axis=1)
     return torch.from_numpy(ascending[:, ::-1].copy())  # a positive-stride copy, as torch needs
@@ -446,7 +451,7 @@ def _sorted_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     normal float, so a masked -inf token weighs e**-80: nothing a float64 sum of ones can see),
     summed in float64 per row in sorted order, so a row's thresholds depend on that row alone.
     """
-    m, vocab = logits.shape
+    vocab = logits.shape[1]
     desc = _sort_descending(logits)  # [M, V]
     k = top_k.clamp(1, vocab).long().unsqueeze(1)  # [M, 1]
     kth = desc.gather(1, k - 1)  # [M, 1]
@@ -465,7 +470,7 @@ def _sorted_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
     """``x.exp()``; on the CPU numpy's (2x faster at [256, 320] on one thread)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    if not _numpy_ok(x):
         return x.exp()
     return torch.from_numpy(np.exp(x.detach().numpy()))
 
@@ -473,7 +478,7 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's first largest value's index ([M] int64); on the CPU numpy's (torch's single-thread
     argmax of [256, 320] takes ~115 us, numpy's ~8; of [256, 151936] 47 ms against 8)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    if not _numpy_ok(x):
         return x.argmax(dim=-1)
     return torch.from_numpy(np.argmax(x.detach().numpy(), axis=1).astype(np.int64))
 
@@ -481,7 +486,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 def _at_or_above(x: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """``x >= floor`` (floor [M, 1] broadcast over [M, V]) as x's dtype: 1 where kept, 0 where not.
     CPU: numpy's compare (torch's broadcast compare of [256, 320] takes ~55 us, numpy's ~16)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    if not _numpy_ok(x):
         return (x >= floor).to(x.dtype)
     return torch.from_numpy(np.greater_equal(x.detach().numpy(), floor.detach().numpy()).astype(np.float32))
 

@@ -18,30 +18,30 @@ export PYTHONUNBUFFERED=1
 # A Python with CUDA torch: $PY, else the project venv if it sees a GPU, else python3.
 if [ -z "${PY:-}" ]; then
   PY=python3
-  if [ -x .venv/bin/python ] && .venv/bin/python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' \
+  if [ -x .venv/bin/python ] && .venv/bin/python -P -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' \
       2>/dev/null; then
     PY=.venv/bin/python
   fi
 fi
 # batchinfer must import: an editable install without dependencies (torch/triton are there).
-if ! "$PY" -c 'import batchinfer.kernels' 2>/dev/null; then
+if ! "$PY" -P -c 'import batchinfer.kernels' 2>/dev/null; then
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$LOG_DIR/install.log" 2>&1 \
     || { echo "gpu_check: could not install batchinfer (see $LOG_DIR/install.log)"; exit 1; }
 fi
-"$PY" -c 'import torch; gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+"$PY" -P -c 'import torch; gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
 print(f"gpu_check: {gpu}, torch {torch.__version__}")'
 
 SECTIONS=(
-  "kernel_tests|60|$PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels_triton.py tests/test_kernels_moe.py tests/test_gguf_dequant.py"
-  "noncausal|25|$PY -m pytest -q -p no:cacheprovider tests/test_kernels_noncausal.py -k 'gpu or triton_non_causal'"
+  "kernel_tests|60|$PY -P -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels_triton.py tests/test_kernels_moe.py tests/test_gguf_dequant.py"
+  "noncausal|25|$PY -P -m pytest -q -p no:cacheprovider tests/test_kernels_noncausal.py -k 'gpu or triton_non_causal'"
   "kernels|35|$PY bench/kernels_gpu.py --json $LOG_DIR/kernels.json"
   "engine|35|$PY bench/engine_gpu.py --requests 128 --json $LOG_DIR/engine.json"
   "moe|30|$PY bench/moe_gpu.py --json $LOG_DIR/moe.json"
-  "lora|25|$PY -m pytest -q -s -p no:cacheprovider tests/test_kernels_lora.py -m gpu"
-  "embed|20|$PY -P bench/embed_cpu.py --tiny-cuda --texts 4096 && $PY -m pytest -q -p no:cacheprovider tests/test_embed_engine.py -k cuda"
-  "tp|25|n=\$($PY -c 'import torch; print(torch.cuda.device_count())'); if [ \"\$n\" -lt 2 ]; then echo \"== tp: skipped, \$n GPU(s) (needs 2)\"; else $PY -m pytest -q -p no:cacheprovider tests/test_tp_engine.py -m gpu && $PY -P bench/tp_cpu.py --device cuda --quick --tp \$([ \$n -ge 8 ] && echo 8 || ([ \$n -ge 4 ] && echo 4 || echo 2)); fi"
+  "lora|25|$PY -P -m pytest -q -s -p no:cacheprovider tests/test_kernels_lora.py -m gpu"
+  "embed|20|$PY -P bench/embed_cpu.py --tiny-cuda --texts 4096 && $PY -P -m pytest -q -p no:cacheprovider tests/test_embed_engine.py -k cuda"
+  "tp|25|n=\$($PY -P -c 'import torch; print(torch.cuda.device_count())'); if [ \"\$n\" -lt 2 ]; then echo \"== tp: skipped, \$n GPU(s) (needs 2)\"; else $PY -P -m pytest -q -p no:cacheprovider tests/test_tp_engine.py -m gpu && $PY -P bench/tp_cpu.py --device cuda --quick --tp \$([ \$n -ge 8 ] && echo 8 || ([ \$n -ge 4 ] && echo 4 || echo 2)); fi"
   "host|20|$PY bench/host_overhead.py --device cuda --vocabs 49152 --running 256 --modes greedy sampled --steps 30 --output-kind final_only"
-  "structured|25|$PY -m pytest -q -p no:cacheprovider tests/test_structured_backend.py -m gpu && $PY -P bench/structured.py --quick --device cuda --engine-backends llguidance,xgrammar --json $LOG_DIR/structured.json"
+  "structured|25|$PY -P -m pytest -q -p no:cacheprovider tests/test_structured_backend.py -m gpu && $PY -P bench/structured.py --quick --device cuda --engine-backends llguidance,xgrammar --json $LOG_DIR/structured.json"
 )
 
 summary=()

@@ -29,7 +29,6 @@ import random
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from pathlib import Path
 import redis
 
 from batchinfer.cli.embedded import EmbeddedRedis
+from batchinfer.cli.runner import python_module
 from batchinfer.client.client import SUBMIT_CHUNK, Client
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
@@ -55,7 +55,7 @@ class Daemon:
         self.log = open(workdir / f"{args[0]}-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
         # Pinned before exec, so every thread the daemon starts inherits the CPU set.
         pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
-        self.proc = subprocess.Popen([sys.executable, "-m", "batchinfer.cli", *args], env=env,
+        self.proc = subprocess.Popen([*python_module("batchinfer.cli"), *args], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=pin)
 
     def peak_rss_mb(self) -> float:

@@ -34,6 +34,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from batchinfer.cli.embedded import EmbeddedRedis
+from batchinfer.cli.runner import python_module
 from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.jobs.export import iter_stream
@@ -57,7 +58,7 @@ class Daemons:
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         with open(self.logdir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "batchinfer.cli", *args], env=self.env,
+            proc = subprocess.Popen([*python_module("batchinfer.cli"), *args], env=self.env,
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         self.procs[name] = proc

@@ -19,7 +19,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -30,11 +29,12 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from batchinfer.cli.runner import python_module
 from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.store.registry import Registry
 
-CLI = [sys.executable, "-m", "batchinfer.cli"]
+CLI = python_module("batchinfer.cli")
 START_TIMEOUT_S = 180
 JOB_TIMEOUT_S = 300
 LOG_TAIL_LINES = 40

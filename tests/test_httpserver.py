@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from batchinfer.cli.runner import python_module
 from batchinfer.ops.httpserver import HealthServer, Readiness, probe, serve
 
 
@@ -89,7 +89,7 @@ def test_probe_command_exit_codes(server):
     assert probe(http.url + "/readyz") == 0
     readiness.mark("redis", False, "unreachable")
     assert probe(http.url + "/readyz") == 1
-    done = subprocess.run([sys.executable, "-m", "batchinfer.ops.httpserver", http.url + "/readyz"],
+    done = subprocess.run([*python_module("batchinfer.ops.httpserver"), http.url + "/readyz"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "HTTP 503" in done.stderr and "unreachable" in done.stderr
     http.stop()

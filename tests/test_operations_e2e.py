@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +17,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from batchinfer.cli.runner import python_module
 from batchinfer.client.client import Client
 from batchinfer.config import Settings
 
@@ -25,7 +25,7 @@ from .conftest import free_port
 
 pytestmark = pytest.mark.slow
 
-CLI = [sys.executable, "-m", "batchinfer.cli"]
+CLI = python_module("batchinfer.cli")
 START_TIMEOUT_S = 120
 
 
@@ -126,7 +126,7 @@ def test_metrics_move_by_what_a_job_did(stack):
     assert s1["batchinfer_intake_lag_requests"] == 0 and s1["batchinfer_live_workers"] == 1
 
     # the container health check command, and JSON log lines
-    probe = subprocess.run([sys.executable, "-m", "batchinfer.ops.httpserver",
+    probe = subprocess.run([*python_module("batchinfer.ops.httpserver"),
                             f"http://127.0.0.1:{worker_port}/readyz"], timeout=60)
     assert probe.returncode == 0
     first_line = (stack["tmp"] / "worker.log").read_text().splitlines()[0]

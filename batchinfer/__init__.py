@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "batchinfer.workers.llm",
+    "LLM": "batchinfer.workers.entrypoints.llm",
     "SamplingParams": "batchinfer.workers.sampling_params",
-    "StructuredOutputsParams": "batchinfer.workers.structured.params",
-    "LoRARequest": "batchinfer.workers.lora.request",
+    "StructuredOutputsParams": "batchinfer.workers.structured_params",
+    "LoRARequest": "batchinfer.workers.lora_request",
     "Client": "batchinfer.client.client",
     "ModelNotServed": "batchinfer.client.client",
 }
@@ -31,10 +31,10 @@ __all__ = ["LLM", "Client", "LoRARequest", "ModelNotServed", "SamplingParams", "
 
 if TYPE_CHECKING:
     from batchinfer.client.client import Client, ModelNotServed
-    from batchinfer.workers.llm import LLM
-    from batchinfer.workers.lora.request import LoRARequest
+    from batchinfer.workers.entrypoints.llm import LLM
+    from batchinfer.workers.lora_request import LoRARequest
     from batchinfer.workers.sampling_params import SamplingParams
-    from batchinfer.workers.structured.params import StructuredOutputsParams
+    from batchinfer.workers.structured_params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

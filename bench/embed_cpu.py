@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from batchinfer.workers.testing import minilm_model
+from batchinfer.workers.models.demo import minilm_model
 
 
 def minilm_dir() -> Path:
@@ -46,8 +47,10 @@ def tiny_cuda(n: int) -> None:
     """``LLM.embed`` of the tiny random BERT on CUDA (no reference model needed): texts/s."""
     import tempfile
 
-    from batchinfer.workers.llm import LLM
-    from batchinfer.workers.testing import make_tiny_embedding_model
+    from batchinfer.workers.entrypoints.llm import LLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' model factories
+    from tiny_embedders import make_tiny_embedding_model
 
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(model=str(make_tiny_embedding_model(Path(tmp) / "bert")), device="cuda",
@@ -88,7 +91,7 @@ def main() -> None:
 
     from sentence_transformers import SentenceTransformer
 
-    from batchinfer.workers.llm import LLM
+    from batchinfer.workers.entrypoints.llm import LLM
 
     model_dir = minilm_dir()
     texts = make_texts(model_dir, n)

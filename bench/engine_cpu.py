@@ -52,7 +52,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.workers.testing import demo_gguf, make_tiny_model
+from batchinfer.workers.models.demo import demo_gguf
+from batchinfer.workers.models.tiny import make_tiny_model
 
 MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 8,
          "num_key_value_heads": 4, "max_position_embeddings": 1024}

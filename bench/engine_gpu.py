@@ -28,7 +28,7 @@ from engine_cpu import workload  # bench/ is this script's folder, first on sys.
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.kernels import available_backends
-from batchinfer.workers.testing import make_tiny_model
+from batchinfer.workers.models.tiny import make_tiny_model
 
 QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
               "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,

@@ -49,10 +49,10 @@ from typing import Any
 
 import torch
 
-from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.engine import Engine
+from batchinfer.workers.engine_config import EngineConfig
+from batchinfer.workers.models.tiny import make_tiny_model
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.testing import make_tiny_model
 
 MODEL: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                          "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 1024}

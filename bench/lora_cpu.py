@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.engine import Engine
+from batchinfer.workers.engine_config import EngineConfig
+from batchinfer.workers.models.tiny import make_tiny_model
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.testing import make_tiny_model
 
 MODEL = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 4, "max_position_embeddings": 1024}

@@ -144,7 +144,7 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
     import torch
 
     from batchinfer import LLM, SamplingParams
-    from batchinfer.workers.testing import make_tiny_model
+    from batchinfer.workers.models.tiny import make_tiny_model
 
     pinned = pin_redis_pid is not None
     engine_cpus, other_cpus = {0}, set(range(1, os.cpu_count() or 1))

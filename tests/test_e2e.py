@@ -55,7 +55,7 @@ def echo_stack(redis_session, tmp_path):
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    from batchinfer.workers.llm import LLM
+    from batchinfer.workers.entrypoints.llm import LLM
 
     return LLM(tiny_llama)
 

@@ -28,9 +28,9 @@ from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.redis_conn import ensure_group
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.registry import Registry
-from batchinfer.workers.config import EngineConfig
-from batchinfer.workers.daemon import WorkerDaemon
-from batchinfer.workers.echo_engine import EchoEngine
+from batchinfer.workers.engine_config import EngineConfig
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.service.echo_engine import EchoEngine
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,7 +39,7 @@ LONG = "embeddings map sentences to vectors and similar sentences get nearby vec
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
-    from batchinfer.workers.testing import make_tiny_embedding_model
+    from tiny_embedders import make_tiny_embedding_model
 
     return make_tiny_embedding_model(tmp_path_factory.mktemp("models") / "tiny-bert")
 
@@ -53,7 +53,7 @@ def stack(redis_server, tmp_path):
 
 def reference(bert, texts: list[str]) -> tuple[list[list[float]], list[int]]:
     """``LLM.embed``'s vectors of ``texts`` and their token counts (the in-process API, same folder)."""
-    from batchinfer.workers.llm import LLM
+    from batchinfer.workers.entrypoints.llm import LLM
 
     outs = LLM(bert).embed(texts)
     return [out.outputs.embedding for out in outs], [len(out.prompt_token_ids) for out in outs]
@@ -241,7 +241,7 @@ def test_the_worker_registers_its_task_and_answers_wrong_requests_with_rows(redi
 
 
 def _llm(bert):
-    from batchinfer.workers.llm import LLM
+    from batchinfer.workers.entrypoints.llm import LLM
 
     return LLM(bert)
 

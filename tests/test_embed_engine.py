@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_embedders import make_tiny_embedding_model
 
 from batchinfer import LLM
 from batchinfer.workers.engine.embedder import EmbeddingEngine, is_embedding_model
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import EmbeddingRequestOutput, PooledRequestOutput
+from batchinfer.workers.models.tiny import make_tiny_model
 from batchinfer.workers.pooling_params import PoolingParams
-from batchinfer.workers.testing import make_tiny_embedding_model, make_tiny_model
 
 
 @pytest.fixture(scope="module")

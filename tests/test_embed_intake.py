@@ -14,8 +14,9 @@ from batchinfer.protocol.entries import IntakeEntry
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.store.jobstore import JobStore
-from batchinfer.store.registry import Registry, fingerprint, read_tokenizer_files
-from batchinfer.workers.config import EngineConfig
+from batchinfer.store.registry import Registry, fingerprint
+from batchinfer.workers.engine_config import EngineConfig
+from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 KEYS = Keys("{emb}")
 CONTEXT = 32
@@ -25,7 +26,7 @@ LONG = "embeddings map sentences to vectors and similar sentences get nearby vec
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
-    from batchinfer.workers.testing import make_tiny_embedding_model
+    from tiny_embedders import make_tiny_embedding_model
 
     return make_tiny_embedding_model(tmp_path_factory.mktemp("models") / "tiny-bert")
 

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_embedders import EMBEDDING_KINDS, make_tiny_embedding_model
 
 from batchinfer import LLM
-from batchinfer.store.registry import read_tokenizer_files
 from batchinfer.workers.models.bert import EncoderConfig, load_encoder
-from batchinfer.workers.testing import EMBEDDING_KINDS, make_tiny_embedding_model, minilm_model
+from batchinfer.workers.models.demo import minilm_model
 from batchinfer.workers.text.tokenizer import Tokenizer
+from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 sentence_transformers = pytest.importorskip("sentence_transformers")

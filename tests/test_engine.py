@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.engine import Engine
+from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.sampling_params import SamplingParams
 
 
@@ -257,7 +257,7 @@ def test_cuda_engine_with_graphs_matches_eager(tiny_llama):
 def test_from_model_and_the_lazy_public_api(tiny_llama):
     import batchinfer
     from batchinfer.client.client import Client
-    from batchinfer.workers.llm import LLM
+    from batchinfer.workers.entrypoints.llm import LLM
 
     engine = Engine.from_model(tiny_llama, num_kv_blocks=8, max_num_seqs=2)
     assert engine.model_name == tiny_llama.name and engine.capacity()["kv_tokens"] == 128

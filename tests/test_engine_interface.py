@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from batchinfer.workers.config import EngineConfig
-from batchinfer.workers.echo_engine import EchoEngine
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.engine.interface import WorkerEngine
+from batchinfer.workers.engine_config import EngineConfig
+from batchinfer.workers.service.echo_engine import EchoEngine
 
-DAEMON = Path(__file__).resolve().parents[1] / "workers" / "daemon.py"
+DAEMON = Path(__file__).resolve().parents[1] / "workers" / "service" / "daemon.py"
 
 
 def protocol_members() -> set[str]:

@@ -19,7 +19,7 @@ import torch
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.workers.models import ModelConfig, load_model
-from batchinfer.workers.testing import tokenizer_files
+from batchinfer.workers.models.tiny import tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 
@@ -196,7 +196,7 @@ def _replace(config: ModelConfig, **changes) -> ModelConfig:
 
 def _dense_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """One whole-prompt forward through the paged path (one sequence, reference attention)."""
-    from batchinfer.workers.engine.attention import AttentionMetadata
+    from batchinfer.workers.models.attention import AttentionMetadata
 
     T, bs = ids.shape[0], 16
     blocks = -(-T // bs)

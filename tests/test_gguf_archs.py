@@ -24,13 +24,13 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from gguf_helpers import assert_matches_transformers, assert_same_model, gguf_folder, prompts  # noqa: E402
+from gguf_writer import write_gguf  # noqa: E402
 from moe_models import make_tiny_moe_model  # noqa: E402
 from test_gemma import make_gemma  # noqa: E402
 from test_phi3 import make_tiny_phi3  # noqa: E402
 
 from batchinfer.workers.models import load_model  # noqa: E402
 from batchinfer.workers.models.gguf import GGUFFile, dequantize  # noqa: E402
-from batchinfer.workers.models.gguf.writer import write_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow  # transformers' eager generate dominates
 Q = gguf.GGMLQuantizationType

@@ -27,7 +27,7 @@ from gguf_helpers import (  # noqa: E402
 from batchinfer import LLM, SamplingParams  # noqa: E402
 from batchinfer.workers.models import ModelConfig, load_model  # noqa: E402
 from batchinfer.workers.models.gguf import GGUFFile, dequantize, gguf_path, unpermute_qk  # noqa: E402
-from batchinfer.workers.testing import make_tiny_model  # noqa: E402
+from batchinfer.workers.models.tiny import make_tiny_model  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -83,8 +83,8 @@ def test_greedy_and_logits_match_transformers_gguf(tmp_path, arch, qtype):
 
 
 def test_served_name_of_a_gguf_file_is_its_stem(tmp_path):
-    from batchinfer.workers.config import EngineConfig
     from batchinfer.workers.engine.engine import Engine
+    from batchinfer.workers.engine_config import EngineConfig
     from batchinfer.workers.text.tokenizer import Tokenizer
 
     hf, folder = gguf_folder(tmp_path, "LlamaForCausalLM", Q.Q8_0)
@@ -175,7 +175,7 @@ def test_missing_tensors_are_named(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_q4_1_matches_transformers(tmp_path):
-    from batchinfer.workers.testing import demo_gguf
+    from batchinfer.workers.models.demo import demo_gguf
 
     try:
         path = demo_gguf()

@@ -21,10 +21,11 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers  # noqa
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
 from batchinfer.keys import Keys  # noqa: E402
-from batchinfer.store.registry import Registry, read_tokenizer_files  # noqa: E402
-from batchinfer.workers import testing  # noqa: E402
+from batchinfer.store.registry import Registry  # noqa: E402
+from batchinfer.workers.models import tiny as testing  # noqa: E402
 from batchinfer.workers.models.gguf import tokenizer as gguf_tokenizer  # noqa: E402
 from batchinfer.workers.text.tokenizer import Tokenizer  # noqa: E402
+from batchinfer.workers.text.tokenizer_files import read_tokenizer_files  # noqa: E402
 
 TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -126,7 +127,7 @@ def byte_level() -> HFTokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     numbers = "In 2024 and 2025, 123 of 1234 were 42; 2024 1234 12 42 007 3.14 3.14159 1,000,000 2024"
-    tok.train_from_iterator([testing._CORPUS, numbers, "x  \n\n\t  y   z\n    w"], trainers.BpeTrainer(
+    tok.train_from_iterator([testing.CORPUS, numbers, "x  \n\n\t  y   z\n    w"], trainers.BpeTrainer(
         vocab_size=400, min_frequency=1, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.add_special_tokens(list(testing.SPECIAL_TOKENS))
@@ -138,7 +139,7 @@ def sentencepiece() -> HFTokenizer:
     """A SentencePiece-style (Llama 2) BPE: <unk> <s> </s>, the 256 byte tokens, then learned pieces."""
     trained = HFTokenizer(models.BPE())
     trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    trained.train_from_iterator([testing._CORPUS, "ÿ café été naïve 日本"], trainers.BpeTrainer(
+    trained.train_from_iterator([testing.CORPUS, "ÿ café été naïve 日本"], trainers.BpeTrainer(
         vocab_size=200, min_frequency=1, show_progress=False))
     learned = json.loads(trained.to_str())["model"]
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}

@@ -17,7 +17,8 @@ from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.scheduler.staging import held_key
 from batchinfer.store.jobstore import JobStore
-from batchinfer.store.registry import Registry, read_tokenizer_files
+from batchinfer.store.registry import Registry
+from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 KEYS = Keys("{h}")
 CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_tokens": 4096}

@@ -20,8 +20,8 @@ from batchinfer.workers.engine.sampler import (
     counter_uniforms,
     make_generator,
 )
+from batchinfer.workers.models.tiny import build_tokenizer
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.testing import build_tokenizer
 from batchinfer.workers.text.detokenizer import IncrementalDetokenizer, append_tokens
 from batchinfer.workers.text.stopping import check_stop, is_stop_token
 

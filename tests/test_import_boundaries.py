@@ -14,7 +14,7 @@ WORKERS = Path(__file__).resolve().parents[1] / "workers"
 def test_worker_entry_points_load_no_scheduler_module(tmp_path: Path) -> None:
     # a fresh interpreter (sys.modules of this test run is full of everything), started in a temp
     # cwd with -P so that the repo root's kernels/ folder does not shadow an installed package
-    code = ("import batchinfer.workers.daemon, batchinfer.workers.serve, sys; "
+    code = ("import batchinfer.workers.service.daemon, batchinfer.workers.service.serve, sys; "
             "print(sorted(m for m in sys.modules if m.startswith('batchinfer.scheduler')))")
     out = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)

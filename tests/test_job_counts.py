@@ -21,8 +21,8 @@ from batchinfer.protocol.rows import ResultRow
 from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.store.jobstore import JobRecord, JobStatus, JobStore
 from batchinfer.store.publish import Publisher
-from batchinfer.workers.daemon import WorkerDaemon
-from batchinfer.workers.echo_engine import EchoEngine
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.service.echo_engine import EchoEngine
 
 PREFIX = "{jc}"
 KEYS = Keys(PREFIX)

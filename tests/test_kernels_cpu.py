@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paged_batches import dense_reference, make_paged_batch
 
 from batchinfer import kernels
 from batchinfer.kernels import backends, cpu_attention
-from batchinfer.kernels.testing import dense_reference, make_paged_batch
 
 # (context length incl. queries, queries): 1-token sequences, decodes of many lengths (several
 # buckets), a whole prompt not a multiple of any block size, prefix-cached prefill chunks, a

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_batches import make_paged_batch
 
 from batchinfer import kernels
-from batchinfer.kernels.testing import make_paged_batch
 
 pytestmark = pytest.mark.gpu
 

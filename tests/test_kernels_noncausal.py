@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_setup import DEVICE  # first: it checks triton is not imported yet
-
-from batchinfer import kernels
-from batchinfer.kernels import cpu_attention, dispatch, flash
-from batchinfer.kernels.attention_config import AttentionConfig
-from batchinfer.kernels.testing import (
+from paged_batches import (
     dense_attention,
     dense_reference,
     dense_varlen,
     make_packed,
     make_paged_batch,
 )
+from triton_setup import DEVICE  # first: it checks triton is not imported yet
+
+from batchinfer import kernels
+from batchinfer.kernels import cpu_attention, dispatch, flash
+from batchinfer.kernels.attention_config import AttentionConfig
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 # (context length incl. queries, queries): a lone token, a decode, whole prompts, a chunk over a

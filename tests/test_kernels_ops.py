@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_batches import dense_reference, make_paged_batch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from batchinfer import kernels
 from batchinfer.kernels import backends, dispatch, flash
 from batchinfer.kernels.attention_config import choose_config
-from batchinfer.kernels.testing import dense_reference, make_paged_batch
 
 MIXED = [(1, 1), (37, 1), (19, 19), (50, 9), (5, 2)]
 

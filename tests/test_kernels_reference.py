@@ -7,10 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paged_batches import dense_reference, make_paged_batch
 
 from batchinfer import kernels
 from batchinfer.kernels import reference
-from batchinfer.kernels.testing import dense_reference, make_paged_batch
 
 # (context length incl. queries, queries): a 1-token sequence, decodes, a whole prompt whose length
 # is not a multiple of any block size, prefix-cached prefill chunks, a sequence with no queries.

@@ -15,10 +15,11 @@ from triton_setup import DEVICE  # first: it checks triton is not imported yet
 
 pytest.importorskip("triton")
 
+from paged_batches import dense_reference, make_paged_batch  # noqa: E402
+
 from batchinfer import kernels  # noqa: E402
 from batchinfer.kernels import fused, triton_attention, triton_cache, triton_fused  # noqa: E402
 from batchinfer.kernels.attention_config import AttentionConfig  # noqa: E402
-from batchinfer.kernels.testing import dense_reference, make_paged_batch  # noqa: E402
 
 # Interpreted bfloat16 casts truncate instead of rounding to nearest: allow one more ulp on CPU.
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}

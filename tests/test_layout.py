@@ -149,3 +149,87 @@ def test_every_folder_stays_small():
 def test_top_level_holds_only_cross_cutting_modules():
     top = sorted(p.stem for p in (ROOT / "batchinfer").glob("*.py"))
     assert top == ["__init__", "config", "keys", "redis_conn"]
+
+
+# -- packages: a DAG, and the inference library apart from the queue -------------------------------
+
+# The inference library (docs/architecture.md "Dependency rules"): importable and usable with no
+# Redis. batchinfer.workers.service is not part of it: it is the worker service that feeds it.
+LIBRARY = ("batchinfer.workers", "batchinfer.kernels")
+SERVICE = "batchinfer.workers.service"
+QUEUE_SIDE = ("batchinfer.store", "batchinfer.redis_conn", "batchinfer.protocol", "batchinfer.scheduler",
+              "batchinfer.client", "batchinfer.cli", "batchinfer.ops", "batchinfer.jobs", "batchinfer.config",
+              "batchinfer.keys")
+
+
+def _under(module: str, roots: tuple[str, ...] | str) -> bool:
+    roots = (roots,) if isinstance(roots, str) else roots
+    return any(module == r or module.startswith(r + ".") for r in roots)
+
+
+def package_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Package -> the packages its modules import (a package's own modules, not its sub-packages)."""
+    packages = {name for name, path in modules.items() if path.name == "__init__.py"}
+
+    def package(module: str) -> str:
+        return module if module in packages else module.rsplit(".", 1)[0]
+
+    graph: dict[str, set[str]] = {p: set() for p in packages}
+    for module, deps in import_graph(modules).items():
+        graph[package(module)] |= {package(d) for d in deps} - {package(module)}
+    return graph
+
+
+def test_the_package_graph_is_read_per_package(tmp_path):
+    # a.x imports b.y and b.z imports a.w: no module circle, but a package circle
+    for folder, body in (("a", "import pkg.b.y\n"), ("b", "def f():\n    import pkg.a.w\n")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+        (tmp_path / folder / ("x.py" if folder == "a" else "z.py")).write_text(body)
+    (tmp_path / "a" / "w.py").write_text("")
+    (tmp_path / "b" / "y.py").write_text("")
+    modules = {f"pkg.{p.parent.name}" if p.stem == "__init__" else f"pkg.{p.parent.name}.{p.stem}": p
+               for p in tmp_path.rglob("*.py")}
+    assert find_cycles(import_graph(modules)) == []
+    assert find_cycles(package_graph(modules)) == [["pkg.a", "pkg.b"]]
+
+
+def test_no_package_circles():
+    cycles = find_cycles(package_graph(_modules()))
+    assert cycles == [], f"package circles: {cycles}"
+
+
+def test_the_library_imports_nothing_of_the_queue_side():
+    offenders = {m: sorted(d for d in deps if _under(d, QUEUE_SIDE) or _under(d, SERVICE))
+                 for m, deps in import_graph(_modules()).items()
+                 if _under(m, LIBRARY) and not _under(m, SERVICE)}
+    assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_the_library_loads_without_redis(tmp_path):
+    """The runtime form: LLM, the engines and every library package import no redis module."""
+    import subprocess
+    import sys
+
+    library = sorted(m for m in _modules() if _under(m, LIBRARY) and not _under(m, SERVICE)
+                     and not m.endswith(("xgrammar_backend", "flash")))  # optional third-party imports
+    banned = ("redis", "rq", *QUEUE_SIDE, SERVICE)
+    code = (f"import importlib, sys\nfor m in {library!r}:\n    importlib.import_module(m)\n"
+            f"banned = {banned!r}\n"
+            "print(sorted(m for m in sys.modules if any(m == b or m.startswith(b + '.') for b in banned)))")
+    done = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+# What the wire format may know of the library: the parameters a request carries, never the
+# engine's types (turning an engine output into a row is the worker service's: workers/service/rows.py).
+REQUEST_VOCABULARY = {"batchinfer.workers.sampling_params", "batchinfer.workers.pooling_params",
+                      "batchinfer.workers.structured_params", "batchinfer.workers.lora_request"}
+
+
+def test_the_wire_format_knows_only_the_request_parameters_of_the_library():
+    offenders = {m: sorted(d for d in deps if _under(d, LIBRARY) and d not in REQUEST_VOCABULARY)
+                 for m, deps in import_graph(_modules()).items() if _under(m, "batchinfer.protocol")}
+    assert {m: d for m, d in offenders.items() if d} == {}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.workers.testing import make_tiny_model
+from batchinfer.workers.models.tiny import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

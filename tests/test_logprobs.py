@@ -19,8 +19,9 @@ from batchinfer.protocol.bodies import parse_body
 from batchinfer.protocol.entries import RequestError
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.workers.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from batchinfer.workers.models.tiny import build_tokenizer
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.testing import build_tokenizer
+from batchinfer.workers.service.rows import generation_row
 from batchinfer.workers.text.tokenizer import Tokenizer
 
 CHAT_URL, CMPL_URL = "/v1/chat/completions", "/v1/completions"
@@ -78,7 +79,7 @@ def _output(with_logprobs: bool = True) -> RequestOutput:
 
 
 def _row(url: str | None, logprobs: int | None = 2, with_logprobs: bool = True) -> dict:
-    return ResultRow.for_request(_request(url, logprobs), _output(with_logprobs), finished_at=5000).to_dict()
+    return generation_row(_request(url, logprobs), _output(with_logprobs), finished_at=5000).to_dict()
 
 
 def test_row_logprobs_carry_token_text_bytes_and_the_top_k():
@@ -174,7 +175,7 @@ def test_openai_error_lines_name_the_file_line_and_the_column():
 def test_logprobs_through_a_worker_in_jsonl_openai_and_parquet(redis_session, tiny_llama, tmp_path):
     from daemons import Stack
 
-    from batchinfer.workers.llm import LLM
+    from batchinfer.workers.entrypoints.llm import LLM
 
     model = tiny_llama.name
     chat = [{"role": "user", "content": "Hello there!"}]

@@ -18,8 +18,8 @@ import pytest
 from daemons import Stack, assert_exactly_once
 from lora_cases import make_peft_adapter
 
-from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.engine import Engine
+from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,12 +12,12 @@ import pytest
 import torch
 from lora_cases import PHI3_TARGETS, PROMPTS, make_base, make_peft_adapter, peft_greedy
 
-from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.engine.sequence import SequenceStatus
+from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.lora.adapter import LoRAAdapter, lora_groups
-from batchinfer.workers.lora.request import LoRARequest
 from batchinfer.workers.lora.stack import LoRAStack
+from batchinfer.workers.lora_request import LoRARequest
 from batchinfer.workers.sampling_params import SamplingParams
 
 pytest.importorskip("peft")

@@ -21,7 +21,7 @@ from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.scheduler.lookups import ModelCache
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.registry import Registry, adapter_model_name
-from batchinfer.workers.echo_engine import byte_tokenizer_files
+from batchinfer.workers.service.echo_engine import byte_tokenizer_files
 from batchinfer.workers.text.tokenizer import Tokenizer
 
 PREFIX = "{l}"

@@ -26,12 +26,12 @@ from batchinfer.protocol.rows import BatchRequest
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
-from batchinfer.workers.daemon import WorkerDaemon
-from batchinfer.workers.echo_engine import EchoEngine, adapter_marker
-from batchinfer.workers.inflight import Book
-from batchinfer.workers.keeper import Keeper
-from batchinfer.workers.outbox import Outbox
-from batchinfer.workers.streams import BatchStreams, entry_key, split_key, streams_to_read
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.service.echo_engine import EchoEngine, adapter_marker
+from batchinfer.workers.service.inflight import Book
+from batchinfer.workers.service.keeper import Keeper
+from batchinfer.workers.service.outbox import Outbox
+from batchinfer.workers.service.streams import BatchStreams, entry_key, split_key, streams_to_read
 
 PREFIX = "{lw}"
 KEYS = Keys(PREFIX)
@@ -106,7 +106,7 @@ def test_lora_flags_become_engine_settings_and_bad_ones_are_usage_errors(tmp_pat
         "lora_modules": modules, "max_loras": 2, "max_cpu_loras": 8, "max_lora_rank": 16}
     assert lora_options(modules, 1, None, None, echo=True) == {"adapters": ["sql"], "max_loras": 1}
     assert lora_options({}, None, None, None, echo=False) == {}
-    from batchinfer.workers.config import EngineConfig  # what build_engine passes them to
+    from batchinfer.workers.engine_config import EngineConfig  # what build_engine passes them to
 
     config = EngineConfig(model=str(tmp_path), **lora_options(modules, 2, 8, 16, echo=False))
     assert config.lora_modules == modules and (config.max_loras, config.max_cpu_loras) == (2, 8)
@@ -334,7 +334,7 @@ def test_an_adapter_alias_a_live_worker_of_another_model_serves_is_skipped(redis
     r = redis_server.client()
     registry = Registry(r, KEYS)
     registry.heartbeat_worker("w9", {"model": "other", "served_model_names": ["other", "a"]}, ttl=60)
-    caplog.set_level(logging.WARNING, logger="batchinfer.workers.daemon")
+    caplog.set_level(logging.WARNING, logger="batchinfer.workers.service.daemon")
     worker = Running(r, EchoEngine(adapters=["a"]), served_model_names=["echo", "e2"])
     wait_until(lambda: registry.live_workers("echo"), what="w1 live")
     assert worker.stop() == 0

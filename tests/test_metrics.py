@@ -25,9 +25,10 @@ from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.queue_state import JobStatusCounter, stream_state
 from batchinfer.store.registry import Registry
-from batchinfer.workers.echo_engine import EchoEngine
 from batchinfer.workers.engine.outputs import CompletionOutput, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.service.echo_engine import EchoEngine
+from batchinfer.workers.service.rows import generation_row
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -122,7 +123,7 @@ def test_a_job_moves_the_counters_by_the_expected_amounts(redis_server, servers)
     worker.step_done(outputs, seconds=0.02)
     worker.set_engine_state(running=0, waiting=0, kv_usage=0.25)
     by_id = {req.request_id: req for req in requests}
-    rows = [ResultRow.for_request(by_id[o.request_id], o, worker="w1") for o in outputs]
+    rows = [generation_row(by_id[o.request_id], o, worker="w1") for o in outputs]
     for row in rows:
         if publisher.publish(row).published:
             worker.row_published(row)

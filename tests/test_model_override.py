@@ -11,7 +11,8 @@ from batchinfer.keys import Keys
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.store.publish import Publisher
-from batchinfer.store.registry import Registry, read_tokenizer_files
+from batchinfer.store.registry import Registry
+from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 KEYS = Keys("{m}")
 CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_tokens": 4096}

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.models import Decoder, ModelConfig, load_model
-from batchinfer.workers.testing import make_tiny_model
+from batchinfer.workers.models.attention import AttentionMetadata
+from batchinfer.workers.models.tiny import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,7 +18,7 @@ from test_models import check_against_transformers
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.workers.models import ModelConfig, load_model
-from batchinfer.workers.testing import random_weights, tokenizer_files
+from batchinfer.workers.models.tiny import random_weights, tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 

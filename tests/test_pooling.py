@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_embedders import make_tiny_embedding_model
 
 from batchinfer.workers.models.pooling import PoolingConfig, embedding_kind, finish, is_embedding_model, pool
+from batchinfer.workers.models.tiny import make_tiny_model
 from batchinfer.workers.pooling_params import PoolingParams
-from batchinfer.workers.testing import make_tiny_embedding_model, make_tiny_model
 
 
 def packed(lengths: list[int], width: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

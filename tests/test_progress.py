@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from batchinfer.ops.progress import (
+from batchinfer.workers.progress import (
     JobProgress,
     Progress,
     bytes_progress,

@@ -11,6 +11,7 @@ from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, RequestEr
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.workers.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.service.rows import generation_row
 
 # -- intake entries --------------------------------------------------------------------------------
 
@@ -96,7 +97,7 @@ def test_result_row_for_request():
                                     6: Logprob(-0.3, 2, "y")}],
                          cumulative_logprob=-2.6),
         CompletionOutput(index=1, text="c", token_ids=[9], finish_reason="stop")], finished=True)
-    row = ResultRow.for_request(batch_request(), out, worker="w1", started_at=1500, finished_at=2000)
+    row = generation_row(batch_request(), out, worker="w1", started_at=1500, finished_at=2000)
     assert (row.status, row.output_text, row.output_token_ids, row.finish_reason) == ("completed", "ab",
                                                                                       [7, 8], "length")
     assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (3, 3, 2)
@@ -110,7 +111,7 @@ def test_result_row_for_request():
     assert row.outputs[0]["cumulative_logprob"] == -2.6
     assert row.outputs[1]["logprobs"] is None and row.outputs[1]["cumulative_logprob"] is None
     asked = SamplingParams(max_tokens=2, logprobs=2).to_dict()
-    two = ResultRow.for_request(dataclasses.replace(batch_request(), sampling_params=asked), out)
+    two = generation_row(dataclasses.replace(batch_request(), sampling_params=asked), out)
     # the sampled token 8 has rank 3: not among the top 2
     assert [t["token_id"] for t in two.outputs[0]["logprobs"][1]["top_logprobs"]] == [5, 6]
     again = ResultRow.from_json(row.to_json())

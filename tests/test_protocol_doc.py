@@ -14,7 +14,7 @@ from daemons import Stack
 
 from batchinfer.keys import Keys
 from batchinfer.store.registry import Registry
-from batchinfer.workers.testing import make_tiny_demo_model
+from batchinfer.workers.models.tiny import make_tiny_demo_model
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 MARKER = "<!-- tests/test_protocol_doc.py runs the commands of the next block with redis-cli -->"

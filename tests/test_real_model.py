@@ -23,7 +23,7 @@ pytest.importorskip("gguf")
 
 from batchinfer import LLM, SamplingParams  # noqa: E402
 from batchinfer.cli.convert import convert  # noqa: E402
-from batchinfer.workers.testing import demo_gguf  # noqa: E402
+from batchinfer.workers.models.demo import demo_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16

@@ -18,8 +18,9 @@ from batchinfer.scheduler.dispatch import undelivered
 from batchinfer.scheduler.staging import held_key
 from batchinfer.store.jobstore import JobRecord, JobStatus, parse_status
 from batchinfer.store.queue_state import job_view
-from batchinfer.store.registry import Registry, read_tokenizer_files
-from batchinfer.workers.keeper import Keeper
+from batchinfer.store.registry import Registry
+from batchinfer.workers.service.keeper import Keeper
+from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 KEYS = Keys("{rt}")
 CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_tokens": 4096}

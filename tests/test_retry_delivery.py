@@ -19,8 +19,8 @@ from batchinfer.protocol.rows import ResultRow
 from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
-from batchinfer.workers.daemon import WorkerDaemon
-from batchinfer.workers.echo_engine import EchoEngine
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.service.echo_engine import EchoEngine
 
 PREFIX = "{rd}"
 KEYS = Keys(PREFIX)

@@ -19,7 +19,7 @@ from batchinfer import LLM, SamplingParams
 from batchinfer.workers.models import ModelConfig
 from batchinfer.workers.models.config import SUPPORTED_ROPE_TYPES
 from batchinfer.workers.models.rope import ROPE_TYPES, attention_factor, cos_sin_cache, inv_frequencies
-from batchinfer.workers.testing import make_tiny_model
+from batchinfer.workers.models.tiny import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

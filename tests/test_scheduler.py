@@ -18,9 +18,10 @@ from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.scheduler.staging import held_key
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
-from batchinfer.store.registry import Registry, read_tokenizer_files
+from batchinfer.store.registry import Registry
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.text.tokenizer import Tokenizer
+from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 KEYS = Keys("{t}")
 CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_tokens": 4096}
@@ -332,7 +333,7 @@ def test_daemons_enqueue_exports_without_loading_pyarrow(redis_server):
         "from batchinfer.scheduler.lookups import JobCache, RowSink\n"
         "from batchinfer.scheduler.accounting import Accounting\n"
         "from batchinfer.redis_conn import connect\n"
-        "import batchinfer.scheduler.daemon, batchinfer.workers.daemon\n"
+        "import batchinfer.scheduler.daemon, batchinfer.workers.service.daemon\n"
         f"s = Settings(redis_url={redis_server.url!r}, prefix='{{t}}')\n"
         "r, keys = connect(s.redis_url), Keys(s.prefix)\n"
         "sink = RowSink(r, s, keys)\n"

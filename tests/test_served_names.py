@@ -19,9 +19,9 @@ from batchinfer.protocol.rows import ResultRow
 from batchinfer.scheduler.daemon import Scheduler
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.registry import Registry, ServedNameTaken
-from batchinfer.workers.config import WorkerConfig
-from batchinfer.workers.daemon import WorkerDaemon
-from batchinfer.workers.echo_engine import EchoEngine
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.service.echo_engine import EchoEngine
+from batchinfer.workers.service.worker_config import WorkerConfig
 
 PREFIX = "{s}"
 KEYS = Keys(PREFIX)

@@ -109,7 +109,7 @@ def test_backoff_refuses_a_shrinking_or_empty_schedule(start, cap, factor):
 
 
 @pytest.mark.parametrize("module, old_table", [
-    ("batchinfer.workers.daemon", (0.5, 1, 2, 5, 10)),
+    ("batchinfer.workers.service.daemon", (0.5, 1, 2, 5, 10)),
     ("batchinfer.jobs.exporter", (1, 2, 5, 10, 30)),
 ])
 def test_loops_that_had_a_table_never_wait_longer_and_keep_start_and_cap(module, old_table):
@@ -157,8 +157,8 @@ def test_scheduler_loop_backs_off_while_redis_is_away(nowhere):
 
 
 def test_worker_loop_backs_off_while_redis_is_away(nowhere):
-    from batchinfer.workers.daemon import WorkerDaemon
-    from batchinfer.workers.echo_engine import EchoEngine
+    from batchinfer.workers.service.daemon import WorkerDaemon
+    from batchinfer.workers.service.echo_engine import EchoEngine
 
     hard_stop = StopAfter(7)
     daemon = WorkerDaemon(connect(nowhere), Settings(prefix="{h}"), EchoEngine(), "w1", hard_stop=hard_stop)

@@ -139,7 +139,7 @@ def test_output_kind_is_validated_and_serialised():
 
 
 def test_llm_generate_asks_for_final_outputs_only(tiny_llama):
-    from batchinfer.workers.llm import LLM
+    from batchinfer.workers.entrypoints.llm import LLM
 
     llm = LLM(tiny_llama, num_kv_blocks=64)
     engine = llm.engine

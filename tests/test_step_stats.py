@@ -20,11 +20,11 @@ from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.protocol.rows import BatchRequest
 from batchinfer.store.jobstore import JobStore
-from batchinfer.workers.daemon import WorkerDaemon
-from batchinfer.workers.echo_engine import EchoEngine
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.engine.outputs import CompletionOutput, FirstToken, RequestOutput, StepStats
 from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.service.echo_engine import EchoEngine
 
 LONG = list(range(3, 43))  # 40 tokens: two full KV blocks, prefilled in chunks of a 32-token step
 REQUESTS = {  # request id -> (prompt, sampling parameters)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from batchinfer.workers.models.tiny import EOS, EOT, build_tokenizer
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.testing import EOS, EOT, build_tokenizer
 from batchinfer.workers.text.detokenizer import IncrementalDetokenizer
 from batchinfer.workers.text.stopping import StopResult, check_stop
 

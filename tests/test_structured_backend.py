@@ -13,11 +13,11 @@ import threading
 import pytest
 import torch
 
+from batchinfer.workers.models.tiny import EOS, EOT, tokenizer_files
 from batchinfer.workers.structured.backend import GrammarBackend, StructuredOutputError, closed_objects
 from batchinfer.workers.structured.bitmask import apply_bitmask, unpack_bitmask
 from batchinfer.workers.structured.factory import make_backend
-from batchinfer.workers.structured.params import StructuredLimits, StructuredOutputsParams
-from batchinfer.workers.testing import EOS, EOT, tokenizer_files
+from batchinfer.workers.structured_params import StructuredLimits, StructuredOutputsParams
 from batchinfer.workers.text.tokenizer import Tokenizer
 
 P = StructuredOutputsParams

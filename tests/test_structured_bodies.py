@@ -23,7 +23,7 @@ from batchinfer.scheduler.lookups import ServedModel
 from batchinfer.scheduler.structured_check import StructuredCheck
 from batchinfer.store.registry import ModelInfo
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.structured.params import StructuredOutputsParams as SOP
+from batchinfer.workers.structured_params import StructuredOutputsParams as SOP
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -239,7 +239,7 @@ def test_a_failed_structured_body_keeps_its_custom_id():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> ServedModel:
-    from batchinfer.workers.testing import make_tiny_model
+    from batchinfer.workers.models.tiny import make_tiny_model
     from batchinfer.workers.text.tokenizer import Tokenizer
 
     folder = make_tiny_model(Path(tmp_path_factory.mktemp("models")) / "tiny")

@@ -29,7 +29,7 @@ import pytest
 from daemons import CLI, Stack, assert_exactly_once
 from structured_cases import CHOICE_CASES, GRAMMAR_CASES, JSON_SCHEMAS, REGEX_CASES, check_output
 
-from batchinfer.workers.structured.params import StructuredOutputsParams
+from batchinfer.workers.structured_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.timeout(300)
 

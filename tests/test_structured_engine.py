@@ -18,7 +18,7 @@ from structured_cases import GRAMMAR_CASES, JSON_SCHEMAS, UNBOUNDED, all_cases, 
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.structured.bitmask import apply_bitmask, unpack_bitmask
-from batchinfer.workers.structured.params import StructuredLimits, StructuredOutputsParams
+from batchinfer.workers.structured_params import StructuredLimits, StructuredOutputsParams
 
 CASES = all_cases()
 PERSON = StructuredOutputsParams(json=JSON_SCHEMAS["extraction"])

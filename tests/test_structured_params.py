@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from batchinfer.workers.structured.params import KINDS, StructuredLimits, StructuredOutputsParams
+from batchinfer.workers.structured_params import KINDS, StructuredLimits, StructuredOutputsParams
 
 P = StructuredOutputsParams
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.models import load_model
-from batchinfer.workers.testing import make_tiny_demo_model, make_tiny_model, tokenizer_files
+from batchinfer.workers.models.attention import AttentionMetadata
+from batchinfer.workers.models.tiny import make_tiny_demo_model, make_tiny_model, tokenizer_files
 from batchinfer.workers.text.tokenizer import Tokenizer
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

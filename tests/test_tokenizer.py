@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.workers.testing import BOS, EOS, EOT, PAD, make_tiny_model
+from batchinfer.workers.models.tiny import BOS, EOS, EOT, PAD, make_tiny_model
 from batchinfer.workers.text.tokenizer import ChatTemplateError, Tokenizer, validate_messages
 
 CHAT = [
@@ -199,6 +199,6 @@ def test_named_templates_without_default_name_the_others_even_unnamed():
 
 
 def _tokenizer_json() -> str:
-    from batchinfer.workers.testing import build_tokenizer
+    from batchinfer.workers.models.tiny import build_tokenizer
 
     return build_tokenizer().to_str()

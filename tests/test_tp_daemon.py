@@ -141,7 +141,7 @@ def test_tp_flags_that_cannot_work_are_refused_in_one_line(tiny_llama, tmp_path)
     assert proc.returncode == EXIT_STARTUP, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert "device 'cpu,cpu'" in line and "CUDA devices only" in line
-    from batchinfer.workers.testing import make_tiny_model
+    from batchinfer.workers.models.tiny import make_tiny_model
 
     three = make_tiny_model(tmp_path / "three-heads", num_attention_heads=3, num_key_value_heads=3,
                             hidden_size=48)
@@ -158,7 +158,7 @@ def test_batchinfer_run_passes_tensor_parallelism_and_the_grammar_backend_on(tin
     from structured_cases import check_output
 
     from batchinfer import LLM, SamplingParams
-    from batchinfer.workers.structured.params import StructuredOutputsParams
+    from batchinfer.workers.structured_params import StructuredOutputsParams
 
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["n"], "additionalProperties": False}

@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.engine import Engine
-from batchinfer.workers.llm import LLM
-from batchinfer.workers.parallel.ranks import RankFailure
+from batchinfer.workers.engine.tp_ranks import RankFailure
+from batchinfer.workers.engine_config import EngineConfig
+from batchinfer.workers.entrypoints.llm import LLM
+from batchinfer.workers.models.tiny import make_tiny_model
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.testing import make_tiny_model
 
 TIE = 1e-5
 LOGPROB_ATOL = 1e-4
@@ -164,7 +164,7 @@ def test_a_rank_killed_between_steps_fails_the_next_step_and_every_later_one(mod
 STALL_SCRIPT = """
 import json, os, signal, sys, time
 from batchinfer.workers.engine.engine import Engine
-from batchinfer.workers.parallel.ranks import RankFailure
+from batchinfer.workers.engine.tp_ranks import RankFailure
 from batchinfer.workers.sampling_params import SamplingParams
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from tp_ranks import paged_logits, param_bytes, rank_main
 
 from batchinfer.workers.models import Decoder, ModelConfig, load_model
 from batchinfer.workers.models.sharding import ShardPlan
+from batchinfer.workers.models.tiny import make_tiny_model
 from batchinfer.workers.parallel.group import TPGroup, TPGroupError
-from batchinfer.workers.testing import make_tiny_model
 
 ATOL = 1e-4
 SIZE = 2

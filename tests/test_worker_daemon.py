@@ -19,8 +19,8 @@ from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
-from batchinfer.workers.daemon import WorkerDaemon
-from batchinfer.workers.echo_engine import EchoEngine
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.service.echo_engine import EchoEngine
 
 PREFIX = "{w}"
 KEYS = Keys(PREFIX)
@@ -263,7 +263,8 @@ def test_leases_survive_a_long_step_but_lapse_when_the_loop_is_stuck(redis_serve
 def test_sigterm_drains_and_exits_zero(redis_server, tmp_path):
     r = redis_server.client()
     _job(r, "jt", 12, per_batch=12, total=False)
-    code = ("import sys; from batchinfer.config import Settings; from batchinfer.workers.serve import main; "
+    code = ("import sys; from batchinfer.config import Settings; "
+            "from batchinfer.workers.service.serve import main; "
             "sys.exit(main(Settings.from_env(), None, name='wt', echo=True, "
             "engine_options={'requests_per_step': 1, 'step_delay': 0.1, 'max_num_seqs': 4}))")
     env = {**os.environ, "BATCHINFER_REDIS_URL": redis_server.url, "BATCHINFER_PREFIX": PREFIX,

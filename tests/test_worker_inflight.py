@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchinfer.protocol.rows import BatchRequest
-from batchinfer.workers.inflight import Book, Quarantine
+from batchinfer.workers.service.inflight import Book, Quarantine
 
 
 def _req(i: int) -> BatchRequest:

@@ -19,9 +19,9 @@ from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.protocol.rows import BatchRequest
 from batchinfer.store.registry import Registry, WorkerNameTaken
-from batchinfer.workers.config import WorkerConfig
-from batchinfer.workers.daemon import WorkerDaemon
-from batchinfer.workers.echo_engine import EchoEngine
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.service.echo_engine import EchoEngine
+from batchinfer.workers.service.worker_config import WorkerConfig
 
 PREFIX = "{n}"
 KEYS = Keys(PREFIX)
@@ -40,7 +40,7 @@ def Serving(r, name=None, **kw) -> ThreadedWorker:  # noqa: N802 - reads as a cl
 
 
 def _name_in_a_new_process() -> str:
-    code = ("from batchinfer.workers.config import WorkerConfig; "
+    code = ("from batchinfer.workers.service.worker_config import WorkerConfig; "
             "print(WorkerConfig(model='SmolLM2', device='cuda:0').name)")
     return subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip()

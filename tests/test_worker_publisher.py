@@ -1,4 +1,4 @@
-"""The worker's publisher thread (``workers.outbox.PublisherThread``) against a real redis-server:
+"""The worker's publisher thread (``workers.service.outbox.PublisherThread``) against a real redis-server:
 hand-overs never wait on Redis until the bounded queue is full, rows wait out an outage and are
 published once, a drain publishes everything, and the daemon's engine steps go on while Redis is
 paused (SIGSTOP: commands hang, data stays)."""
@@ -21,11 +21,11 @@ from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
-from batchinfer.workers.daemon import WorkerDaemon
-from batchinfer.workers.echo_engine import EchoEngine
-from batchinfer.workers.inflight import Book
-from batchinfer.workers.outbox import Outbox, PublisherStopped, PublisherThread, own_connection
-from batchinfer.workers.streams import BatchStreams
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.service.echo_engine import EchoEngine
+from batchinfer.workers.service.inflight import Book
+from batchinfer.workers.service.outbox import Outbox, PublisherStopped, PublisherThread, own_connection
+from batchinfer.workers.service.streams import BatchStreams
 
 PREFIX = "{pt}"
 KEYS = Keys(PREFIX)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.models import Decoder, load_model
+from batchinfer.workers.models.attention import AttentionMetadata
 from batchinfer.workers.parallel.group import TPGroup, TPGroupError
 
 # -- the workload every rank and the reference run ------------------------------------------------

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
-from batchinfer.workers.structured.params import StructuredOutputsParams
+from batchinfer.workers.structured_params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them would only
 # turn sampling into a numerically fragile argmax.

@@ -57,7 +57,7 @@ def parse_lora_modules(pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
     for a pair without ``=``, a bad or repeated NAME, or a DIR that is no folder."""
     from pathlib import Path
 
-    from batchinfer.workers.lora.request import check_adapter_name
+    from batchinfer.workers.lora_request import check_adapter_name
 
     modules: dict[str, str] = {}
     for pair in pairs:
@@ -197,7 +197,7 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
 
     With ``--lora NAME=DIR`` it also serves each adapter, as model ``BASE:NAME`` (aliases ``NAME``
     and ``ALIAS:NAME``), reading one batch stream per adapter."""
-    from batchinfer.workers.serve import main, parse_engine_options
+    from batchinfer.workers.service.serve import main, parse_engine_options
 
     if not model_dir and not echo:
         raise click.UsageError("--model DIR|FILE.gguf is required (or --echo)")

@@ -110,7 +110,7 @@ def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | No
            input_column: str | None, max_line_bytes: int | None, max_requests: int | None,
            json_flag: bool) -> None:
     """Submit FILE (JSONL: plain or OpenAI Batch lines; or Parquet) as a job; prints its id."""
-    from batchinfer.ops.progress import lines_progress
+    from batchinfer.workers.progress import lines_progress
 
     override_settings(ctx.settings, max_line_bytes=max_line_bytes, max_requests_per_job=max_requests)
     client = ctx.client()
@@ -193,8 +193,8 @@ def wait(ctx: Ctx, job: str, timeout: float | None, json_flag: bool) -> None:
 
 def _wait_and_report(ctx: Ctx, client, job: str, timeout: float | None, json_flag: bool,
                      check: Callable[[], None] | None = None) -> None:
-    from batchinfer.ops.progress import JobProgress
     from batchinfer.store.jobstore import JobStatus
+    from batchinfer.workers.progress import JobProgress
 
     quiet = ctx.quiet or ctx.json or json_flag
     shown_held = [""]  # the held line last logged (without a bar), to log each change once
@@ -264,8 +264,8 @@ def cancel(ctx: Ctx, job: str, json_flag: bool) -> None:
 def results(ctx: Ctx, job: str, output: str, fmt: str | None, force: bool, json_flag: bool) -> None:
     """Write a job's results (in input order) to a file."""
     from batchinfer.cli.outfile import output_format, refuse_overwrite
-    from batchinfer.ops.progress import rows_progress
     from batchinfer.store.jobstore import JobStatus
+    from batchinfer.workers.progress import rows_progress
 
     fmt = output_format(output, fmt)
     refuse_overwrite(output, force)

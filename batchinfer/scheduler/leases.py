@@ -4,7 +4,7 @@ A worker keeps a batch by re-claiming its pending entry every ``lease_seconds / 
 longer than ``lease_seconds`` is XAUTOCLAIMed here. Of its requests, those already published are
 dropped (the exactly-once guard says so), those of cancelled / expired jobs get their row, and
 each other one counts an attempt (workers count one too for each engine failure, see
-``batchinfer.workers.outbox``): at ``max_attempts`` it is dead-lettered (``{p}:deadletter`` +
+``batchinfer.workers.service.outbox``): at ``max_attempts`` it is dead-lettered (``{p}:deadletter`` +
 a ``dead_lettered`` row), otherwise it goes into a new batch (one of its own, run alone, on its
 last attempt: :func:`batchinfer.protocol.batches.retry_batches`). The new batch, the attempt counts,
 the dead letters and the XACK + XDEL of the old entry are one MULTI. The attempt count travels

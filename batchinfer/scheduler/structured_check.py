@@ -23,7 +23,7 @@ from batchinfer.config import Settings
 from batchinfer.ops.startup import StartupError
 from batchinfer.protocol.entries import RequestError
 from batchinfer.workers.structured.backend import DEFAULT_BACKEND, GrammarBackend
-from batchinfer.workers.structured.params import StructuredLimits
+from batchinfer.workers.structured_params import StructuredLimits
 
 if TYPE_CHECKING:
     from batchinfer.protocol.bodies import RequestSpec

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -24,32 +23,13 @@ from batchinfer.keys import Keys
 from batchinfer.protocol.rows import TASKS, now_ms
 from batchinfer.redis_conn import as_text
 from batchinfer.store import replies
-from batchinfer.workers.lora.request import check_adapter_name
+from batchinfer.workers.lora_request import check_adapter_name
+from batchinfer.workers.text.tokenizer_files import TOKENIZER_FILES
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                   "special_tokens_map.json", "chat_template.jinja")
 CAPACITY_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_tokens")
-
-
-def read_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
-    """The :data:`TOKENIZER_FILES` of a model folder, as a worker registers them (tokenizer.json required).
-
-    A GGUF checkpoint (a ``.gguf`` file, or a folder holding one and no tokenizer.json) has its
-    files rebuilt from its metadata (``batchinfer.workers.models.gguf.tokenizer``)."""
-    path = Path(model_dir)
-    if not (path / "tokenizer.json").is_file() and (
-            path.suffix.lower() == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))):
-        # imported here: only a worker serving a GGUF needs the gguf package (and numpy, torch)
-        from batchinfer.workers.models.gguf.tokenizer import tokenizer_files
-
-        return tokenizer_files(path)
-    files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
-    if "tokenizer.json" not in files:
-        raise FileNotFoundError(f"{path / 'tokenizer.json'}: not found (only fast tokenizers are supported)")
-    return files
 
 
 def _decode(raw: bytes | str) -> Any:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.engine.scheduler import ScheduledSequence
+from batchinfer.workers.models.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from batchinfer.workers.engine.model_runner import ModelRunner

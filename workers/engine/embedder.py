@@ -25,11 +25,11 @@ from typing import Any, cast
 
 import torch
 
-from batchinfer.workers.config import EngineConfig, resolve_dtype
-from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.engine.engine import Engine, check_token_ids
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import PooledRequestOutput, StepStats
+from batchinfer.workers.engine_config import EngineConfig, resolve_dtype
+from batchinfer.workers.models.attention import AttentionMetadata
 from batchinfer.workers.models.bert import BertModel, load_encoder
 from batchinfer.workers.models.decoder import Decoder
 from batchinfer.workers.models.loader import load_model
@@ -43,6 +43,7 @@ from batchinfer.workers.models.pooling import (
 )
 from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.text.tokenizer import Tokenizer, truncate_text_ids
+from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 log = logging.getLogger(__name__)
 
@@ -270,8 +271,6 @@ class EmbeddingEngine(WorkerEngine):
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The model folder's tokenizer files, as a worker registers them for the scheduler."""
-        from batchinfer.store.registry import read_tokenizer_files  # queue-side code: only workers need it
-
         return read_tokenizer_files(self.config.model)
 
     def lora_adapters(self) -> list[str]:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.block_manager import BlockManager
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.model_runner import ModelRunner
@@ -36,16 +35,18 @@ from batchinfer.workers.engine.outputs import (
 from batchinfer.workers.engine.sampler import Sampler, SamplingRow, make_generator
 from batchinfer.workers.engine.scheduler import Scheduler
 from batchinfer.workers.engine.sequence import Request, Sequence
+from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.models import Decoder, load_model
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.structured.manager import StructuredOutputManager
 from batchinfer.workers.text.detokenizer import IncrementalDetokenizer, append_tokens
 from batchinfer.workers.text.stopping import check_stop, is_stop_token
 from batchinfer.workers.text.tokenizer import Tokenizer
+from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 if TYPE_CHECKING:
     from batchinfer.workers.lora.manager import LoRAManager
-    from batchinfer.workers.lora.request import LoRARequest
+    from batchinfer.workers.lora_request import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,9 @@ class Engine(WorkerEngine):
                  tokenizer: Tokenizer | None = None) -> None:
         """Load ``config.model`` (or use ``model`` / ``tokenizer`` already loaded) and size the KV cache."""
         self.config = config
-        self.ranks = None  # tensor parallelism: the other ranks' processes (workers/parallel/ranks.py)
+        self.ranks = None  # tensor parallelism: the other ranks' processes (workers/engine/tp_ranks.py)
         if model is None and config.tensor_parallel_size > 1:
-            from batchinfer.workers.parallel.ranks import RankProcesses
+            from batchinfer.workers.engine.tp_ranks import RankProcesses
 
             self.ranks = RankProcesses.start(config)  # spawns ranks 1..N-1, loads rank 0's shard
             model = self.ranks.model
@@ -412,9 +413,6 @@ class Engine(WorkerEngine):
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The model folder's tokenizer files, as a worker registers them for the scheduler."""
-        # Imported here: the registry is queue-side code (Redis) that in-process ``LLM`` users never load.
-        from batchinfer.store.registry import read_tokenizer_files
-
         return read_tokenizer_files(self.config.model)
 
     def capacity(self) -> dict[str, int]:

@@ -1,8 +1,8 @@
 """``WorkerEngine``: the engine interface a worker daemon drives.
 
 :class:`~batchinfer.workers.engine.engine.Engine` (a model on a paged KV cache) and
-:class:`~batchinfer.workers.echo_engine.EchoEngine` (no model: echoes prompts) both implement it,
-and :class:`~batchinfer.workers.daemon.WorkerDaemon` uses nothing else of an engine. Its loop is
+:class:`~batchinfer.workers.service.echo_engine.EchoEngine` (no model: echoes prompts) both implement it,
+and :class:`~batchinfer.workers.service.daemon.WorkerDaemon` uses nothing else of an engine. Its loop is
 nano-vllm's: ``add_request`` what fits, ``step()`` while ``has_unfinished()``, publish each
 finished output. This module imports no torch: an echo worker never loads it.
 """
@@ -18,7 +18,7 @@ from batchinfer.workers.sampling_params import SamplingParams
 
 @runtime_checkable
 class WorkerEngine(Protocol):
-    """What :class:`~batchinfer.workers.daemon.WorkerDaemon` relies on; see each member."""
+    """What :class:`~batchinfer.workers.service.daemon.WorkerDaemon` relies on; see each member."""
 
     # Implementations subclass this class to say so; its plain attributes below are set by their
     # constructors (the protocol declares them without values, so nothing here shadows them).

@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from batchinfer.workers.config import EngineConfig
-from batchinfer.workers.engine.attention import AttentionMetadata
 from batchinfer.workers.engine.scheduler import ScheduledSequence
 from batchinfer.workers.engine.sequence import Sequence, SequenceStatus
+from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.lora.stack import LoRAStack, LoRAStep
 from batchinfer.workers.models import Decoder
+from batchinfer.workers.models.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from batchinfer.workers.parallel.ranks import RankProcesses
+    from batchinfer.workers.engine.tp_ranks import RankProcesses
 
 log = logging.getLogger(__name__)
 

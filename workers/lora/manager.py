@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchinfer.workers.config import EngineConfig
+from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.lora.adapter import ADAPTER_CONFIG, LoRAAdapter, load_adapter
-from batchinfer.workers.lora.request import LoRARequest, check_adapter_name
 from batchinfer.workers.lora.stack import LoRAStack
+from batchinfer.workers.lora_request import LoRARequest, check_adapter_name
 from batchinfer.workers.models.config import ModelConfig
 
 if TYPE_CHECKING:

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from batchinfer.ops.progress import bytes_progress
 from batchinfer.workers.models.config import ModelConfig
 from batchinfer.workers.models.decoder import Decoder
 from batchinfer.workers.models.gguf import (
@@ -38,6 +37,7 @@ from batchinfer.workers.models.gguf.names import CONFIG_TENSORS, has_norm_offset
 from batchinfer.workers.models.moe import checkpoint_target, part_bounds
 from batchinfer.workers.models.sharding import ShardPlan
 from batchinfer.workers.parallel.group import TPGroup
+from batchinfer.workers.progress import bytes_progress
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

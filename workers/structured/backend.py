@@ -24,14 +24,13 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from batchinfer.workers.structured.params import StructuredLimits, StructuredOutputsParams
+from batchinfer.workers.structured_params import StructuredLimits, StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
 
     from batchinfer.workers.text.tokenizer import Tokenizer
 
-BACKENDS = ("llguidance", "xgrammar")
 DEFAULT_BACKEND = "llguidance"
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from batchinfer.workers.structured.backend import BACKENDS, GrammarBackend
-from batchinfer.workers.structured.params import StructuredLimits
+from batchinfer.workers.structured.backend import GrammarBackend
+from batchinfer.workers.structured_params import BACKENDS, StructuredLimits
 
 if TYPE_CHECKING:
     from batchinfer.workers.text.tokenizer import Tokenizer

@@ -23,7 +23,7 @@ from batchinfer.workers.structured.backend import (
     StructuredOutputError,
     closed_objects,
 )
-from batchinfer.workers.structured.params import StructuredOutputsParams
+from batchinfer.workers.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch

@@ -30,12 +30,12 @@ import torch
 from batchinfer.workers.structured.backend import GrammarBackend, Matcher, StructuredOutputError
 from batchinfer.workers.structured.bitmask import apply_bitmask
 from batchinfer.workers.structured.factory import make_backend
-from batchinfer.workers.structured.params import StructuredOutputsParams
+from batchinfer.workers.structured_params import StructuredOutputsParams
 from batchinfer.workers.text.stopping import StopResult
 
 if TYPE_CHECKING:
-    from batchinfer.workers.config import EngineConfig
     from batchinfer.workers.engine.sequence import Sequence as Seq
+    from batchinfer.workers.engine_config import EngineConfig
     from batchinfer.workers.text.tokenizer import Tokenizer
 
 

@@ -52,7 +52,7 @@ from batchinfer.workers.structured.backend import (
     closed_objects,
     walk_schema,
 )
-from batchinfer.workers.structured.params import StructuredOutputsParams
+from batchinfer.workers.structured_params import StructuredOutputsParams
 from batchinfer.workers.text.token_bytes import _BYTE_LEVEL, _decoder_types
 
 if TYPE_CHECKING:

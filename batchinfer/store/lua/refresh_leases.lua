@@ -1,4 +1,4 @@
--- Refresh a worker's batch leases (batchinfer.workers.keeper): re-claim, resetting the idle time,
+-- Refresh a worker's batch leases (batchinfer.workers.service.keeper): re-claim, resetting the idle time,
 -- only the entries this consumer still owns, atomically, so a lease the scheduler just took over
 -- by XAUTOCLAIM is never taken back.
 --

@@ -1,18 +1,15 @@
-"""``EngineConfig`` (what sizes and shapes one engine) and ``WorkerConfig`` (how a worker daemon
-presents itself: its name and served model names), each validated in one place.
+"""``EngineConfig``: what sizes and shapes one engine, validated in one place.
 
 Every error is a ``ValueError`` whose message starts with the field's name. torch is imported
-only where an engine setting needs it: an echo worker builds a ``WorkerConfig`` without it.
+only where a setting needs it (the dtype, the devices).
 """
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from batchinfer.workers.structured.params import StructuredLimits
+from batchinfer.workers.structured_params import BACKENDS, StructuredLimits
 
 if TYPE_CHECKING:
     import torch
@@ -162,8 +159,6 @@ class EngineConfig:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
-        from batchinfer.workers.structured.backend import BACKENDS
-
         if self.structured_outputs_backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "
                              f"got {self.structured_outputs_backend!r}")
@@ -184,7 +179,7 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
 
     def _check_lora(self) -> None:
-        from batchinfer.workers.lora.request import check_adapter_name
+        from batchinfer.workers.lora_request import check_adapter_name
 
         if not isinstance(self.lora_modules, dict):
             raise ValueError(f"lora_modules must be a dict of adapter name -> folder, "
@@ -223,55 +218,3 @@ class EngineConfig:
         d = asdict(self)
         d["dtype"] = str(self.dtype).removeprefix("torch.")
         return d
-
-
-def _served_name(what: str, value: Any) -> str:
-    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-        raise ValueError(f"{what} must be a non-empty name without spaces, got {value!r}")
-    return value
-
-
-@dataclass
-class WorkerConfig:
-    """How one worker daemon presents itself: its name and the model names it serves.
-
-    ``served_model_names`` are vLLM's ``--served-model-name``: the first is the canonical name
-    (the worker registers under it and pulls ``{p}:batches:<canonical>``), the others are aliases
-    a request's ``model`` may name as well. Empty: ``[model_name]`` when that is given (the single
-    ``--model-name`` of earlier versions), else ``[model]``, the model folder's (the engine's)
-    name. ``name`` defaults to ``<host>-<canonical>-<device>-<pid>``: unique per process on a host,
-    and stable across restarts of a container (same hostname, same pid 1).
-    """
-
-    model: str  # the engine's model name: the model folder's name (``echo`` for a bare echo engine)
-    served_model_names: list[str] = field(default_factory=list)
-    model_name: str | None = None
-    name: str | None = None
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.served_model_names, str):  # one name passed bare: not a list of letters
-            self.served_model_names = [self.served_model_names]
-        names = [_served_name("served_model_names", n) for n in self.served_model_names]
-        if self.model_name is not None:
-            _served_name("model_name", self.model_name)
-            if names and names[0] != self.model_name:
-                raise ValueError(f"model_name {self.model_name!r} and served_model_names {names} disagree: "
-                                 "give the names once, as served_model_names (the first is canonical)")
-        if not names:
-            names = [self.model_name or _served_name("model", self.model)]
-        self.served_model_names = list(dict.fromkeys(names))  # a name given twice is served once
-        if self.name is None:
-            device = self.device.replace(":", "").replace(",", "+")  # cuda0+cuda1 under TP
-            self.name = f"{socket.gethostname()}-{self.canonical}-{device}-{os.getpid()}"
-        _served_name("name", self.name)
-
-    @property
-    def canonical(self) -> str:
-        """The name the worker registers its model under."""
-        return self.served_model_names[0]
-
-    @property
-    def aliases(self) -> list[str]:
-        """The other served names: requests naming them go to the canonical model's batches."""
-        return self.served_model_names[1:]

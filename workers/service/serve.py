@@ -1,6 +1,6 @@
 """``batchinfer worker``: build the engine, serve until SIGTERM.
 
-The process around :class:`~batchinfer.workers.daemon.WorkerDaemon`: the engine (``Engine``;
+The process around :class:`~batchinfer.workers.service.daemon.WorkerDaemon`: the engine (``Engine``;
 ``EmbeddingEngine`` for an embedding model; or the echo engine) from the command line's options,
 the Redis connection, the signal handlers that turn SIGTERM / SIGINT into the loop's drain and
 hard-stop events, and the ``/metrics`` server.
@@ -20,10 +20,10 @@ from batchinfer.ops.httpserver import Readiness
 from batchinfer.ops.httpserver import serve as serve_http
 from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.ops.startup import StartupError
-from batchinfer.store.registry import read_tokenizer_files
-from batchinfer.workers.daemon import WorkerDaemon
 from batchinfer.workers.engine.interface import WorkerEngine
-from batchinfer.workers.parallel.ranks import RankFailure
+from batchinfer.workers.engine.tp_ranks import RankFailure
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 log = logging.getLogger(__name__)
 # How the engine's errors about adapters and the LoRA settings begin (workers.lora.adapter, EngineConfig)
@@ -84,11 +84,11 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
     doctor = f"`batchinfer doctor --model {model_dir}` checks the folder" if model_dir else ""
     try:
         if echo:
-            from batchinfer.workers.echo_engine import EchoEngine
+            from batchinfer.workers.service.echo_engine import EchoEngine
 
             return EchoEngine.from_model_dir(model_dir, **options) if model_dir else EchoEngine(**options)
         check_device(device)
-        from batchinfer.workers.config import EngineConfig
+        from batchinfer.workers.engine_config import EngineConfig
 
         config = EngineConfig(model=str(model_dir), device=device, **options)
         # an embedding checkpoint (an encoder, or a decoder with sentence-transformers pooling files)
@@ -124,7 +124,7 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
     options = dict(engine_options or {})
     engine = build_engine(model_dir, device, echo, options)
     files = read_tokenizer_files(model_dir) if model_dir else engine.tokenizer_files()
-    from batchinfer.workers.config import WorkerConfig
+    from batchinfer.workers.service.worker_config import WorkerConfig
 
     try:  # the names the worker serves and its own: refused now, before anything registers
         config = WorkerConfig(model=engine.model_name, served_model_names=list(served_model_names),

@@ -5,22 +5,22 @@ One loop, one screen (:meth:`WorkerDaemon._iteration`): take publication confirm
 complete batches' acks over -> forget batches whose lease was lost -> act on cancellations -> pull
 a batch when the engine has room (one batch stays prefetched) -> feed waiting requests into the
 engine -> step. Publishing, retries, acks, exports and the cancellation poll run on the publisher
-thread (:class:`~batchinfer.workers.outbox.PublisherThread`, a Redis connection of its own): the
+thread (:class:`~batchinfer.workers.service.outbox.PublisherThread`, a Redis connection of its own): the
 engine thread hands rows over through a bounded queue and makes no Redis call for them.
 Requests from consecutive batches share the engine (continuous batching across batches).
 
 Faults stay local: a request the engine refuses gets an ``invalid_request`` row; a request the
 engine fails on goes back to the batch stream for another try, and gets its ``engine_error`` row
 (and a dead letter) once it has failed ``max_attempts`` times; a step that raises without naming
-its request is bisected (:class:`~batchinfer.workers.inflight.Quarantine`) so that only the culprit
+its request is bisected (:class:`~batchinfer.workers.service.inflight.Quarantine`) so that only the culprit
 counts a failure; Redis outages are retried with backoff while rows wait in the publisher thread's
-outbox (:mod:`batchinfer.workers.outbox`; publication is idempotent). Only an engine whose every
+outbox (:mod:`batchinfer.workers.service.outbox`; publication is idempotent). Only an engine whose every
 step fails (``max_failed_steps`` in a row) ends the daemon, with exit code 3: its batches return to
 the queue through their leases; so does, at once, a tensor-parallel engine whose rank died
 (``RankFailure``); serve.py then closes the engine (its rank processes). SIGTERM drains: no more
 pulling, everything held finishes, exit 0; a second SIGTERM / SIGINT stops at once (exit 1; leases
 return the batches). The process around the loop (engine, signals, ``/metrics``) is
-:mod:`batchinfer.workers.serve`.
+:mod:`batchinfer.workers.service.serve`.
 
 At start the worker claims its name (a live worker holding it ends ``run`` with
 :class:`~batchinfer.store.registry.WorkerNameTaken`) and its served model names (a live worker of
@@ -29,7 +29,7 @@ another model serving one: :class:`~batchinfer.store.registry.ServedNameTaken`);
 
 LoRA adapters: each adapter ``NAME`` the engine serves (``lora_adapters()``) is registered as
 model ``BASE:NAME`` with its own batch stream; one XREADGROUP reads the model's stream and the
-adapter streams the cache-affinity policy picks (:mod:`batchinfer.workers.streams`), and each
+adapter streams the cache-affinity policy picks (:mod:`batchinfer.workers.service.streams`), and each
 request runs with its adapter (``BatchRequest.lora``).
 """
 
@@ -65,14 +65,21 @@ from batchinfer.store.registry import (
     WorkerNameTaken,
     adapter_model_name,
 )
-from batchinfer.workers.config import WorkerConfig
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import PooledRequestOutput, RequestOutput
-from batchinfer.workers.inflight import Book, Held, Quarantine
-from batchinfer.workers.keeper import Keeper
-from batchinfer.workers.outbox import DeadLetter, Outbox, PublisherStopped, PublisherThread, own_connection
-from batchinfer.workers.parallel.ranks import RankFailure
-from batchinfer.workers.streams import BatchStreams, split_key, streams_to_read
+from batchinfer.workers.engine.tp_ranks import RankFailure
+from batchinfer.workers.service.inflight import Book, Held, Quarantine
+from batchinfer.workers.service.keeper import Keeper
+from batchinfer.workers.service.outbox import (
+    DeadLetter,
+    Outbox,
+    PublisherStopped,
+    PublisherThread,
+    own_connection,
+)
+from batchinfer.workers.service.rows import embedding_row, generation_row
+from batchinfer.workers.service.streams import BatchStreams, split_key, streams_to_read
+from batchinfer.workers.service.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +103,8 @@ class WorkerDaemon:
     served model names until ``run``'s stop event.
 
     ``name``, ``model_name``, ``served_model_names`` and ``device`` are those of
-    :class:`~batchinfer.workers.config.WorkerConfig` (``name`` None: the default, unique per process).
+    :class:`~batchinfer.workers.service.worker_config.WorkerConfig` (``name`` None: the default,
+    unique per process).
     """
 
     def __init__(self, r: redis.Redis, settings: Settings, engine: WorkerEngine, name: str | None = None,
@@ -352,7 +360,7 @@ class WorkerDaemon:
 
     def _read(self, starts: dict[str, bytes], count: int = 1, block: int | None = None) -> list[StreamRead]:
         """One XREADGROUP over ``starts`` (stream -> start id): per stream read, its entries (keyed,
-        see :mod:`batchinfer.workers.streams`) and the last id it returned (None: it returned none)."""
+        see :mod:`batchinfer.workers.service.streams`) and the last id it returned (None: none)."""
         reply = read_groups(self.redis, starts, WORKERS_GROUP, self.name, count=count, block_ms=block)
         out: list[StreamRead] = []
         for raw_stream, entries in replies.read_pending(reply):
@@ -511,10 +519,10 @@ class WorkerDaemon:
             self._engine_failed(held, str(out.error or "the engine returned no vectors"))
             return
         if isinstance(out, PooledRequestOutput):
-            row = ResultRow.for_embedding(held.request, out, worker=self.name, started_at=held.started_at,
+            row = embedding_row(held.request, out, worker=self.name, started_at=held.started_at,
                                           finished_at=finished_at)
         else:
-            row = ResultRow.for_request(held.request, out, worker=self.name, started_at=held.started_at,
+            row = generation_row(held.request, out, worker=self.name, started_at=held.started_at,
                                         finished_at=finished_at)
         self._queue(held, row)
 

@@ -14,7 +14,7 @@ is a no-op, a retried request carries its attempt count).
   count (docs/worker.md, "Faults").
 - **Acknowledgements**: a batch entry is XACKed and XDELed on its own stream (one MULTI for all)
   once every request of it has its row or its retry; entries are the worker's keys
-  (:mod:`batchinfer.workers.streams`).
+  (:mod:`batchinfer.workers.service.streams`).
 - **Exports**: the job this worker's row made final gets its rq export enqueued.
 
 :class:`PublisherThread` runs an outbox on a thread of its own, with a Redis connection of its own
@@ -45,8 +45,8 @@ from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.redis_conn import Backoff
 from batchinfer.store import replies
 from batchinfer.store.publish import Publisher
-from batchinfer.workers.inflight import Book
-from batchinfer.workers.streams import BatchStreams
+from batchinfer.workers.service.inflight import Book
+from batchinfer.workers.service.streams import BatchStreams
 
 log = logging.getLogger(__name__)
 

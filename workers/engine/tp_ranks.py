@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from batchinfer.workers.config import EngineConfig
+    from batchinfer.workers.engine_config import EngineConfig
     from batchinfer.workers.models import Decoder
     from batchinfer.workers.parallel.group import TPGroup
     from batchinfer.workers.parallel.step_inputs import StepChannel

@@ -12,10 +12,10 @@ refreshing leases *and* heartbeats, so the scheduler takes the batches back and 
 this worker as live. Both resume on the next tick; batches lost meanwhile (claimed by the
 scheduler, or already re-dispatched) are reported by :meth:`take_lost`.
 
-Entries are the worker's keys (:mod:`batchinfer.workers.streams`): each is refreshed on its own
+Entries are the worker's keys (:mod:`batchinfer.workers.service.streams`): each is refreshed on its own
 stream, the model's or an adapter's. A worker serving adapters also reads, each heartbeat, which
 adapters the other live workers of its model have loaded (:meth:`resident_elsewhere`, for the
-cache-affinity policy :func:`~batchinfer.workers.streams.streams_to_read`).
+cache-affinity policy :func:`~batchinfer.workers.service.streams.streams_to_read`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.redis_conn import as_text
 from batchinfer.store import scripts
 from batchinfer.store.registry import Registry
-from batchinfer.workers.streams import BatchStreams
+from batchinfer.workers.service.streams import BatchStreams
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+BACKENDS = ("llguidance", "xgrammar")  # structured_outputs_backend names (structured/backend.py)
 _OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
 
 

@@ -11,7 +11,7 @@
     outs = llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "path/to/adapter"))
 
 The progress bar is drawn only when stderr is a terminal unless ``use_tqdm`` says otherwise (the
-rule of the CLI's bars, ``batchinfer.ops.progress.show_progress``).
+rule of the CLI's bars, ``batchinfer.workers.progress.show_progress``).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from typing import Any, TypeVar, cast
 
 from tqdm import tqdm
 
-from batchinfer.ops.progress import show_progress
-from batchinfer.workers.config import EngineConfig
 from batchinfer.workers.engine.embedder import EmbeddingEngine, engine_for
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from batchinfer.workers.engine.sequence import Request
-from batchinfer.workers.lora.request import LoRARequest
+from batchinfer.workers.engine_config import EngineConfig
+from batchinfer.workers.lora_request import LoRARequest
 from batchinfer.workers.pooling_params import PoolingParams
+from batchinfer.workers.progress import show_progress
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.text.tokenizer import Tokenizer, truncate_text_ids
 

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchinfer.store.registry import read_tokenizer_files
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import CompletionOutput, FirstToken, RequestOutput, StepStats
 from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 FaultHook = Callable[[str], None]  # raises to make that request fail (finished with an error)
 StepFaultHook = Callable[[list[str]], None]  # raises to make the whole step fail
@@ -59,7 +59,7 @@ def byte_tokenizer_files() -> dict[str, bytes]:
 
     What ``batchinfer worker --echo`` registers when no model folder is given, so the scheduler
     tokenises and renders chats with the tokenizer the echo engine decodes with. Built here rather
-    than taken from ``workers.testing`` because that module imports torch, which an echo worker
+    than taken from ``workers.models.tiny`` because that module imports torch, which an echo worker
     (benchmarks measure its memory) does not otherwise load.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -124,7 +124,7 @@ class EchoEngine(WorkerEngine):
         if max_loras is not None and (isinstance(max_loras, bool) or not isinstance(max_loras, int)
                                       or max_loras < 1):
             raise ValueError(f"max_loras must be a positive integer or None, got {max_loras!r}")
-        from batchinfer.workers.lora.request import check_adapter_name
+        from batchinfer.workers.lora_request import check_adapter_name
 
         if isinstance(adapters, str):  # one name passed bare (--engine-option adapters=a)
             adapters = [adapters]

@@ -1,0 +1,1 @@
+"""In-process entry points of the inference library: ``LLM`` (generate, chat, embed)."""

@@ -1,0 +1,1 @@
+"""The worker service: feeds the inference library (batchinfer.workers) from Redis, publishes its rows."""

@@ -1,0 +1,64 @@
+"""``WorkerConfig``: how a worker daemon presents itself (its name and served model names).
+
+Every error is a ``ValueError`` whose message starts with the field's name. No torch: an echo
+worker builds one without loading it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _served_name(what: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise ValueError(f"{what} must be a non-empty name without spaces, got {value!r}")
+    return value
+
+
+@dataclass
+class WorkerConfig:
+    """How one worker daemon presents itself: its name and the model names it serves.
+
+    ``served_model_names`` are vLLM's ``--served-model-name``: the first is the canonical name
+    (the worker registers under it and pulls ``{p}:batches:<canonical>``), the others are aliases
+    a request's ``model`` may name as well. Empty: ``[model_name]`` when that is given (the single
+    ``--model-name`` of earlier versions), else ``[model]``, the model folder's (the engine's)
+    name. ``name`` defaults to ``<host>-<canonical>-<device>-<pid>``: unique per process on a host,
+    and stable across restarts of a container (same hostname, same pid 1).
+    """
+
+    model: str  # the engine's model name: the model folder's name (``echo`` for a bare echo engine)
+    served_model_names: list[str] = field(default_factory=list)
+    model_name: str | None = None
+    name: str | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.served_model_names, str):  # one name passed bare: not a list of letters
+            self.served_model_names = [self.served_model_names]
+        names = [_served_name("served_model_names", n) for n in self.served_model_names]
+        if self.model_name is not None:
+            _served_name("model_name", self.model_name)
+            if names and names[0] != self.model_name:
+                raise ValueError(f"model_name {self.model_name!r} and served_model_names {names} disagree: "
+                                 "give the names once, as served_model_names (the first is canonical)")
+        if not names:
+            names = [self.model_name or _served_name("model", self.model)]
+        self.served_model_names = list(dict.fromkeys(names))  # a name given twice is served once
+        if self.name is None:
+            device = self.device.replace(":", "").replace(",", "+")  # cuda0+cuda1 under TP
+            self.name = f"{socket.gethostname()}-{self.canonical}-{device}-{os.getpid()}"
+        _served_name("name", self.name)
+
+    @property
+    def canonical(self) -> str:
+        """The name the worker registers its model under."""
+        return self.served_model_names[0]
+
+    @property
+    def aliases(self) -> list[str]:
+        """The other served names: requests naming them go to the canonical model's batches."""
+        return self.served_model_names[1:]

@@ -1,8 +1,10 @@
 """``WorkerEngine``: the engine interface a worker daemon drives.
 
-:class:`~batchinfer.workers.engine.engine.Engine` (a model on a paged KV cache) and
-:class:`~batchinfer.workers.service.echo_engine.EchoEngine` (no model: echoes prompts) both implement it,
-and :class:`~batchinfer.workers.service.daemon.WorkerDaemon` uses nothing else of an engine. Its loop is
+Three classes implement it: :class:`~batchinfer.workers.engine.engine.Engine` (a generating
+model on a paged KV cache), :class:`~batchinfer.workers.engine.embedder.EmbeddingEngine` (an
+embedding model: whole inputs per step, no KV cache) and
+:class:`~batchinfer.workers.service.echo_engine.EchoEngine` (no model: echoes prompts); the worker
+service's :class:`~batchinfer.workers.service.daemon.WorkerDaemon` uses nothing else of an engine. Its loop is
 nano-vllm's: ``add_request`` what fits, ``step()`` while ``has_unfinished()``, publish each
 finished output. This module imports no torch: an echo worker never loads it.
 """

@@ -124,8 +124,7 @@ class JobOps:
                          f"{view.total}: op close with total {total} was ignored", op.reply_to, op.job_id)
             return
         final = self._fill_gaps(op.job_id, total)
-        if self.sink.publisher.finish_submission(op.job_id, final):
-            self.sink.enqueue_export(op.job_id)
+        self.sink.finish_submission(op.job_id, final)
         log.info("job %s: closed with total %d by intake entry %s", op.job_id, final, entry_id)
 
     def _cancel(self, entry_id: str, op: JobOp) -> None:
@@ -166,9 +165,7 @@ class JobOps:
                 row.finished_at = now
                 rows.append((row, None))
             for start in range(0, len(rows), 1000):
-                for outcome in self.sink.publisher.publish_many(rows[start:start + 1000]):
-                    if outcome.finalizing:
-                        self.sink.enqueue_export(job_id)
+                self.sink.publish_many(rows[start:start + 1000])
             pipe = self.redis.pipeline(transaction=False)
             for i in gaps:
                 pipe.setbit(self.keys.admitted(job_id), i, 1)

@@ -1,7 +1,8 @@
 """Putting exports on the rq queue: what the daemons need, without the exporter's pyarrow.
 
-The scheduler and the workers enqueue a job's export when its last row lands; importing
-:mod:`batchinfer.jobs.export` for that would load pyarrow (about 40 MB resident) into every daemon.
+The scheduler, the workers and the client enqueue a job's export when its last row lands
+(:func:`publish_then_export`, :func:`finish_then_export`); importing :mod:`batchinfer.jobs.export`
+for that would load pyarrow (about 40 MB resident) into every daemon.
 """
 
 from __future__ import annotations
@@ -9,11 +10,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+from typing import TYPE_CHECKING
 
 import redis
 
 from batchinfer.config import Settings
 from batchinfer.keys import RQ_QUEUE
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from batchinfer.store.publish import Publisher, PublishOutcome, Row
 
 RETRY_INTERVALS = (10, 30, 60)  # seconds before each rq retry
 EXPORT_TIMEOUT_S = 6 * 3600
@@ -52,3 +59,29 @@ def enqueue_export(r: redis.Redis, settings: Settings, job_id: str, *, output: s
             failure_ttl=settings.results_ttl_seconds,
         )
     return rq_id
+
+
+def publish_then_export(publisher: Publisher, rows: Sequence[tuple[Row, str | None]],
+                        export: Callable[[str], object]) -> list[PublishOutcome]:
+    """Publish ``(row, reply_to)`` pairs (``Publisher.publish_many``: one round trip) and call
+    ``export(job_id)`` for every job one of them made final; the outcomes in the rows' order.
+
+    Exactly one publication ever sees a job's ``finalizing``, so its export is this caller's to
+    enqueue (else only the scheduler's safety net, 30 s later, does). ``export`` is the caller's
+    :func:`enqueue_export` on its connection and settings, or a list's ``append`` to enqueue later.
+    """
+    outcomes = publisher.publish_many(rows)
+    for (row, _), outcome in zip(rows, outcomes, strict=True):
+        if outcome.finalizing and row.job_id:
+            export(row.job_id)
+    return outcomes
+
+
+def finish_then_export(publisher: Publisher, job_id: str, total: int,
+                       export: Callable[[str], object]) -> bool:
+    """``Publisher.finish_submission(job_id, total)``, then ``export(job_id)`` when that made the job
+    final (its rows were all in already); returns whether it did."""
+    final = publisher.finish_submission(job_id, total)
+    if final:
+        export(job_id)
+    return final

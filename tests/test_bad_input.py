@@ -37,7 +37,7 @@ from batchinfer.keys import RQ_QUEUE, WORKERS_GROUP
 from batchinfer.protocol.bodies import parse_body
 from batchinfer.protocol.entries import RequestError
 from batchinfer.protocol.rows import ResultRow
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStatus, JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
@@ -170,7 +170,7 @@ class Queue:
         registry = Registry(self.r, self.client.keys)
         self._until(lambda: len(registry.live_workers()) == 2 and set(registry.models()) >= {ECHO, HOSTILE},
                     "both workers registered")
-        self.scheduler = Scheduler(self.r, self.settings, name="sched-badin")
+        self.scheduler = SchedulerDaemon(self.r, self.settings, name="sched-badin")
         self.scheduler.dispatcher.jobs.ttl = self.scheduler.admission.jobs.ttl = 0
 
     def _hostile_model(self, path: Path) -> Path:

@@ -46,9 +46,9 @@ def ops(client: Client) -> list[JobOp]:
 
 def take_in(client: Client) -> None:
     """A scheduler pass over the intake stream: it applies the job's close (and counts its entries)."""
-    from batchinfer.scheduler.daemon import Scheduler
+    from batchinfer.scheduler.daemon import SchedulerDaemon
 
-    sched = Scheduler(client.redis, client.settings)
+    sched = SchedulerDaemon(client.redis, client.settings)
     while sched.run_once():
         pass
 

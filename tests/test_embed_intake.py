@@ -12,7 +12,7 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import IntakeEntry
 from batchinfer.protocol.rows import BatchRequest, ResultRow
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.registry import Registry, fingerprint
 from batchinfer.workers.engine_config import EngineConfig
@@ -67,7 +67,7 @@ def run(r, job: str, model: str, bodies: list) -> tuple[dict[int, BatchRequest],
     JobStore(r, KEYS).create(job, model=model)
     for i, body in enumerate(bodies):
         r.xadd(KEYS.requests, IntakeEntry(body=json.dumps(body), job_id=job, idx=i, line=i + 1).to_fields())
-    sched = Scheduler(r, Settings(prefix="{emb}"), direct_hold_s=600)
+    sched = SchedulerDaemon(r, Settings(prefix="{emb}"), direct_hold_s=600)
     sched.dispatcher.jobs.ttl = sched.admission.jobs.ttl = 0
     for _ in range(20):
         if sched.run_once() == 0:

@@ -14,7 +14,7 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import IntakeEntry
 from batchinfer.protocol.rows import ResultRow, now_ms
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.scheduler.staging import held_key
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.registry import Registry
@@ -24,7 +24,7 @@ KEYS = Keys("{h}")
 CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_tokens": 4096}
 
 
-def run(sched: Scheduler) -> None:
+def run(sched: SchedulerDaemon) -> None:
     while sched.run_once():
         pass
 
@@ -35,7 +35,7 @@ def held_models(r) -> dict[str, int]:
 
 def test_held_requests_are_counted_and_uncounted_in_the_same_step(redis_server, tiny_llama):
     r = redis_server.client()
-    sched = Scheduler(r, Settings(prefix=KEYS.prefix))
+    sched = SchedulerDaemon(r, Settings(prefix=KEYS.prefix))
     sched.admission.models.refresh = 0
     client = Client(settings=Settings(redis_url=redis_server.url, prefix=KEYS.prefix))
     job = client.submit([{"prompt": "a", "max_tokens": 2}] * 3, model="later")
@@ -66,7 +66,7 @@ def test_direct_hold_time_is_settable_globally_and_per_request(redis_server):
     r = redis_server.client()
     assert Settings.from_env({"BATCHINFER_DIRECT_HOLD_SECONDS": "5"}).direct_hold_seconds == 5.0
     assert Settings().direct_hold_seconds == 600.0
-    sched = Scheduler(r, Settings(prefix=KEYS.prefix, direct_hold_seconds=5))
+    sched = SchedulerDaemon(r, Settings(prefix=KEYS.prefix, direct_hold_seconds=5))
     body = json.dumps({"prompt": "x", "model": "nobody", "max_tokens": 2})
     r.xadd(KEYS.requests, IntakeEntry(body=body).to_fields())  # the global 5 s
     r.xadd(KEYS.requests, IntakeEntry(body=body, hold_seconds=120).to_fields())  # its own 120 s
@@ -79,7 +79,7 @@ def test_direct_hold_time_is_settable_globally_and_per_request(redis_server):
     row = ResultRow.from_json(reply[b"row"])
     assert row.error_code == "unknown_model" and "'nobody' is not served" in row.error_message
     # the constructor's argument still wins over the setting
-    assert Scheduler(r, Settings(prefix=KEYS.prefix), direct_hold_s=7).admission.direct_hold_s == 7
+    assert SchedulerDaemon(r, Settings(prefix=KEYS.prefix), direct_hold_s=7).admission.direct_hold_s == 7
 
 
 @pytest.mark.parametrize("bad", ["-1", "soon", "nan", "inf"])
@@ -87,7 +87,7 @@ def test_a_bad_hold_seconds_is_a_protocol_error(redis_server, bad):
     r = redis_server.client()
     body = json.dumps({"prompt": "x", "model": "nobody"})
     r.xadd(KEYS.requests, {"v": "1", "body": body, "reply_to": "{h}:reply:bad", "hold_seconds": bad})
-    run(Scheduler(r, Settings(prefix=KEYS.prefix)))
+    run(SchedulerDaemon(r, Settings(prefix=KEYS.prefix)))
     [(_, reply)] = r.xrange("{h}:reply:bad")
     row = ResultRow.from_json(reply[b"row"])
     assert row.error_code == "protocol_error"
@@ -110,7 +110,7 @@ def test_client_request_names_the_unserved_model_and_what_is_served(redis_server
     # hold_seconds=0 with a scheduler: the unknown_model row comes back at once, no timeout
     r.delete(KEYS.requests)
     stop = threading.Event()
-    thread = threading.Thread(target=Scheduler(redis_server.client(), Settings(prefix=KEYS.prefix)).run,
+    thread = threading.Thread(target=SchedulerDaemon(redis_server.client(), Settings(prefix=KEYS.prefix)).run,
                               args=(stop,), daemon=True)
     thread.start()
     try:

@@ -18,7 +18,7 @@ from batchinfer.jobs.export import export_job
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import IntakeEntry
 from batchinfer.protocol.rows import ResultRow
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobRecord, JobStatus, JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.workers.service.daemon import WorkerDaemon
@@ -87,7 +87,7 @@ class Daemons:
     def __init__(self, r, worker: EchoEngine | None):
         self.r, self.stop = r, threading.Event()
         settings = Settings(prefix=PREFIX, heartbeat_seconds=0.3, lease_seconds=30)
-        self.sched = Scheduler(r, settings, block_ms=20)
+        self.sched = SchedulerDaemon(r, settings, block_ms=20)
         self.sched.dispatcher.jobs.ttl = self.sched.admission.jobs.ttl = 0
         self.sched.timers["held"].period = 0.2  # a held request's deadline is checked often
         self.threads = [threading.Thread(target=self._schedule, daemon=True)]

@@ -11,7 +11,7 @@ from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.keys import DIRECT, Keys
 from batchinfer.protocol.rows import BatchRequest, ResultRow
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStatus, JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
@@ -31,13 +31,13 @@ def r(redis_server, tiny_llama):
     return r
 
 
-def scheduler(r) -> Scheduler:
-    sched = Scheduler(r, Settings(prefix=KEYS.prefix))
+def scheduler(r) -> SchedulerDaemon:
+    sched = SchedulerDaemon(r, Settings(prefix=KEYS.prefix))
     sched.dispatcher.jobs.ttl = 0
     return sched
 
 
-def run(sched: Scheduler, passes: int = 20) -> None:
+def run(sched: SchedulerDaemon, passes: int = 20) -> None:
     for _ in range(passes):
         if sched.run_once() == 0:
             return

@@ -17,7 +17,7 @@ from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.protocol.entries import IntakeEntry
 from batchinfer.protocol.rows import BatchRequest, ResultRow
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.scheduler.lookups import ModelCache
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.registry import Registry, adapter_model_name
@@ -58,14 +58,14 @@ def env(redis_server):
     return r, registry
 
 
-def make_scheduler(r, **settings) -> Scheduler:
-    sched = Scheduler(r, Settings(prefix=PREFIX, **settings), direct_hold_s=600)
+def make_scheduler(r, **settings) -> SchedulerDaemon:
+    sched = SchedulerDaemon(r, Settings(prefix=PREFIX, **settings), direct_hold_s=600)
     sched.admission.models.refresh = sched.dispatcher.models.refresh = 0  # see registrations at once
     sched.dispatcher.jobs.ttl = sched.admission.jobs.ttl = 0
     return sched
 
 
-def run_until_idle(sched: Scheduler, passes: int = 20) -> None:
+def run_until_idle(sched: SchedulerDaemon, passes: int = 20) -> None:
     for _ in range(passes):
         if sched.run_once() == 0:
             return

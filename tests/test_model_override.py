@@ -9,7 +9,7 @@ from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.protocol.rows import BatchRequest, ResultRow
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
 from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
@@ -23,7 +23,7 @@ def openai_line(i: int, model: str) -> dict:
             "body": {"model": model, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2}}
 
 
-def run(sched: Scheduler) -> None:
+def run(sched: SchedulerDaemon) -> None:
     while sched.run_once():
         pass
 
@@ -47,7 +47,7 @@ def test_the_jobs_model_answers_every_line_and_the_overridden_names_are_counted(
     client = Client(settings=Settings(redis_url=redis_server.url, prefix=KEYS.prefix))
     lines = [openai_line(i, "gpt-4o-mini") for i in range(5)] + [openai_line(5, "tiny")]
     job = client.submit(lines, model="tiny")
-    run(Scheduler(r, Settings(prefix=KEYS.prefix)))
+    run(SchedulerDaemon(r, Settings(prefix=KEYS.prefix)))
     ran = answer_batches(r)
     assert len(ran) == 6 and {q.model for q in ran} == {"tiny"}  # no line waits for "gpt-4o-mini"
     record = client.status(job)
@@ -61,17 +61,17 @@ def test_the_jobs_model_answers_every_line_and_the_overridden_names_are_counted(
     names = [f"hosted-{i}" for i in range(10)]
     job2 = client.submit([openai_line(i, names[i]) for i in range(3)] + [openai_line(9, "gpt-4o-mini")],
                          model="tiny")
-    run(Scheduler(r, Settings(prefix=KEYS.prefix)))
+    run(SchedulerDaemon(r, Settings(prefix=KEYS.prefix)))
     assert client.status(job2).overridden_models == ["hosted-0", "hosted-1", "hosted-2", "gpt-4o-mini"]
     # one job whose entries two scheduler processes take in (a restart in the middle)
     r.xadd(KEYS.requests, {"v": "1", "op": "open", "job": "j3", "model": "tiny"})
     for i in range(10):
         if i == 5:
-            run(Scheduler(r, Settings(prefix=KEYS.prefix)))
+            run(SchedulerDaemon(r, Settings(prefix=KEYS.prefix)))
         body = json.dumps(openai_line(i, names[i]))
         r.xadd(KEYS.requests, {"v": "1", "job": "j3", "idx": str(i), "body": body})
     r.xadd(KEYS.requests, {"v": "1", "op": "close", "job": "j3", "total": "10"})
-    run(Scheduler(r, Settings(prefix=KEYS.prefix)))
+    run(SchedulerDaemon(r, Settings(prefix=KEYS.prefix)))
     record3 = client.status("j3")
     assert (record3.total, record3.submitted) == (10, 10)
     assert record3.models_overridden == 10 and record3.overridden_models == names[:8]
@@ -85,7 +85,7 @@ def test_a_line_model_is_used_when_the_job_names_none(redis_server, tiny_llama):
     registry.heartbeat_worker("w1", {"model": "tiny", "capacity": CAP}, ttl=60)
     client = Client(settings=Settings(redis_url=redis_server.url, prefix=KEYS.prefix))
     job = client.submit([openai_line(0, "tiny")])
-    run(Scheduler(r, Settings(prefix=KEYS.prefix)))
+    run(SchedulerDaemon(r, Settings(prefix=KEYS.prefix)))
     assert [q.model for q in answer_batches(r)] == ["tiny"]
     assert client.status(job).models_overridden == 0
     client.close()

@@ -13,7 +13,7 @@ from batchinfer.jobs.export import iter_stream
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.protocol.entries import IntakeEntry
 from batchinfer.protocol.rows import ResultRow, now_ms
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.scheduler.dispatch import undelivered
 from batchinfer.scheduler.staging import held_key
 from batchinfer.store.jobstore import JobRecord, JobStatus, parse_status
@@ -59,7 +59,7 @@ def test_iter_stream_reads_every_entry_in_chunks(redis_server) -> None:
 def test_held_entry_keeps_its_fields_and_a_full_holding_area_rejects(redis_server, tiny_llama) -> None:
     r = redis_server.client()
     Registry(r, KEYS).register_model("tiny", read_tokenizer_files(tiny_llama), CAP)
-    sched = Scheduler(r, Settings(prefix=KEYS.prefix), direct_hold_s=600.0)
+    sched = SchedulerDaemon(r, Settings(prefix=KEYS.prefix), direct_hold_s=600.0)
     sched.intake.held_limit = 1
     entry = IntakeEntry(body=json.dumps({"prompt": "hi", "model": "later"})).to_fields()
     before = now_ms()

@@ -16,7 +16,7 @@ from batchinfer.keys import Keys
 from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.protocol.entries import IntakeEntry
 from batchinfer.protocol.rows import ResultRow
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
 from batchinfer.workers.service.daemon import WorkerDaemon
@@ -49,7 +49,7 @@ class Stack:
         registry.register_model("echo", self.engine.tokenizer_files(), self.engine.capacity())
         registry.heartbeat_worker("w0", {"model": "echo", "capacity": self.engine.capacity()}, ttl=60)
         self.metrics = SchedulerMetrics()
-        self.sched = Scheduler(r, _settings(), metrics=self.metrics)
+        self.sched = SchedulerDaemon(r, _settings(), metrics=self.metrics)
         self.sched.dispatcher.jobs.ttl = self.sched.admission.jobs.ttl = 0
         self.worker: WorkerDaemon | None = None
         self.stop_event = threading.Event()
@@ -205,7 +205,7 @@ def test_the_retention_is_a_setting_the_daemons_use(redis_server):
     assert settings.direct_results_retention_seconds == 3600
     assert Settings.from_env({}).direct_results_retention_seconds == 7 * 24 * 3600
     r = redis_server.client()
-    sched = Scheduler(r, settings)
+    sched = SchedulerDaemon(r, settings)
     assert sched.intake.sink.publisher.direct_retention_ms == 3600 * 1000
     worker = WorkerDaemon(r, settings, EchoEngine(), "w1")
     assert worker.publisher.direct_retention_ms == 3600 * 1000

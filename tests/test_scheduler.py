@@ -14,7 +14,7 @@ from batchinfer.protocol.batches import encode, retry_batches
 from batchinfer.protocol.entries import IntakeEntry
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.redis_conn import ensure_group
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.scheduler.staging import held_key
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
@@ -35,8 +35,8 @@ def env(redis_server, tiny_llama):
     return r, registry, Tokenizer.from_dir(tiny_llama)
 
 
-def make_scheduler(r, hold: float = 600.0, **settings) -> Scheduler:
-    sched = Scheduler(r, Settings(prefix="{t}", **settings), direct_hold_s=hold)
+def make_scheduler(r, hold: float = 600.0, **settings) -> SchedulerDaemon:
+    sched = SchedulerDaemon(r, Settings(prefix="{t}", **settings), direct_hold_s=hold)
     sched.dispatcher.jobs.ttl = sched.admission.jobs.ttl = 0  # see job changes at once
     return sched
 

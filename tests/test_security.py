@@ -27,7 +27,7 @@ from batchinfer.config import Settings
 from batchinfer.jobs.export import enqueue_export, export_job
 from batchinfer.keys import RQ_QUEUE, Keys
 from batchinfer.protocol.rows import ResultRow
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStatus, JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
@@ -250,7 +250,7 @@ def test_worker_serves_a_read_only_model_folder_and_runs_none_of_its_code(redis_
                     for i, ids in enumerate(([5, 6, 5000], [5, 6, 7]))]
         r.xadd(keys.batches("tiny-ro"), {"v": "1", "requests": json.dumps([q.to_dict() for q in requests])})
         Publisher(r, keys).finish_submission("oov", 2)
-        scheduler = Scheduler(r, settings)
+        scheduler = SchedulerDaemon(r, settings)
         store = JobStore(r, keys)
 
         def done() -> bool:

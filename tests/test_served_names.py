@@ -16,7 +16,7 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import IntakeEntry
 from batchinfer.protocol.rows import ResultRow
-from batchinfer.scheduler.daemon import Scheduler
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.registry import Registry, ServedNameTaken
 from batchinfer.workers.service.daemon import WorkerDaemon
@@ -38,8 +38,8 @@ def Serving(r, engine, name, **kw) -> ThreadedWorker:  # noqa: N802 - reads as a
     return ThreadedWorker(WorkerDaemon(r, _settings(), engine, name, **kw))
 
 
-def _scheduler(r) -> Scheduler:
-    sched = Scheduler(r, Settings(prefix=PREFIX), direct_hold_s=60)
+def _scheduler(r) -> SchedulerDaemon:
+    sched = SchedulerDaemon(r, Settings(prefix=PREFIX), direct_hold_s=60)
     sched.admission.models.refresh = 0  # see registrations at once
     sched.dispatcher.jobs.ttl = sched.admission.jobs.ttl = 0
     return sched

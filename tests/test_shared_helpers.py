@@ -149,10 +149,10 @@ def nowhere(monkeypatch) -> str:
 
 
 def test_scheduler_loop_backs_off_while_redis_is_away(nowhere):
-    from batchinfer.scheduler.daemon import Scheduler
+    from batchinfer.scheduler.daemon import SchedulerDaemon
 
     stop = StopAfter(8)
-    Scheduler(connect(nowhere), Settings(prefix="{h}")).run(stop)
+    SchedulerDaemon(connect(nowhere), Settings(prefix="{h}")).run(stop)
     assert stop.waits == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
 
 

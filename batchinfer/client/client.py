@@ -21,6 +21,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from batchinfer.client.inputs import DuplicateIds, InputError, InputLine, input_name, open_input
 from batchinfer.config import Settings
+from batchinfer.jobs.queueing import enqueue_export, finish_then_export, publish_then_export
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, JobOp, parse_duration, valid_job_id
 from batchinfer.protocol.rows import ResultRow
@@ -130,8 +131,7 @@ class Client:
             raise
         # The total at once too (the script the scheduler's close runs; the close then finds it set):
         # `status` shows the job in_progress with its total as soon as this returns.
-        if self.publisher.finish_submission(job_id, total):
-            self._enqueue_export(job_id)
+        finish_then_export(self.publisher, job_id, total, self._enqueue_export)
         return job_id
 
     def _send(self, op: JobOp, lines: Iterator[InputLine], on_progress: Callable[[int], None] | None) -> int:
@@ -176,12 +176,9 @@ class Client:
         # As the scheduler's rows: the line number is the row's `line` column, not in the message.
         row = ResultRow.error(err.code, err.message, job_id=job_id, idx=idx, line=item.line)
         self.redis.hincrby(self.keys.job(job_id), JobField.SUBMITTED, 1)
-        if self.publisher.publish(row).finalizing:
-            self._enqueue_export(job_id)
+        publish_then_export(self.publisher, [(row, None)], self._enqueue_export)
 
     def _enqueue_export(self, job_id: str) -> None:
-        from batchinfer.jobs.export import enqueue_export
-
         enqueue_export(self.redis, self.settings, job_id)
 
     def status(self, job_id: str) -> JobRecord:

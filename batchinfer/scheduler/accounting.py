@@ -90,8 +90,7 @@ class Accounting:
 
     def _close(self, job_id: str, submitted: int) -> None:
         """End a submission nobody will end: total = what was submitted."""
-        if self.sink.publisher.finish_submission(job_id, submitted):
-            self.sink.enqueue_export(job_id)
+        self.sink.finish_submission(job_id, submitted)
 
     def _export_queued(self, job_id: str) -> bool:
         from rq.job import Job

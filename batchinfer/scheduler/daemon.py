@@ -54,7 +54,7 @@ class Periodic:
         return True
 
 
-class Scheduler:
+class SchedulerDaemon:
     """One scheduler process. ``run(stop)`` serves; ``run_once()`` is one pass (tests call it)."""
 
     def __init__(self, r: redis.Redis, settings: Settings, *, name: str = "scheduler",
@@ -149,7 +149,7 @@ def main(settings: Settings) -> int:
     readiness.add_probe("redis", r.ping)
     server = serve(settings.metrics_port, metrics.registry, readiness)
     try:
-        Scheduler(r, settings, metrics=metrics).run(stop, tick=readiness.tick)
+        SchedulerDaemon(r, settings, metrics=metrics).run(stop, tick=readiness.tick)
     finally:
         if server is not None:
             server.stop()

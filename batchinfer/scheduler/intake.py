@@ -1,6 +1,7 @@
 """Intake: read the requests stream, validate, tokenise, and stage — or answer with an error row.
-Embeddings requests are routed by the model's task and tokenised per input in
-``batchinfer.scheduler.embed_intake``; the entry's check against its job is ``jobops.refusal``.
+Each check of an entry (against its job, its model, its body) is a named function of
+``batchinfer.scheduler.entry_checks``; embeddings requests are routed by the model's task and
+tokenised per input in ``batchinfer.scheduler.embed_intake``.
 
 Each intake entry ends in exactly one place, and its XACK + XDEL travels in the same MULTI:
 a staging stream (valid; ``batchinfer.scheduler.staging``), the holding area (its model is not served yet),
@@ -22,19 +23,39 @@ import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, TypedDict, cast
+from typing import Any
 
 import redis
 
 from batchinfer.config import Settings
 from batchinfer.keys import SCHEDULER_GROUP, Keys
 from batchinfer.protocol.bodies import RequestSpec, leading_custom_id, parse_body
-from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
+from batchinfer.protocol.entries import IntakeEntry, RequestError
 from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms, request_id_for
 from batchinfer.redis_conn import ensure_group, read_group
 from batchinfer.scheduler.embed_intake import check_task, embed_fields
-from batchinfer.scheduler.jobops import JobOps, Refuse, entry_ms, refusal
-from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, RowSink, checked_token_ids
+from batchinfer.scheduler.entry_checks import (
+    Duplicate,
+    Hold,
+    Outcome,
+    Refuse,
+    Reject,
+    RowBase,
+    Stage,
+    check_length,
+    check_size,
+    ended_row,
+    entry_ms,
+    error_row,
+    hold_deadline,
+    malformed,
+    prompt_tokens,
+    refusal,
+    run_model,
+    unknown_adapter,
+)
+from batchinfer.scheduler.jobops import JobOps
+from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, RowSink, ServedModel
 from batchinfer.scheduler.staging import Staging, held_key
 from batchinfer.scheduler.structured_check import StructuredCheck
 from batchinfer.store import replies
@@ -42,45 +63,11 @@ from batchinfer.store.jobstore import JobField
 from batchinfer.store.publish import Redelivery
 from batchinfer.store.replies import Fields
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 IDEMPOTENCY_TTL_S = 24 * 3600
-DEFAULT_WINDOW_S = 24 * 3600  # how long a job without expires_at waits for an unknown model
 MAX_OVERRIDDEN_NAMES = 8  # distinct overridden line models a job record names
-
-
-@dataclass
-class Stage:
-    model: str
-    priority: int
-    request: BatchRequest
-    overridden: str | None = None  # the line's own model, when the job's won over it
-
-
-@dataclass
-class Reject:
-    row: ResultRow
-    reply_to: str | None
-    overridden: str | None = None
-
-
-@dataclass
-class Hold:
-    until: int  # ms: when the request gives up waiting for its model
-    row: ResultRow  # its unknown_model row, for then (or for a full holding area)
-    reply_to: str | None
-    model: str = ""  # the model it waits for (counted in {p}:held_models)
-    overridden: str | None = None
-
-
-class Duplicate:
-    """An entry whose client_request_id was already accepted for another request: dropped, and its
-    ``reply_to`` owed that request's row (``Redelivery``)."""
-
-
-Outcome = Stage | Reject | Hold | Duplicate | Refuse
 
 
 @dataclass
@@ -90,25 +77,6 @@ class _Tally:
     admitted: list[int] = field(default_factory=list)
     overridden: list[str] = field(default_factory=list)
     held: int = 0
-
-
-class _RowIds(TypedDict):
-    """What every error row of an entry names (keyword arguments of ``ResultRow.error``)."""
-
-    job_id: str | None
-    idx: int | None
-    request_id: str
-    line: int | None
-    created_at: int
-
-
-class _RowBase(_RowIds, total=False):
-    """Plus what is known once the job and the body have been read."""
-
-    model: str
-    custom_id: str | None
-    metadata: dict[str, str]
-    url: str | None
 
 
 def params_dict(params: SamplingParams) -> dict[str, Any]:
@@ -133,7 +101,8 @@ class Admission:
 
     def admit(self, entry_id: str, fields: Fields, held_until: int | None = None,
               taken: set[tuple[str, int]] | frozenset[tuple[str, int]] = frozenset()) -> Outcome:
-        """The outcome of entry ``entry_id`` (the original intake id, also for held entries).
+        """The outcome of entry ``entry_id`` (the original intake id, also for held entries); each
+        check is named in ``batchinfer.scheduler.entry_checks`` (docs/scheduler.md, "Validation").
 
         ``taken``: the ``(job, idx)`` pairs already taken in (an entry for one is refused); a held
         entry (``held_until`` given) was taken in when it was held and is not checked again.
@@ -141,143 +110,76 @@ class Admission:
         try:
             entry = IntakeEntry.from_fields(fields)
         except RequestError as e:
-            return self._malformed(entry_id, e, taken)
+            return malformed(entry_id, e, self.jobs, taken)
         request_id = request_id_for(entry.job_id, entry.idx, entry_id)
-        base: _RowBase = {"job_id": entry.job_id, "idx": entry.idx, "request_id": request_id,
-                          "line": entry.line, "created_at": entry_ms(entry_id)}
+        base: RowBase = {"job_id": entry.job_id, "idx": entry.idx, "request_id": request_id,
+                         "line": entry.line, "created_at": entry_ms(entry_id)}
         if entry.client_request_id and self._duplicate(entry.client_request_id, request_id, entry.reply_to):
             return Duplicate()
-        now = now_ms()
         view = self.jobs.get(entry.job_id) if entry.job_id else None
-        if view is not None and held_until is None:
-            refused = refusal(entry_id, view, entry.idx, entry.reply_to, taken, entry.line,
-                              leading_custom_id(entry.body))
-            if refused is not None:
-                return refused
-        ended = view.ended_as() if view else None
+        if view is not None and held_until is None and (refused := refusal(
+                entry_id, view, entry.idx, entry.reply_to, taken, entry.line, leading_custom_id(entry.body))):
+            return refused
         if view and view.model:
             base["model"] = view.model  # error rows name the job's model until the body names one
-        if ended:
-            return Reject(ResultRow.error(ended, f"the job was {ended} before this request ran", status=ended,
-                                          **base), entry.reply_to)
+        if (ended := ended_row(view, **base)) is not None:
+            return Reject(ended, entry.reply_to)
         try:
-            self._check_size(entry.body)
+            check_size(entry.body, self.settings.max_line_bytes)
             spec = parse_body(entry.body, line=entry.line, max_tokens_limit=self.settings.max_tokens_limit)
         except RequestError as e:
-            return Reject(self._error(e.at_line(entry.line), base), entry.reply_to)
+            return Reject(error_row(e.at_line(entry.line), base), entry.reply_to)
         base["custom_id"], base["metadata"], base["url"] = spec.custom_id, spec.metadata, spec.url
-        # The job's model wins over the line's own (an OpenAI batch file names a hosted model in every
-        # line); such lines are counted once, when first taken in, not again when a held one is re-read.
-        job_model = view.model if view else None
-        if job_model and spec.model and self._adapter_of(spec.model, job_model):
-            job_model = None  # a line naming an adapter of the job's model keeps it (run --lora)
-        model = job_model or spec.model
-        overridden = (spec.model if job_model and spec.model and spec.model != job_model
-                      and held_until is None else None)
+        model, overridden = run_model(self.models, spec.model, view, first_read=held_until is None)
         if not model:
             return Reject(ResultRow.error("invalid_request", "no model: give 'model' in the body or the job",
                                           **base), entry.reply_to)
         base["model"] = model
         served = self.models.get(model)
-        if served is None and (why := self._unknown_adapter(model)) is not None:
-            # a served model but no such adapter of it: no worker starting later is waited for
-            return Reject(ResultRow.error("unknown_model", why, **base), entry.reply_to, overridden)
         if served is None:
-            deadline = held_until or self._deadline(view, now, entry.hold_seconds)
-            row = ResultRow.error("unknown_model", f"model {model!r} is not served by any worker", **base)
-            if now < deadline:
-                return Hold(deadline, row, entry.reply_to, model, overridden)
-            return Reject(row, entry.reply_to, overridden)
-        token_ids: list[int] = []
-        embed: dict[str, Any] = {}  # an embedding request's task, inputs and pooling_params
+            return self._unserved(entry, base, view, held_until, overridden)
         try:
-            check_task(spec, model, served.info)  # routing by task: embeddings to embedding models only
-            if spec.task == "embed":
-                embed = embed_fields(spec, served, self.settings.max_prompt_tokens)
-            else:
-                token_ids = self._tokens(spec, served.tokenizer)
-                self._check_length(len(token_ids), spec, served.info.max_model_len,
-                                   self.settings.max_prompt_tokens)
-                self.structured.check(spec, served)  # a schema / regex that cannot be served: its row now
+            request = self._request(entry, spec, served, base)
         except RequestError as e:
-            return Reject(self._error(e.at_line(entry.line), base), entry.reply_to, overridden)
-        priority = spec.priority or (view.priority if view else 0)
-        sampling = {} if embed else params_dict(spec.sampling_params)
-        request = BatchRequest(request_id=request_id, job_id=entry.job_id, idx=entry.idx,
-                               prompt_token_ids=token_ids, sampling_params=sampling, model=model,
-                               line=entry.line, custom_id=spec.custom_id, url=spec.url,
-                               reply_to=entry.reply_to, metadata=spec.metadata, created_at=base["created_at"],
-                               lora=served.info.adapter, **embed)
+            return Reject(error_row(e.at_line(entry.line), base), entry.reply_to, overridden)
         # staged under the canonical name: the tokens are that model's, whichever alias was asked for
         # (an adapter's, BASE:NAME, has its base's tokenizer and runs with lora NAME)
-        return Stage(served.info.name, priority, request, overridden)
+        return Stage(served.info.name, spec.priority or (view.priority if view else 0), request, overridden)
 
-    def _adapter_of(self, line_model: str, job_model: str) -> bool:
-        """Whether ``line_model`` names an adapter of ``job_model`` (served: ``NAME``,
-        ``BASE:NAME``, ``ALIAS:NAME``; or not served but ``<job model>:NAME``, which then gets its
-        unknown-adapter row instead of silently running on the base)."""
-        if line_model == job_model:
-            return False
-        job = self.models.get(job_model)
-        if job is None or job.info.adapter is not None:
-            return False
-        line = self.models.get(line_model)
-        if line is not None:
-            return line.info.base_model == job.info.name
-        head = line_model.rpartition(":")[0]
-        return head in (job_model, job.info.name)
+    def _unserved(self, entry: IntakeEntry, base: RowBase, view: JobView | None, held_until: int | None,
+                  overridden: str | None) -> Hold | Reject:
+        """A request for a model no worker serves: held until its deadline, unless it names an adapter
+        of a served model (no worker starting later is waited for)."""
+        model = base["model"]
+        if (why := unknown_adapter(self.models, model)) is not None:
+            return Reject(ResultRow.error("unknown_model", why, **base), entry.reply_to, overridden)
+        now = now_ms()
+        deadline = held_until or hold_deadline(view, now, entry.hold_seconds, self.direct_hold_s)
+        row = ResultRow.error("unknown_model", f"model {model!r} is not served by any worker", **base)
+        if now < deadline:
+            return Hold(deadline, row, entry.reply_to, model, overridden)
+        return Reject(row, entry.reply_to, overridden)
 
-    def _unknown_adapter(self, model: str) -> str | None:
-        """The ``unknown_model`` message of ``model`` = ``X:Y`` (not served itself) when X names a served
-        model, so Y asks for an adapter of it that is not served; None for any other unknown name.
-
-        Only the last ``:`` splits (model names may hold one, e.g. ``llama3:8b``, and adapter names
-        hold none); the full name was tried first by the caller."""
-        head, sep, adapter = model.rpartition(":")
-        if not sep or not head or not adapter:
-            return None
-        served = self.models.get(head)
-        if served is None or served.info.adapter is not None:
-            return None
-        base = served.info.name
-        names = self.models.registry.adapters_of(base)
-        return (f"model {model!r}: adapter {adapter!r} is not served for model {base!r}; "
-                f"served adapters: {', '.join(names) if names else 'none'}")
-
-    def _malformed(self, entry_id: str, e: RequestError,
-                   taken: set[tuple[str, int]] | frozenset[tuple[str, int]] = frozenset()) -> Reject | Refuse:
-        """An entry that is not a valid intake entry: its row goes to its job if one can be read (and
-        the entry could be counted in it)."""
-        ctx = e.context
-        job, idx = ctx.get("job"), ctx.get("idx")
-        routable = isinstance(job, str) and valid_job_id(job) and isinstance(idx, int) and idx >= 0
-        if routable and isinstance(job, str):
-            refused = refusal(entry_id, self.jobs.get(job), idx, ctx.get("reply_to"), taken, ctx.get("line"))
-            if refused is not None:
-                refused.row.error_message = f"{refused.row.error_message} (and the entry is malformed: {e})"
-                return refused
-        base: _RowBase = {"job_id": job if routable else None, "idx": idx if routable else None,
-                          "request_id": request_id_for(job, idx) if routable else entry_id,
-                          "line": ctx.get("line"), "created_at": entry_ms(entry_id)}
-        return Reject(self._error(e, base), ctx.get("reply_to"))
-
-    @staticmethod
-    def _error(e: RequestError, base: _RowBase) -> ResultRow:
-        message = f"{e.field}: {e.message}" if e.field and e.field not in e.message else e.message
-        row = base.copy()
-        row["line"] = e.line or base["line"]
-        row["custom_id"] = base.get("custom_id") or e.context.get("custom_id")
-        return ResultRow.error(e.code, message, **row)
-
-    def _check_size(self, body: str) -> None:
-        """Producers other than the submitter may XADD any size: the line limit holds for them too."""
-        limit = self.settings.max_line_bytes
-        # len() counts characters; only text that might be over the limit is encoded to count bytes
-        if len(body) > limit or (4 * len(body) > limit and len(body.encode("utf-8", "replace")) > limit):
-            custom_id = leading_custom_id(body)  # cheap: the rest of the body is never parsed
-            raise RequestError("line_too_long", f"body is {len(body.encode('utf-8', 'replace'))} bytes, more "
-                               f"than the limit of {limit} bytes (BATCHINFER_MAX_LINE_BYTES)", field="body",
-                               context={"custom_id": custom_id} if custom_id else None)
+    def _request(self, entry: IntakeEntry, spec: RequestSpec, served: ServedModel,
+                 base: RowBase) -> BatchRequest:
+        """The request to stage, checked against its model: routing by task (embeddings to embedding
+        models only), then tokens, context and output constraints (a schema / regex that cannot be
+        served gets its row now)."""
+        token_ids: list[int] = []
+        embed: dict[str, Any] = {}  # an embedding request's task, inputs and pooling_params
+        check_task(spec, base["model"], served.info)
+        if spec.task == "embed":
+            embed = embed_fields(spec, served, self.settings.max_prompt_tokens)
+        else:
+            token_ids = prompt_tokens(spec, served.tokenizer)
+            check_length(len(token_ids), spec, served.info.max_model_len, self.settings.max_prompt_tokens)
+            self.structured.check(spec, served)
+        sampling = {} if embed else params_dict(spec.sampling_params)
+        return BatchRequest(request_id=base["request_id"], job_id=entry.job_id, idx=entry.idx,
+                            prompt_token_ids=token_ids, sampling_params=sampling, model=base["model"],
+                            line=entry.line, custom_id=spec.custom_id, url=spec.url, reply_to=entry.reply_to,
+                            metadata=spec.metadata, created_at=base["created_at"], lora=served.info.adapter,
+                            **embed)
 
     def _duplicate(self, client_request_id: str, request_id: str, reply_to: str | None) -> bool:
         """Claim the idempotency key (a re-read of our own entry after a crash is no duplicate); a
@@ -292,55 +194,6 @@ class Admission:
                 request_id, client_request_id, first, reply_to,
                 "not a stream: not written" if delivery == "wrongtype" else delivery)
         return True
-
-    def _deadline(self, view: JobView | None, now: int, hold_seconds: float | None = None) -> int:
-        """When a request for an unserved model gives up: a direct one after ``hold_seconds`` (the entry's)
-        or ``direct_hold_s``; a job's at the end of its window, or after ``hold_seconds`` if sooner."""
-        if view is None:
-            return now + int((self.direct_hold_s if hold_seconds is None else hold_seconds) * 1000)
-        window_end = view.expires_at or now + DEFAULT_WINDOW_S * 1000
-        return window_end if hold_seconds is None else min(window_end, now + int(hold_seconds * 1000))
-
-    @staticmethod
-    def _tokens(spec: RequestSpec, tokenizer: Tokenizer) -> list[int]:
-        if spec.prompt_token_ids is not None:
-            return checked_token_ids(spec.prompt_token_ids, tokenizer, "prompt_token_ids")
-        ids: list[int]
-        if spec.messages is not None:
-            try:
-                rendered = tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True,
-                                                         tokenize=True)
-                ids = cast("list[int]", rendered)  # tokenize=True: ids, not text
-            except Exception as e:  # noqa: BLE001 - the template is the model's code: its failure is ours
-                why = e if isinstance(e, ValueError) else repr(e)  # e.g. OverflowError of a too-big range()
-                raise RequestError("invalid_request", f"cannot render the chat template: {why}",
-                                   field="messages") from None
-        else:
-            assert spec.prompt is not None  # a RequestSpec holds exactly one of the three
-            try:
-                ids = tokenizer.encode(spec.prompt)
-            except (TypeError, ValueError) as e:  # the tokenizers library refuses some strings
-                raise RequestError("invalid_request", f"the prompt cannot be tokenised: {e}",
-                                   field="prompt") from None
-        if not ids:
-            raise RequestError("invalid_request", "the prompt encodes to no tokens", field="prompt")
-        return list(ids)
-
-    @staticmethod
-    def _check_length(n: int, spec: RequestSpec, max_model_len: int, max_prompt_tokens: int | None) -> None:
-        given = ("messages" if spec.messages is not None
-                 else "prompt_token_ids" if spec.prompt_token_ids is not None else "prompt")
-        if max_prompt_tokens is not None and n > max_prompt_tokens:
-            raise RequestError("prompt_too_long", f"the prompt has {n} tokens, more than the limit of "
-                               f"{max_prompt_tokens} (BATCHINFER_MAX_PROMPT_TOKENS)", field=given)
-        max_tokens = spec.sampling_params.max_tokens
-        if n >= max_model_len:
-            raise RequestError("prompt_too_long", f"the prompt has {n} tokens; the model's context is "
-                               f"{max_model_len} tokens, which leaves no room to generate", field=given)
-        if max_tokens is not None and n + max_tokens > max_model_len:
-            raise RequestError("prompt_too_long", f"the prompt has {n} tokens and max_tokens is "
-                               f"{max_tokens}: {n + max_tokens} > the model's context of {max_model_len} "
-                               "tokens", field="max_tokens")
 
 
 class Intake:

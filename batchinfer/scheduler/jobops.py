@@ -7,8 +7,8 @@ A producer in any language runs a job with intake entries alone (docs/protocol.m
 finishes, and ``finish_submission`` sets ``total`` (and finalises a job whose rows are all in).
 Every op is idempotent, so one re-read after a crash (applied, not acked) changes nothing.
 
-Also the check of a request entry against its job (:func:`refusal`: no such job, idx out of range
-or taken already), which the intake applies before it takes the entry in.
+A request entry's checks against its job (no such job, idx out of range or taken already) are
+``batchinfer.scheduler.entry_checks.refusal``, which the intake applies before it takes the entry in.
 
 An op that cannot be applied is answered as a direct request: a ``protocol_error`` /
 ``invalid_request`` row in ``results:direct`` (and the op's ``reply_to``), plus a line in the job's
@@ -18,13 +18,13 @@ An op that cannot be applied is answered as a direct request: a ``protocol_error
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import redis
 
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import JobOp, RequestError
 from batchinfer.protocol.rows import ResultRow, now_ms, request_id_for
+from batchinfer.scheduler.entry_checks import entry_ms
 from batchinfer.scheduler.lookups import JobCache, JobView, RowSink
 from batchinfer.store.jobcontrol import append_job_error, open_job
 from batchinfer.store.jobstore import JobStore
@@ -33,45 +33,6 @@ from batchinfer.store.replies import Fields
 log = logging.getLogger(__name__)
 
 GAPS_NAMED = 10  # idx a close's job error names
-
-
-@dataclass
-class Refuse:
-    """An entry that cannot be counted in its job: answered as a direct request (``row`` has no job),
-    with ``job_error`` for the job's record when the job exists."""
-
-    row: ResultRow
-    reply_to: str | None
-    job_id: str | None = None
-    job_error: str | None = None
-
-
-def entry_ms(entry_id: str) -> int:
-    """The ms timestamp of a stream entry id (when the entry was added)."""
-    return int(entry_id.split("-", 1)[0])
-
-
-def refusal(entry_id: str, view: JobView, idx: int | None, reply_to: str | None,
-            taken: set[tuple[str, int]] | frozenset[tuple[str, int]], line: int | None = None,
-            custom_id: str | None = None) -> Refuse | None:
-    """Why an entry for job ``view`` cannot be counted in it, as a :class:`Refuse`; None if it can."""
-    job = view.job_id
-    if not view.exists:
-        why = (f"job {job!r} does not exist: open it first with an 'op open' entry "
-               f"(docs/protocol.md, Jobs); this entry (idx {idx}) was not run")
-    elif idx is None:
-        return None
-    elif view.total is not None and idx >= view.total:
-        why = (f"idx {idx} is out of range: job {job!r} was closed with total {view.total} "
-               f"(idx 0..{view.total - 1}); this entry was not run")
-    elif (job, idx) in taken:
-        why = (f"idx {idx} of job {job!r} was already taken in (by an earlier entry, or filled when "
-               "the job was closed without it); this entry was not run")
-    else:
-        return None
-    row = ResultRow.error("protocol_error", why, job_id=None, request_id=entry_id, line=line,
-                          custom_id=custom_id, created_at=entry_ms(entry_id))
-    return Refuse(row, reply_to, job, why if view.exists else None)
 
 
 class JobOps:
@@ -124,8 +85,7 @@ class JobOps:
                          f"{view.total}: op close with total {total} was ignored", op.reply_to, op.job_id)
             return
         final = self._fill_gaps(op.job_id, total)
-        if self.sink.publisher.finish_submission(op.job_id, final):
-            self.sink.enqueue_export(op.job_id)
+        self.sink.finish_submission(op.job_id, final)
         log.info("job %s: closed with total %d by intake entry %s", op.job_id, final, entry_id)
 
     def _cancel(self, entry_id: str, op: JobOp) -> None:
@@ -166,9 +126,7 @@ class JobOps:
                 row.finished_at = now
                 rows.append((row, None))
             for start in range(0, len(rows), 1000):
-                for outcome in self.sink.publisher.publish_many(rows[start:start + 1000]):
-                    if outcome.finalizing:
-                        self.sink.enqueue_export(job_id)
+                self.sink.publish_many(rows[start:start + 1000])
             pipe = self.redis.pipeline(transaction=False)
             for i in gaps:
                 pipe.setbit(self.keys.admitted(job_id), i, 1)
@@ -179,8 +137,7 @@ class JobOps:
                 job_id: str | None = None) -> None:
         """An op that cannot be applied: a direct row (``results:direct`` and ``reply_to``), a job error."""
         log.warning("intake entry %s (op): %s", entry_id, message)
-        row = ResultRow.error(code, message, job_id=None, request_id=entry_id,
-                              created_at=int(entry_id.split("-", 1)[0]))
+        row = ResultRow.error(code, message, job_id=None, request_id=entry_id, created_at=entry_ms(entry_id))
         self.sink.publish(row, reply_to)
         if job_id:
             self.job_error(job_id, f"entry {entry_id}: {message}")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from batchinfer.config import Settings
+from batchinfer.jobs.queueing import enqueue_export, finish_then_export, publish_then_export
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import RequestError
 from batchinfer.protocol.rows import ResultRow, now_ms
@@ -24,6 +25,8 @@ from batchinfer.store.registry import ModelInfo, Registry, fingerprint
 from batchinfer.workers.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the sink only calls the metrics it is handed
+    from collections.abc import Sequence
+
     from batchinfer.ops.metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
@@ -185,15 +188,20 @@ class RowSink:
         """Publish ``row``; returns whether this call wrote it."""
         if row.finished_at is None:
             row.finished_at = now_ms()
-        outcome = self.publisher.publish(row, reply_to=reply_to)
+        [outcome] = publish_then_export(self.publisher, [(row, reply_to)], self.enqueue_export)
         if outcome.published and self.metrics is not None:
             self.metrics.row_published(row)
-        if outcome.finalizing and row.job_id:
-            self.enqueue_export(row.job_id)
         return outcome.published
 
-    def enqueue_export(self, job_id: str) -> None:
-        from batchinfer.jobs.queueing import enqueue_export
+    def publish_many(self, rows: Sequence[tuple[ResultRow, str | None]]) -> None:
+        """Publish ``(row, reply_to)`` pairs in one round trip (rows already stamped, not counted)."""
+        publish_then_export(self.publisher, rows, self.enqueue_export)
 
+    def finish_submission(self, job_id: str, total: int) -> None:
+        """End job ``job_id``'s submission at ``total`` requests (``Publisher.finish_submission``)."""
+        finish_then_export(self.publisher, job_id, total, self.enqueue_export)
+
+    def enqueue_export(self, job_id: str) -> None:
+        """Enqueue job ``job_id``'s export (rq's unique enqueue: at most one per job)."""
         enqueue_export(self.redis, self.settings, job_id)
         log.info("job %s: every request has its row; export enqueued", job_id)

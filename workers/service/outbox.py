@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import redis
 
+from batchinfer.jobs.queueing import publish_then_export
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
 from batchinfer.protocol.batches import retry_batches
 from batchinfer.protocol.rows import BatchRequest, ResultRow
@@ -150,15 +151,15 @@ class Outbox:
             self._send_retries()
         while self.rows:
             chunk = list(itertools.islice(self.rows, self.chunk))
-            outcomes = self.publisher.publish_many([(o.row, o.reply_to) for o in chunk])
+            # exports are enqueued below, after the dead letters, and kept across a Redis error
+            outcomes = publish_then_export(self.publisher, [(o.row, o.reply_to) for o in chunk],
+                                           self.exports.append)
             for o, outcome in zip(chunk, outcomes, strict=True):
                 self.rows.popleft()
                 if outcome.published:
                     self.on_published(o.row)
                     if o.dead_letter is not None:  # only the publication that won records it
                         self.dead_letters.append(o.dead_letter)
-                if outcome.finalizing and o.row.job_id:
-                    self.exports.append(o.row.job_id)
                 self.sent.append((o.row.request_id, True))
         if self.dead_letters:
             pipe = self.redis.pipeline(transaction=True)

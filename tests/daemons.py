@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+from faulty_echo import ENGINE_CLASS, FAULT_OPTIONS
 
 from batchinfer.cli.runner import python_module
 from batchinfer.client.client import Client
@@ -35,6 +36,7 @@ from batchinfer.config import Settings
 from batchinfer.store.registry import Registry
 
 CLI = python_module("batchinfer.cli")
+TESTS = str(Path(__file__).resolve().parent)  # on a daemon's PYTHONPATH for tests/faulty_echo.py
 START_TIMEOUT_S = 180
 JOB_TIMEOUT_S = 300
 LOG_TAIL_LINES = 40
@@ -85,9 +87,12 @@ class Stack:
             args += ["--model", str(model_dir)]
         if echo:
             args.append("--echo")
+        extra = {**(env or {}), **({"BATCHINFER_REDIS_URL": redis_url} if redis_url else {})}
+        if echo and set(FAULT_OPTIONS) & set(options or {}):  # the test double that injects them
+            args += ["--echo-class", ENGINE_CLASS]
+            extra["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, extra.get("PYTHONPATH")]))
         for key, value in (options or {}).items():
             args += ["--engine-option", f"{key}={value}"]
-        extra = {**(env or {}), **({"BATCHINFER_REDIS_URL": redis_url} if redis_url else {})}
         return self.start(name, *args, env=extra)
 
     def send(self, name: str, sig: int) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from daemons import FAULT_ENV, Stack, ThreadedWorker, assert_exactly_once, pending_of, wait_until
+from faulty_echo import FaultyEchoEngine
 
 from batchinfer.cli.daemons import lora_options, parse_lora_modules
 from batchinfer.cli.main import cli
@@ -291,7 +292,7 @@ def test_an_adapter_request_the_engine_failed_on_is_retried_on_the_adapters_stre
 
     reqs = _job(r, "j4", [("a", 2)])
     first = r.xinfo_stream(KEYS.batches("echo:a"))["last-generated-id"]
-    worker = Running(r, EchoEngine(adapters=["a"], fault_hook=fail_once))
+    worker = Running(r, FaultyEchoEngine(adapters=["a"], fault_hook=fail_once))
     wait_until(lambda: len(_rows(r, "j4")) == len(reqs), what="both rows")
     assert worker.stop() == 0
     rows = _rows(r, "j4")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from daemons import ThreadedWorker, wait_until
+from faulty_echo import FaultyEchoEngine
 
 from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
@@ -106,7 +107,7 @@ def test_redelivered_batch_runs_only_unpublished_requests(redis_server):
     # ... and the batch was delivered to it: "w1" restarts under the same name and finds it pending.
     r.xreadgroup(WORKERS_GROUP, "w1", {KEYS.batches("echo"): ">"}, count=1)
     seen: list[str] = []
-    worker = Running(r, EchoEngine(fault_hook=seen.append))
+    worker = Running(r, FaultyEchoEngine(fault_hook=seen.append))
     wait_until(lambda: len(_rows(r, "j2")) == 4)
     assert worker.stop() == 0
     assert sorted(seen) == ["j2:2", "j2:3"]
@@ -121,7 +122,7 @@ def test_request_in_two_batches_runs_once_and_completes_both(redis_server):
     _dispatch(r, q[:2])
     _dispatch(r, q[1:])  # a re-dispatch overlapping the first batch
     seen: list[str] = []
-    worker = Running(r, EchoEngine(fault_hook=seen.append, step_delay=0.05, requests_per_step=1))
+    worker = Running(r, FaultyEchoEngine(fault_hook=seen.append, step_delay=0.05, requests_per_step=1))
     wait_until(lambda: len(_rows(r, "j3")) == 3 and r.xlen(KEYS.batches("echo")) == 0)
     assert worker.stop() == 0
     assert sorted(seen) == ["j3:0", "j3:1", "j3:2"]
@@ -181,7 +182,7 @@ def test_engine_errors_become_error_rows_and_the_worker_goes_on(redis_server):
         if any(rid.split("#")[0] == "j5:5" for rid in rids):  # a re-run has a fresh engine id
             raise RuntimeError("CUDA error: an illegal memory access")
 
-    engine = EchoEngine(max_model_len=32, requests_per_step=8, fault_hook=bad_request,
+    engine = FaultyEchoEngine(max_model_len=32, requests_per_step=8, fault_hook=bad_request,
                         step_fault_hook=bad_step)
     _dispatch(r, reqs[:5])
     _dispatch(r, reqs[5:])
@@ -208,7 +209,7 @@ def test_a_broken_engine_stops_the_worker_and_leaves_batches_to_their_leases(red
     def always(rids):
         raise RuntimeError("device lost")
 
-    worker = Running(r, EchoEngine(step_fault_hook=always), max_failed_steps=4)
+    worker = Running(r, FaultyEchoEngine(step_fault_hook=always), max_failed_steps=4)
     worker.thread.join(timeout=30)
     assert worker.code == 3
     rows = _rows(r, "j6")
@@ -372,7 +373,7 @@ def test_engine_failure_is_retried_then_dead_lettered_and_its_batch_completes(re
             raise RuntimeError("transient")
 
     _dispatch(r, reqs)
-    engine = EchoEngine(requests_per_step=2, max_num_seqs=8, poison="POISON", fault_hook=once)
+    engine = FaultyEchoEngine(requests_per_step=2, max_num_seqs=8, poison="POISON", fault_hook=once)
     worker = Running(r, engine, settings=_settings(max_attempts=3))
     wait_until(lambda: len(_rows(r, "jp")) == 8, what="8 rows")
     wait_until(lambda: r.xlen(KEYS.batches("echo")) == 0, what="every batch acked")

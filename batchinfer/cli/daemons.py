@@ -178,10 +178,13 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, m
 @click.option("--tensor-parallel-size", "tensor_parallel_size", type=POSITIVE, default=None,
               help="Split the model over N ranks (processes), one device each [1].")
 @click.option("--echo", is_flag=True, help="Echo engine: answers without a model (tests, benchmarks).")
+@click.option("--echo-class", "echo_class", metavar="MODULE:CLASS",
+              help="With --echo: serve this subclass of EchoEngine instead (a test double that "
+                   "injects faults, say); MODULE must be importable.")
 @click.option("--metrics-port", type=PORT, help="Serve /metrics, /healthz, /readyz on this port.")
 @click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
               help="Engine (or echo engine) setting, repeatable; VALUE is JSON or a string, e.g. "
-                   "max_num_seqs=8, or step_delay=0.05 / poison=MARKER with --echo.")
+                   "max_num_seqs=8, or step_delay=0.05 with --echo.")
 @click.option("--structured-outputs-backend", type=click.Choice(["llguidance", "xgrammar"]),
               help="Grammar library that constrains structured outputs [llguidance].")
 @click.option("--no-jump-forward", is_flag=True,
@@ -189,7 +192,8 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, m
 @lora_flags
 @click.pass_obj
 def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names: tuple[str, ...],
-           model_name: str | None, device: str | None, echo: bool, metrics_port: int | None,
+           model_name: str | None, device: str | None, echo: bool, echo_class: str | None,
+           metrics_port: int | None,
            engine_option: tuple[str, ...], structured_outputs_backend: str | None,
            no_jump_forward: bool, tensor_parallel_size: int | None, lora: tuple[str, ...],
            max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int | None) -> None:
@@ -204,6 +208,8 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
     if echo and (structured_outputs_backend or no_jump_forward):
         raise click.UsageError("--structured-outputs-backend and --no-jump-forward are engine settings: "
                                "the echo engine has none")
+    if echo_class and not echo:
+        raise click.UsageError("--echo-class names the echo engine's class: give --echo too")
     if echo and tensor_parallel_size:
         raise click.UsageError("--tensor-parallel-size is an engine setting: the echo engine has none")
     override_settings(ctx.settings, metrics_port=metrics_port)
@@ -223,7 +229,7 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
         options["tensor_parallel_size"] = tensor_parallel_size
     options.update(lora_options(parse_lora_modules(lora), max_loras, max_cpu_loras, max_lora_rank, echo))
     run_daemon(main, ctx.settings, model_dir, name, device, echo, model_name=model_name,
-               served_model_names=served_model_names, engine_options=options)
+               served_model_names=served_model_names, engine_options=options, echo_class=echo_class)
 
 
 @click.command()

@@ -15,8 +15,7 @@ import time
 
 import pytest
 from daemons import SLOW_ECHO, assert_exactly_once, attempts, dead_letters, submit_poison_job
-
-from batchinfer.workers.service.echo_engine import POISON_EXIT_CODE
+from faulty_echo import POISON_EXIT_CODE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

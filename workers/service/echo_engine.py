@@ -18,24 +18,20 @@ prefixed ``"[NAME] "`` (:func:`adapter_marker`; the tokens are the echo's), so r
 which adapter answered. All served adapters are resident (``resident_adapters()``), or, with
 ``max_loras=N``, the N used last (an LRU, none at first), so cache-affinity tests can see them move.
 
-Two hooks inject faults for the reliability tests: ``fault_hook(request_id)`` raising makes that
-request finish with ``finish_reason="abort"`` and an ``error`` (as the real engine does when one
-request's postprocessing fails); ``step_fault_hook(request_ids)`` raising makes ``step()`` raise
-with nothing changed (as a failed forward pass would). ``poison="MARKER"`` (a plain value, so
-``batchinfer worker --echo --engine-option poison=MARKER`` can set it) makes every step that would
-finish a request whose prompt contains MARKER raise, the way a poison input crashes a batch;
-with ``poison_exit=true`` such a step ends the whole process instead (exit code
-``POISON_EXIT_CODE``), the way a poison input that corrupts the device (a CUDA fault) kills a worker.
+Two methods are where a subclass fails on purpose (the reliability tests' fault-injecting echo
+engine, tests/faulty_echo.py, served with ``batchinfer worker --echo-class``): ``check_step``
+raising makes ``step()`` raise with nothing changed (as a failed forward pass would), and
+``check_request`` raising makes that request finish with ``finish_reason="abort"`` and an
+``error`` (as the real engine does when one request's postprocessing fails). Here both do nothing.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,11 +41,7 @@ from batchinfer.workers.engine.outputs import CompletionOutput, FirstToken, Requ
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
-FaultHook = Callable[[str], None]  # raises to make that request fail (finished with an error)
-StepFaultHook = Callable[[list[str]], None]  # raises to make the whole step fail
-
 BOS, EOS = "<s>", "</s>"
-POISON_EXIT_CODE = 86
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
 
@@ -112,10 +104,6 @@ class EchoEngine(WorkerEngine):
         kv_tokens: int | None = None,
         requests_per_step: int = 8,
         step_delay: float = 0.0,
-        fault_hook: FaultHook | None = None,
-        step_fault_hook: StepFaultHook | None = None,
-        poison: str | None = None,
-        poison_exit: bool = False,
         adapters: Sequence[str] = (),
         max_loras: int | None = None,
     ):
@@ -145,11 +133,6 @@ class EchoEngine(WorkerEngine):
         self.kv_tokens = kv_tokens if kv_tokens is not None else max_num_seqs * max_model_len
         self.requests_per_step = requests_per_step
         self.step_delay = step_delay
-        self.fault_hook = fault_hook
-        self.step_fault_hook = step_fault_hook
-        self.poison = poison or None
-        self.poison_exit = bool(poison_exit)
-        self._poisoned: set[str] = set()  # ids of waiting requests whose prompt holds the marker
         self.num_generated_tokens = 0
         # Prompt + generated tokens of the requests answered: what an engine without a prefix cache
         # computes for them (the echo engine computes nothing).
@@ -203,36 +186,34 @@ class EchoEngine(WorkerEngine):
             self._resident.move_to_end(lora)
             while len(self._resident) > self.max_loras:
                 self._resident.popitem(last=False)
-        if self.poison and self.poison in self.tokenizer.decode(ids, skip_special_tokens=False):
-            self._poisoned.add(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its output (finish_reason "abort") comes with the next ``step()``."""
         req = self._waiting.pop(request_id, None)
-        self._poisoned.discard(request_id)
         if req is not None:
             outs = [CompletionOutput(index=i, finish_reason="abort") for i in range(req.params.n)]
             self._pending.append(RequestOutput(request_id, req.prompt_token_ids, outs, finished=True))
 
     def step(self) -> list[RequestOutput]:
-        """Finish up to ``requests_per_step`` requests (see the module docstring for the hooks)."""
+        """Finish up to ``requests_per_step`` requests in arrival order."""
         if self.step_delay:
             time.sleep(self.step_delay)
         chosen = list(itertools.islice(self._waiting.values(), self.requests_per_step))
-        if self.step_fault_hook is not None:
-            self.step_fault_hook([req.request_id for req in chosen])  # may raise: nothing changed
-        poisoned = [req.request_id for req in chosen if req.request_id in self._poisoned]
-        if poisoned and self.poison_exit:
-            os._exit(POISON_EXIT_CODE)  # no cleanup, no flush: as abrupt as a device fault
-        if poisoned:
-            raise RuntimeError(f"poison request in the step: {poisoned[0]} (prompt contains {self.poison!r})")
+        self.check_step([(req.request_id, req.prompt_token_ids) for req in chosen])  # may raise
         outputs, self._pending = self._pending, []
         self.step_stats = StepStats()  # _answer fills it
         for req in chosen:
             del self._waiting[req.request_id]
-            self._poisoned.discard(req.request_id)
             outputs.append(self._answer(req))
         return outputs
+
+    def check_step(self, requests: list[tuple[str, list[int]]]) -> None:
+        """Before a step changes anything, its requests' (id, prompt token ids): raising fails the
+        whole step. Nothing here; a fault-injecting subclass raises."""
+
+    def check_request(self, request_id: str) -> None:
+        """Before a request is answered: raising finishes it with ``finish_reason="abort"`` and the
+        error. Nothing here; a fault-injecting subclass raises."""
 
     def has_unfinished(self) -> bool:
         """True while a request waits, or an abort's output is not handed out yet."""
@@ -282,14 +263,13 @@ class EchoEngine(WorkerEngine):
     # -- echo ---------------------------------------------------------------------------------------
 
     def _answer(self, req: _Request) -> RequestOutput:
-        if self.fault_hook is not None:
-            try:
-                self.fault_hook(req.request_id)
-            except Exception as e:  # as the engine's postprocessing: this request ends, with its error
-                outs = [CompletionOutput(index=i, finish_reason="abort") for i in range(req.params.n)]
-                out = RequestOutput(req.request_id, req.prompt_token_ids, outs, finished=True)
-                out.error = f"{type(e).__name__}: {e}"
-                return out
+        try:
+            self.check_request(req.request_id)
+        except Exception as e:  # as the engine's postprocessing: this request ends, with its error
+            outs = [CompletionOutput(index=i, finish_reason="abort") for i in range(req.params.n)]
+            out = RequestOutput(req.request_id, req.prompt_token_ids, outs, finished=True)
+            out.error = f"{type(e).__name__}: {e}"
+            return out
         p = req.params
         prompt = req.prompt_token_ids
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len - len(prompt)

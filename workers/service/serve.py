@@ -8,12 +8,13 @@ hard-stop events, and the ``/metrics`` server.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import signal
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchinfer.config import Settings
 from batchinfer.ops.httpserver import Readiness
@@ -24,6 +25,9 @@ from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.tp_ranks import RankFailure
 from batchinfer.workers.service.daemon import WorkerDaemon
 from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
+
+if TYPE_CHECKING:
+    from batchinfer.workers.service.echo_engine import EchoEngine
 
 log = logging.getLogger(__name__)
 # How the engine's errors about adapters and the LoRA settings begin (workers.lora.adapter, EngineConfig)
@@ -77,16 +81,34 @@ def check_device(device: str) -> None:
                            f"cuda:0 to cuda:{count - 1}; check CUDA_VISIBLE_DEVICES")
 
 
-def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[str, Any]) -> WorkerEngine:
+def echo_engine_class(path: str | None) -> type[EchoEngine]:
+    """``EchoEngine``, or the subclass ``MODULE:CLASS`` names (``--echo-class``)."""
+    from batchinfer.workers.service.echo_engine import EchoEngine
+
+    if path is None:
+        return EchoEngine
+    module_name, sep, class_name = path.partition(":")
+    if not sep or not module_name or not class_name:
+        raise StartupError(f"--echo-class {path!r}: give MODULE:CLASS")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise StartupError(f"--echo-class {path!r}: {type(e).__name__}: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, EchoEngine)):
+        raise StartupError(f"--echo-class {path!r} is not a subclass of EchoEngine")
+    return cls
+
+
+def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[str, Any],
+                 echo_class: str | None = None) -> WorkerEngine:
     """The engine (or the echo engine) for ``model_dir``; ``StartupError`` saying what to fix."""
     if not echo and not model_dir:
         raise StartupError("--model: a model folder is required (or --echo)")
     doctor = f"`batchinfer doctor --model {model_dir}` checks the folder" if model_dir else ""
     try:
         if echo:
-            from batchinfer.workers.service.echo_engine import EchoEngine
-
-            return EchoEngine.from_model_dir(model_dir, **options) if model_dir else EchoEngine(**options)
+            cls = echo_engine_class(echo_class)
+            return cls.from_model_dir(model_dir, **options) if model_dir else cls(**options)
         check_device(device)
         from batchinfer.workers.engine_config import EngineConfig
 
@@ -112,7 +134,7 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
 
 def main(settings: Settings, model_dir: str | None, name: str | None = None, device: str = "cpu",
          echo: bool = False, *, model_name: str | None = None, served_model_names: Sequence[str] = (),
-         engine_options: dict[str, Any] | None = None) -> int:
+         engine_options: dict[str, Any] | None = None, echo_class: str | None = None) -> int:
     """``batchinfer worker``: build the engine (or the echo engine), then serve until SIGTERM.
 
     ``served_model_names`` (``--served-model-name``, repeatable): the first is the name the worker
@@ -122,7 +144,7 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
     from batchinfer.redis_conn import connect
 
     options = dict(engine_options or {})
-    engine = build_engine(model_dir, device, echo, options)
+    engine = build_engine(model_dir, device, echo, options, echo_class)
     files = read_tokenizer_files(model_dir) if model_dir else engine.tokenizer_files()
     from batchinfer.workers.service.worker_config import WorkerConfig
 

@@ -5,7 +5,7 @@ An adapter ``NAME`` of canonical model ``BASE`` is served as model ``BASE:NAME``
 ``{p}:batches:BASE:NAME``. Entry ids of two streams can be equal, so inside the worker (its
 book, keeper and outbox) a batch entry is named by a *key*: a base entry's id as it is
 (``"1700-0"``, so a worker without adapters keys exactly as before), an adapter entry's
-``"NAME/1700-0"`` (adapter names hold no ``/``: ``workers.lora.request.check_adapter_name``).
+``"NAME/1700-0"`` (adapter names hold no ``/``: ``workers.lora_request.check_adapter_name``).
 
 :func:`streams_to_read` is the cache-affinity policy: which of those streams a pull reads.
 """

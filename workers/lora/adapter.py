@@ -56,6 +56,10 @@ def lora_groups(config: ModelConfig, layer: int) -> tuple[LoRAGroup, ...]:
     return tuple(groups)
 
 
+# (layer, group) -> (A, Bs): see ``LoRAAdapter``.
+FusedWeights = dict[tuple[int, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
+
+
 @dataclass
 class LoRAAdapter:
     """A loaded adapter, ready to be copied into a slot of the stacked weights.
@@ -70,8 +74,7 @@ class LoRAAdapter:
     path: str
     rank: int
     scaling: float
-    weights: dict[tuple[int, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(
-        default_factory=dict)
+    weights: FusedWeights = field(default_factory=dict)
     base_model: str | None = None  # adapter_config.json's base_model_name_or_path (informational)
 
     @property
@@ -79,6 +82,7 @@ class LoRAAdapter:
         return sum(a.nbytes + sum(b.nbytes for b in bs) for a, bs in self.weights.values())
 
 
+Fail = Callable[[str], NoReturn]  # raises the adapter's ValueError with this message
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # A PEFT module name (after ``layers.N.``) -> (our group, the slices of it the module fills).
@@ -140,43 +144,85 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, *, max_rank: 
     folder = Path(path)
     peft_config = _read_config(folder, fail)
     tensors = _read_tensors(folder, fail)
-    default_r = _positive(peft_config, "r", fail, integer=True)
-    default_alpha = _positive(peft_config, "lora_alpha", fail)
-    rslora = bool(peft_config.get("use_rslora", False))
-    rank_pattern = _pattern(peft_config, "rank_pattern", fail, integer=True)
-    alpha_pattern = _pattern(peft_config, "alpha_pattern", fail)
+    scaling = _Scaling.read(peft_config, fail)
+    pairs = _pair_tensors(tensors, config, fail)
+    groups = {(layer, g.name): g for layer in range(config.num_hidden_layers)
+              for g in lora_groups(config, layer)}
+    modules = {key: _checked_module(key, pairs[key], groups, scaling, fail) for key in sorted(pairs)}
+    rank = max(m.r for m in modules.values())
+    if rank > max_rank:
+        fail(f"its rank {rank} is above the limit of {max_rank}; raise max_lora_rank "
+             f"(--max-lora-rank) to at least {rank} to serve it")
+    base_model = peft_config.get("base_model_name_or_path")
+    return LoRAAdapter(name=name, path=str(path), rank=rank, scaling=scaling.scale(scaling.r, scaling.alpha),
+                       weights=_fused_weights(modules, groups, rank, dtype, fail),
+                       base_model=base_model if isinstance(base_model, str) else None)
 
-    # (layer, PEFT module) -> {"lora_A": (key, tensor), "lora_B": ...}; the module's name in the model.
-    pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
-    module_keys: dict[tuple[int, str], str] = {}
+
+@dataclass(frozen=True)
+class _Scaling:
+    """``adapter_config.json``'s ``r`` / ``lora_alpha``, their per-module patterns and ``use_rslora``."""
+
+    r: int
+    alpha: Any  # a positive number, as given
+    rslora: bool
+    rank_pattern: dict[str, Any]
+    alpha_pattern: dict[str, Any]
+
+    @classmethod
+    def read(cls, peft_config: dict[str, Any], fail: Fail) -> _Scaling:
+        return cls(r=_positive(peft_config, "r", fail, integer=True),
+                   alpha=_positive(peft_config, "lora_alpha", fail),
+                   rslora=bool(peft_config.get("use_rslora", False)),
+                   rank_pattern=_pattern(peft_config, "rank_pattern", fail, integer=True),
+                   alpha_pattern=_pattern(peft_config, "alpha_pattern", fail))
+
+    def of(self, module: str) -> tuple[int, float]:
+        """(r, lora_alpha) of one module (its name in the model), patterns matched as PEFT does."""
+        r: int = self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r)
+        return r, float(self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.alpha))
+
+    def scale(self, r: int, alpha: Any) -> float:
+        """``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``."""
+        return float(alpha / math.sqrt(r) if self.rslora else alpha / r)
+
+
+@dataclass
+class _Pair:
+    """One targeted module's tensors: ``ab["lora_A"] = (key, tensor)``; ``module``: its name in the model."""
+
+    module: str
+    ab: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Module:
+    """One module's checked A ``[r, in]`` and B ``[out, r]``, its ``r`` and scaling."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    r: int
+    scaling: float
+
+
+def _pair_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, fail: Fail
+                  ) -> dict[tuple[int, str], _Pair]:
+    """The LoRA tensors by (layer, PEFT module), every target one we serve; anything else refused."""
     for key in tensors:
         if "lora_embedding" in key:
             fail(f"tensor {key!r} is a LoRA on an embedding layer, which cannot be served; supported "
                  f"targets: {', '.join(SUPPORTED_TARGETS)}")
+    pairs: dict[tuple[int, str], _Pair] = {}
     for key, tensor in tensors.items():  # pairs first: a refused target is named before its base weight
         match = _TENSOR_KEY.fullmatch(key)
         if match is None:
             continue
         module = match["module"].removeprefix(_PEFT_PREFIX)
-        in_layer = _LAYER_MODULE.fullmatch(module)
-        if in_layer is None:
-            fail(f"tensor {key!r} targets {module!r}, which cannot be served; supported targets: "
-                 f"{', '.join(SUPPORTED_TARGETS)} of the decoder layers")
-        layer, sub = int(in_layer["layer"]), in_layer["sub"]
-        if layer >= config.num_hidden_layers:
-            fail(f"tensor {key!r} is for layer {layer}, but the base model has "
-                 f"{config.num_hidden_layers} layers: is this adapter for another base model?")
-        if layer in config.moe_layers and not sub.startswith("self_attn."):
-            fail(f"tensor {key!r} targets {sub!r} of layer {layer}, a mixture-of-experts layer: "
-                 "only its attention projections (q_proj, k_proj, v_proj, o_proj) can take a LoRA")
-        if sub not in _TARGETS:
-            fail(f"tensor {key!r} targets {sub!r}, which cannot be served; supported targets: "
-                 f"{', '.join(SUPPORTED_TARGETS)}")
-        pair = pairs.setdefault((layer, sub), {})
-        if match["ab"] in pair:
-            fail(f"tensors {pair[match['ab']][0]!r} and {key!r} are both {match['ab']} of one module")
-        pair[match["ab"]] = (key, tensor)
-        module_keys[(layer, sub)] = module
+        pair = pairs.setdefault(_target(key, module, config, fail), _Pair(module))
+        if match["ab"] in pair.ab:
+            fail(f"tensors {pair.ab[match['ab']][0]!r} and {key!r} are both {match['ab']} of one module")
+        pair.ab[match["ab"]] = (key, tensor)
+        pair.module = module
     for key in tensors:
         if _TENSOR_KEY.fullmatch(key) is None:
             fail(f"tensor {key!r} is not a LoRA A/B weight (a full weight, as modules_to_save or "
@@ -184,42 +230,60 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, *, max_rank: 
                  f"weights of {', '.join(SUPPORTED_TARGETS)} can be served")
     if not pairs:
         fail(f"{ADAPTER_WEIGHTS} holds no LoRA tensors")
+    return pairs
 
-    # Each module's (r, scaling), checked against its tensors and the base model's shapes.
-    groups = {(layer, g.name): g for layer in range(config.num_hidden_layers)
-              for g in lora_groups(config, layer)}
-    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int, float]] = {}
-    for (layer, sub), pair in sorted(pairs.items()):
-        for ab in ("lora_A", "lora_B"):
-            if ab not in pair:
-                other = pair["lora_B" if ab == "lora_A" else "lora_A"][0]
-                fail(f"tensor {other!r} has no {ab} partner ({ab} of layers.{layer}.{sub} is missing)")
-        (a_key, a), (b_key, b) = pair["lora_A"], pair["lora_B"]
-        module = module_keys[(layer, sub)]
-        r: int = rank_pattern.get(_pattern_key(rank_pattern, module), default_r)
-        alpha = float(alpha_pattern.get(_pattern_key(alpha_pattern, module), default_alpha))
-        group_name, slices = _TARGETS[sub]
-        group = groups[(layer, group_name)]
-        outs = sum(group.out_features[i] for i in slices)
-        for key, tensor, need, rank_dim in ((a_key, a, (r, group.in_features), 0),
-                                            (b_key, b, (outs, r), 1)):
-            if tuple(tensor.shape) == need:
-                continue
-            fixed = 1 - rank_dim  # the dimension the base model sets
-            if tensor.dim() == 2 and tensor.shape[fixed] == need[fixed]:
-                fail(f"tensor {key!r} has rank {tensor.shape[rank_dim]}, but {ADAPTER_CONFIG} gives "
-                     f"r={r} for {module!r}")
-            fail(f"tensor {key!r} has shape {tuple(tensor.shape)}, the base model needs {need}: "
-                 "is this adapter for another base model?")
-        modules[(layer, sub)] = (a, b, r, alpha / math.sqrt(r) if rslora else alpha / r)
 
-    rank = max(r for _, _, r, _ in modules.values())
-    if rank > max_rank:
-        fail(f"its rank {rank} is above the limit of {max_rank}; raise max_lora_rank "
-             f"(--max-lora-rank) to at least {rank} to serve it")
-    weights: dict[tuple[int, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+def _target(key: str, module: str, config: ModelConfig, fail: Fail) -> tuple[int, str]:
+    """(layer, PEFT module after ``layers.N.``) of tensor ``key``, checked against the base model."""
+    in_layer = _LAYER_MODULE.fullmatch(module)
+    if in_layer is None:
+        fail(f"tensor {key!r} targets {module!r}, which cannot be served; supported targets: "
+             f"{', '.join(SUPPORTED_TARGETS)} of the decoder layers")
+    layer, sub = int(in_layer["layer"]), in_layer["sub"]
+    if layer >= config.num_hidden_layers:
+        fail(f"tensor {key!r} is for layer {layer}, but the base model has "
+             f"{config.num_hidden_layers} layers: is this adapter for another base model?")
+    if layer in config.moe_layers and not sub.startswith("self_attn."):
+        fail(f"tensor {key!r} targets {sub!r} of layer {layer}, a mixture-of-experts layer: "
+             "only its attention projections (q_proj, k_proj, v_proj, o_proj) can take a LoRA")
+    if sub not in _TARGETS:
+        fail(f"tensor {key!r} targets {sub!r}, which cannot be served; supported targets: "
+             f"{', '.join(SUPPORTED_TARGETS)}")
+    return layer, sub
+
+
+def _checked_module(where: tuple[int, str], pair: _Pair, groups: dict[tuple[int, str], LoRAGroup],
+                    scaling: _Scaling, fail: Fail) -> _Module:
+    """One module's A and B, with both present and shaped for its ``r`` and the base model."""
+    layer, sub = where
+    for ab in ("lora_A", "lora_B"):
+        if ab not in pair.ab:
+            other = pair.ab["lora_B" if ab == "lora_A" else "lora_A"][0]
+            fail(f"tensor {other!r} has no {ab} partner ({ab} of layers.{layer}.{sub} is missing)")
+    (a_key, a), (b_key, b) = pair.ab["lora_A"], pair.ab["lora_B"]
+    r, alpha = scaling.of(pair.module)
+    group_name, slices = _TARGETS[sub]
+    group = groups[(layer, group_name)]
+    outs = sum(group.out_features[i] for i in slices)
+    for key, tensor, need, rank_dim in ((a_key, a, (r, group.in_features), 0), (b_key, b, (outs, r), 1)):
+        if tuple(tensor.shape) == need:
+            continue
+        fixed = 1 - rank_dim  # the dimension the base model sets
+        if tensor.dim() == 2 and tensor.shape[fixed] == need[fixed]:
+            fail(f"tensor {key!r} has rank {tensor.shape[rank_dim]}, but {ADAPTER_CONFIG} gives "
+                 f"r={r} for {pair.module!r}")
+        fail(f"tensor {key!r} has shape {tuple(tensor.shape)}, the base model needs {need}: "
+             "is this adapter for another base model?")
+    return _Module(a, b, r, scaling.scale(r, alpha))
+
+
+def _fused_weights(modules: dict[tuple[int, str], _Module], groups: dict[tuple[int, str], LoRAGroup],
+                   rank: int, dtype: torch.dtype, fail: Fail) -> FusedWeights:
+    """Each module's A and scaled B in its slices of its group (``LoRAAdapter.weights``), padded to
+    ``rank`` with zeros."""
+    weights: FusedWeights = {}
     filled: dict[tuple[int, str, int], str] = {}  # (layer, group, slice) -> the module that filled it
-    for (layer, sub), (a, b, r, scaling) in modules.items():
+    for (layer, sub), m in modules.items():
         group_name, slices = _TARGETS[sub]
         group = groups[(layer, group_name)]
         if (layer, group_name) not in weights:
@@ -227,7 +291,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, *, max_rank: 
                 torch.zeros(len(group.slices) * rank, group.in_features, dtype=dtype),  # [S*R, in]
                 tuple(torch.zeros(out, rank, dtype=dtype) for out in group.out_features))  # S x [out_i, R]
         big_a, bs = weights[(layer, group_name)]
-        b_scaled = b.float() * scaling  # [sum(out of slices), r], folded in float32
+        b_scaled = m.b.float() * m.scaling  # [sum(out of slices), r], folded in float32
         row = 0
         for i in slices:
             if (layer, group_name, i) in filled:
@@ -235,13 +299,10 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, *, max_rank: 
                      f"target the {group.slices[i]} part of layer {layer}'s {group_name}")
             filled[(layer, group_name, i)] = sub
             out = group.out_features[i]
-            big_a[i * rank:i * rank + r] = a.to(dtype)
-            bs[i][:, :r] = b_scaled[row:row + out].to(dtype)
+            big_a[i * rank:i * rank + m.r] = m.a.to(dtype)
+            bs[i][:, :m.r] = b_scaled[row:row + out].to(dtype)
             row += out
-    default_scaling = default_alpha / math.sqrt(default_r) if rslora else default_alpha / default_r
-    base_model = peft_config.get("base_model_name_or_path")
-    return LoRAAdapter(name=name, path=str(path), rank=rank, scaling=default_scaling, weights=weights,
-                       base_model=base_model if isinstance(base_model, str) else None)
+    return weights
 
 
 def _pattern_key(pattern: dict[str, Any], module: str) -> str:
@@ -253,7 +314,7 @@ def _pattern_key(pattern: dict[str, Any], module: str) -> str:
     return module
 
 
-def _read_config(folder: Path, fail: Callable[[str], NoReturn]) -> dict[str, Any]:
+def _read_config(folder: Path, fail: Fail) -> dict[str, Any]:
     if not folder.is_dir():
         fail("not a folder (a PEFT adapter is a folder with adapter_config.json and "
              f"{ADAPTER_WEIGHTS})")
@@ -277,7 +338,7 @@ def _read_config(folder: Path, fail: Callable[[str], NoReturn]) -> dict[str, Any
     return peft_config
 
 
-def _read_tensors(folder: Path, fail: Callable[[str], NoReturn]) -> dict[str, torch.Tensor]:
+def _read_tensors(folder: Path, fail: Fail) -> dict[str, torch.Tensor]:
     weights = folder / ADAPTER_WEIGHTS
     if not weights.is_file():
         if (folder / "adapter_model.bin").is_file():
@@ -291,7 +352,7 @@ def _read_tensors(folder: Path, fail: Callable[[str], NoReturn]) -> dict[str, to
         fail(f"{ADAPTER_WEIGHTS} cannot be read: {e}")
 
 
-def _positive(peft_config: dict[str, Any], key: str, fail: Callable[[str], NoReturn],
+def _positive(peft_config: dict[str, Any], key: str, fail: Fail,
               integer: bool = False) -> Any:
     value: Any = peft_config.get(key)
     if not _is_positive(value, integer):
@@ -306,7 +367,7 @@ def _is_positive(value: Any, integer: bool) -> bool:
     return not integer or float(value).is_integer()
 
 
-def _pattern(peft_config: dict[str, Any], key: str, fail: Callable[[str], NoReturn],
+def _pattern(peft_config: dict[str, Any], key: str, fail: Fail,
              integer: bool = False) -> dict[str, Any]:
     """``rank_pattern`` / ``alpha_pattern``: regular expressions -> positive values (ranks: integers)."""
     value = peft_config.get(key) or {}

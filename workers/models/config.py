@@ -12,32 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Phi3ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-)
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+from batchinfer.workers.models.archs import ARCHITECTURES, ArchSpec, MoESpec
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # config.json files without "architectures" still name their family in "model_type".
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-}
+_MODEL_TYPES = {spec.model_type: arch for arch, spec in ARCHITECTURES.items()}
 #: Decoder checkpoints without an LM head (transformers' base classes, e.g. Qwen3-Embedding's
 #: ``Qwen3Model``) -> the decoder that runs them; only the embedding engine loads these.
 BASE_DECODERS = {
@@ -82,7 +61,7 @@ class ModelConfig:
     o_bias: bool = False  # bias on the output projection (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
-    # Gemma 2 / 3 (``_gemma_fields``); the defaults are every other architecture's behaviour.
+    # Gemma 2 / 3 (``ArchSpec``); the defaults are every other architecture's behaviour.
     hidden_act: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32 before the cast
     sandwich_norms: bool = False  # norms after attention and before/after the MLP (4 per layer)
@@ -145,131 +124,158 @@ class ModelConfig:
     def from_dict(
         cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None, source: str = "config"
     ) -> ModelConfig:
-        """Build from parsed ``config.json`` (and ``generation_config.json``) dictionaries."""
+        """Build from parsed ``config.json`` (and ``generation_config.json``) dictionaries.
+
+        What differs between architectures comes from their ``ArchSpec`` (``models/archs.py``).
+        """
         arch = _architecture(config, source)
-        is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
-                           "Qwen3MoeForCausalLM")
-
-        def need(key: str) -> Any:
-            if config.get(key) is None:
-                raise ValueError(f"{source}: required field {key!r} is missing")
-            return config[key]
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        layers = int(need("num_hidden_layers"))
-        if arch not in _GEMMA and config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
-        head_dim = config.get("head_dim") or hidden // heads
-        rope_theta, rope_scaling = _rope(config, source, arch=arch)
-        partial_rotary = _partial_rotary_factor(config, source, int(head_dim))
-
-        sliding_window = config.get("sliding_window")
-        if is_qwen and not config.get("use_sliding_window", False):
-            sliding_window = None  # Qwen configs carry a window size even when it is off
-        layer_types = config.get("layer_types")
-        if layer_types is None and arch in _GEMMA:
-            # transformers' rule: every `pattern`-th layer is global (Gemma 2 alternates, layer 0 slides).
-            pattern = 2 if arch == "Gemma2ForCausalLM" else int(config.get("sliding_window_pattern", 6))
-            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                           for i in range(layers)]
-        if layer_types is None:
-            # Mistral: every layer slides; Qwen: layers from max_window_layers on (transformers' rule).
-            first = int(config.get("max_window_layers", layers)) if is_qwen else 0
-            sliding = sliding_window is not None
-            layer_types = ["sliding_attention" if sliding and i >= first else "full_attention"
-                           for i in range(layers)]
-        if len(layer_types) != layers:
-            raise ValueError(f"{source}: layer_types has {len(layer_types)} entries for {layers} layers")
-
-        attention_bias = bool(config.get("attention_bias", False))
-        qkv_bias = True if arch == "Qwen2ForCausalLM" else attention_bias
-        o_bias = False if arch == "Qwen2ForCausalLM" else attention_bias
-        if arch == "Qwen2MoeForCausalLM":
-            qkv_bias, o_bias = bool(config.get("qkv_bias", True)), False
-
-        return cls(
+        spec = ARCHITECTURES[arch]
+        shape = _shape_fields(config, source)
+        layers = shape["num_hidden_layers"]
+        return cls(  # arguments are evaluated in order: this is the order of the refusals
             architecture=arch,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            partial_rotary_factor=partial_rotary,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", arch in _GEMMA)),
-            sliding_window=int(sliding_window) if sliding_window is not None else None,
-            layer_types=tuple(layer_types),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            **shape,
+            **_block_fields(config, spec, arch, source),
+            **_attention_fields(config, spec, layers, shape["head_dim"], source),
+            vocab_size=_need(config, "vocab_size", source),
+            intermediate_size=_need(config, "intermediate_size", source),
+            **_moe_fields(config, spec.moe, arch, layers, source),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_merge_ids((generation_config or {}).get("eos_token_id"),
                                      config.get("eos_token_id")),
-            **_moe_fields(config, arch, layers, source),
-            **_gemma_fields(config, arch, source),
         )
 
 
-def _gemma_fields(config: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
-    """Gemma 2 / 3 fields of ``ModelConfig`` (empty for the others), with transformers' defaults.
+def _need(config: dict[str, Any], key: str, source: str) -> int:
+    if config.get(key) is None:
+        raise ValueError(f"{source}: required field {key!r} is missing")
+    return int(config[key])
 
-    Gemma 3's model ignores ``attn_logit_softcapping`` (transformers never passes it to attention),
-    so it is dropped here too. Gemma 3's sliding layers have their own RoPE: transformers 5 nests
-    ``rope_parameters`` by layer type; 4.x gives ``rope_local_base_freq`` (never scaled).
-    """
-    if arch not in _GEMMA:
-        return {}
-    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise ValueError(f"{source}: hidden_activation {act!r} is not supported for {arch} "
-                         "(only 'gelu_pytorch_tanh')")
-    if config.get("use_bidirectional_attention"):
+
+def _shape_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The layers' shapes (and norm epsilon): hidden size, heads and layers are required."""
+    hidden, heads = _need(config, "hidden_size", source), _need(config, "num_attention_heads", source)
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": _need(config, "num_hidden_layers", source),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(config.get("num_key_value_heads") or heads),
+        "head_dim": int(config.get("head_dim") or hidden // heads),
+        "max_position_embeddings": int(config.get("max_position_embeddings", 2048)),
+        "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+    }
+
+
+def _attention_fields(
+    config: dict[str, Any], spec: ArchSpec, layers: int, head_dim: int, source: str,
+) -> dict[str, Any]:
+    """RoPE, sliding windows, biases and q/k norms."""
+    rope_theta, rope_scaling = _rope(config, source, phi3=spec.phi3_rope)
+    partial_rotary = _partial_rotary_factor(config, source, head_dim)
+    sliding_window, layer_types = _sliding_layers(config, spec, layers, source)
+    return {
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "partial_rotary_factor": partial_rotary,
+        "sliding_window": sliding_window,
+        "layer_types": layer_types,
+        "qkv_bias": _flag(config, spec.qkv_bias_key, spec.qkv_bias_default),
+        "o_bias": _flag(config, spec.o_bias_key, False),
+        "mlp_bias": bool(config.get("mlp_bias", False)),
+        "qk_norm": spec.qk_norm,
+    }
+
+
+def _flag(config: dict[str, Any], key: str | None, default: bool) -> bool:
+    """``config[key]`` as a bool (``default`` when absent); no key: the architecture fixes it."""
+    return default if key is None else bool(config.get(key, default))
+
+
+def _sliding_layers(
+    config: dict[str, Any], spec: ArchSpec, layers: int, source: str,
+) -> tuple[int | None, tuple[str, ...]]:
+    """The sliding window and each layer's attention type, by transformers' rules."""
+    window = config.get("sliding_window")
+    if spec.window_switch_key is not None and not config.get(spec.window_switch_key, False):
+        window = None
+    layer_types = config.get("layer_types")
+    if layer_types is None and spec.global_every:
+        every = spec.global_every
+        if spec.global_every_key is not None:
+            every = int(config.get(spec.global_every_key, every))
+        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if layer_types is None:
+        first = 0
+        if spec.first_window_layer_key is not None:
+            first = int(config.get(spec.first_window_layer_key, layers))
+        layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                       for i in range(layers)]
+    if len(layer_types) != layers:
+        raise ValueError(f"{source}: layer_types has {len(layer_types)} entries for {layers} layers")
+    return (int(window) if window is not None else None), tuple(layer_types)
+
+
+def _block_fields(config: dict[str, Any], spec: ArchSpec, arch: str, source: str) -> dict[str, Any]:
+    """The activation, norms, embedding scale, tied head, soft-caps and local RoPE (Gemma's block)."""
+    act = _activation(config, spec, arch, source)
+    if spec.refuse_bidirectional and config.get("use_bidirectional_attention"):
         raise ValueError(f"{source}: use_bidirectional_attention is not supported (causal decoding only)")
-    gemma3 = arch == "Gemma3ForCausalLM"
-
-    def cap(key: str, default: float | None) -> float | None:
+    fields: dict[str, Any] = {
+        "hidden_act": act,
+        "norm_unit_offset": spec.norm_unit_offset,
+        "sandwich_norms": spec.sandwich_norms,
+        "scale_embeddings": spec.scale_embeddings,
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", spec.tie_embeddings)),
+    }
+    if spec.query_pre_attn_scalar is not None:
+        fields["query_pre_attn_scalar"] = float(config.get("query_pre_attn_scalar")
+                                                or spec.query_pre_attn_scalar)
+    for key, default in spec.softcaps:
         value = config.get(key, default)
         if value is not None and not float(value) > 0:
             raise ValueError(f"{source}: {key} must be > 0 or null, got {value!r}")
-        return None if value is None else float(value)
-
-    fields: dict[str, Any] = {
-        "hidden_act": act, "norm_unit_offset": True, "sandwich_norms": True, "scale_embeddings": True,
-        "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar") or 256),
-        "attn_logit_softcapping": None if gemma3 else cap("attn_logit_softcapping", 50.0),
-        "final_logit_softcapping": cap("final_logit_softcapping", None if gemma3 else 30.0),
-    }
-    if gemma3:
-        params = config.get("rope_parameters")
-        nested = isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict)
-        local = config if nested else {**config, "rope_parameters": None, "rope_scaling": None,
-                                       "rope_theta": config.get("rope_local_base_freq", 10000.0)}
-        theta, scaling = _rope(local, source, "sliding_attention", arch)
-        fields["rope_local_theta"], fields["rope_local_scaling"] = theta, scaling
+        fields[key] = None if value is None else float(value)
+    if spec.local_rope:
+        fields["rope_local_theta"], fields["rope_local_scaling"] = _local_rope(config, source)
     return fields
 
 
-def _moe_fields(config: dict[str, Any], arch: str, layers: int, source: str) -> dict[str, Any]:
+def _activation(config: dict[str, Any], spec: ArchSpec, arch: str, source: str) -> str:
+    """The gate activation, refused unless it is the architecture's one."""
+    if spec.activation_key == "hidden_act":
+        act, where = config.get("hidden_act", spec.activation), ""
+    else:  # Gemma's own key, with the generic one as its fallback
+        act = config.get(spec.activation_key) or config.get("hidden_act") or spec.activation
+        where = f" for {arch}"
+    if act != spec.activation:
+        raise ValueError(f"{source}: {spec.activation_key} {act!r} is not supported{where} "
+                         f"(only {spec.activation!r})")
+    return str(act)
+
+
+def _local_rope(config: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """The RoPE of Gemma 3's sliding layers: transformers 5 nests ``rope_parameters`` by layer
+    type; 4.x gives ``rope_local_base_freq`` (never scaled)."""
+    params = config.get("rope_parameters")
+    nested = isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict)
+    local = config if nested else {**config, "rope_parameters": None, "rope_scaling": None,
+                                   "rope_theta": config.get("rope_local_base_freq", 10000.0)}
+    return _rope(local, source, "sliding_attention")
+
+
+def _moe_fields(
+    config: dict[str, Any], moe: MoESpec | None, arch: str, layers: int, source: str,
+) -> dict[str, Any]:
     """The MoE fields of ``ModelConfig`` (empty for dense architectures), with transformers' rules:
-    Mixtral routes in every layer and always renormalises; Qwen MoE layers are those with
-    ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers``, renormalised iff ``norm_topk_prob``."""
-    if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    MoE layers are every layer, or those with ``(i + 1) % decoder_sparse_step == 0`` not in
+    ``mlp_only_layers``."""
+    if moe is None:
         return {}
-    mixtral = arch == "MixtralForCausalLM"
-    keys = ("num_local_experts" if mixtral else "num_experts", "num_experts_per_tok",
-            "intermediate_size" if mixtral else "moe_intermediate_size")
-    if not mixtral and config.get("num_experts") is None:  # transformers 5 writes Qwen3-MoE's this way
-        config = {**config, "num_experts": config.get("num_local_experts")}
+    experts_key = next((k for k in moe.experts_keys if config.get(k) is not None), moe.experts_keys[0])
+    keys = [experts_key, "num_experts_per_tok", moe.intermediate_key]
     missing = [k for k in keys if config.get(k) is None]
-    if arch == "Qwen2MoeForCausalLM" and config.get("shared_expert_intermediate_size") is None:
+    if moe.shared_expert and config.get("shared_expert_intermediate_size") is None:
         missing.append("shared_expert_intermediate_size")
     if missing:
         raise ValueError(f"{source}: required field {missing[0]!r} is missing ({arch})")
@@ -277,14 +283,15 @@ def _moe_fields(config: dict[str, Any], arch: str, layers: int, source: str) -> 
     if not 1 <= top_k <= experts:
         raise ValueError(f"{source}: num_experts_per_tok {top_k} must be in 1..{experts} "
                          "(the number of experts)")
-    step = 1 if mixtral else int(config.get("decoder_sparse_step") or 1)
-    dense = set() if mixtral else {int(i) for i in config.get("mlp_only_layers") or []}
+    step = 1 if moe.every_layer else int(config.get("decoder_sparse_step") or 1)
+    dense = set() if moe.every_layer else {int(i) for i in config.get("mlp_only_layers") or []}
+    norm = moe.norm_topk_prob
     return {
         "num_experts": experts,
         "num_experts_per_tok": top_k,
         "moe_intermediate_size": inter,
         "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0),
-        "norm_topk_prob": True if mixtral else bool(config.get("norm_topk_prob", False)),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)) if norm is None else norm,
         "moe_layers": tuple(i for i in range(layers) if (i + 1) % step == 0 and i not in dense),
     }
 
@@ -314,7 +321,7 @@ def _architecture(config: dict[str, Any], source: str) -> str:
 
 
 def _rope(
-    config: dict[str, Any], source: str, layer_type: str = "full_attention", arch: str | None = None,
+    config: dict[str, Any], source: str, layer_type: str = "full_attention", phi3: bool = False,
 ) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling) from ``rope_parameters`` (5.x) or ``rope_scaling`` + ``rope_theta`` (4.x).
 
@@ -322,13 +329,14 @@ def _rope(
     with ``original_max_position_embeddings`` (and ``factor`` where transformers derives it)
     filled in as transformers does. A ``rope_parameters`` nested by layer type (Gemma 3 in 5.x)
     gives ``layer_type``'s entry. None = plain RoPE.
+    ``phi3``: Phi3Config's reading (its LongRoPE names, its own original context length).
     """
     params = _rope_dict(config, layer_type, source)
     theta = float(params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     params.pop("partial_rotary_factor", None)  # read by _partial_rotary_factor
-    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+    if phi3 and rope_type in ("su", "yarn"):
         rope_type = "longrope"  # transformers' Phi3Config renames Phi-3's first names for LongRoPE
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -346,7 +354,7 @@ def _rope(
         params["original_max_position_embeddings"] = max_positions
     elif rope_type in ("yarn", "longrope", "llama3"):
         original = params.get("original_max_position_embeddings")
-        if arch == "Phi3ForCausalLM":
+        if phi3:
             # Phi3Config's own field (default 4096) wins over the one inside rope_scaling.
             original = config.get("original_max_position_embeddings") or 4096
         params["original_max_position_embeddings"] = int(original or max_positions)

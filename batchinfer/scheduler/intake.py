@@ -26,11 +26,12 @@ from typing import Any, TypedDict, cast
 
 import redis
 
+from batchinfer.clock import WALL_MS, WallClock
 from batchinfer.config import Settings
 from batchinfer.keys import SCHEDULER_GROUP, Keys
 from batchinfer.protocol.bodies import RequestSpec, leading_custom_id, parse_body
 from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
-from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms, request_id_for
+from batchinfer.protocol.rows import BatchRequest, ResultRow, request_id_for
 from batchinfer.redis_conn import ensure_group, read_group
 from batchinfer.scheduler.embed_intake import check_task, embed_fields
 from batchinfer.scheduler.jobops import JobOps, Refuse, entry_ms, refusal
@@ -123,8 +124,9 @@ class Admission:
     """Decides the fate of one intake entry (reads job states and models through caches)."""
 
     def __init__(self, r: redis.Redis, keys: Keys, settings: Settings, jobs: JobCache, models: ModelCache,
-                 direct_hold_s: float | None = None):
+                 direct_hold_s: float | None = None, clock: WallClock = WALL_MS):
         self.redis, self.keys, self.settings = r, keys, settings
+        self.clock = clock  # holds are decided by it
         self.jobs, self.models = jobs, models
         self.direct_hold_s = settings.direct_hold_seconds if direct_hold_s is None else direct_hold_s
         self.duplicates = 0
@@ -147,7 +149,7 @@ class Admission:
                           "line": entry.line, "created_at": entry_ms(entry_id)}
         if entry.client_request_id and self._duplicate(entry.client_request_id, request_id, entry.reply_to):
             return Duplicate()
-        now = now_ms()
+        now = self.clock()
         view = self.jobs.get(entry.job_id) if entry.job_id else None
         if view is not None and held_until is None:
             refused = refusal(entry_id, view, entry.idx, entry.reply_to, taken, entry.line,

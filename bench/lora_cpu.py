@@ -3,6 +3,7 @@
     .venv/bin/python -P bench/lora_cpu.py            # 256 requests, 8 adapters of rank 16
     .venv/bin/python -P bench/lora_cpu.py --quick    # 64 requests
     python -P bench/lora_cpu.py --device cuda --quick  # bench/gpu_check.sh
+    python -P bench/lora_cpu.py --kernel-table         # CUDA: add_lora per backend (bench/gpu_check.sh)
 
 One random Llama-shaped checkpoint (hidden 512, 4 layers, float32) and 8 random PEFT adapters of
 rank 16 on all seven projections (q, k, v, o, gate, up, down). The same greedy requests (prompts
@@ -12,6 +13,11 @@ model, then request i on adapter i % 8 (all 8 resident: ``max_loras=8``), altern
 side's best run and their ratio (LoRA / base: what mixing adapters into a step costs; the median
 ratio of the pairs too), plus the ratio FLOPs alone allow (the adapters' rank-16 matmuls on top
 of the base's).
+
+``--kernel-table`` times the ``add_lora`` kernel alone instead (CUDA): one qkv_proj-shaped step of
+Llama-3-8B (in 4096, out 4096/1024/1024) on 8 adapters of rank <= 16 in bfloat16, a quarter of the
+tokens on the base, for triton, the torch (cpu) path and the reference, with the base qkv matmul
+of the same step for scale; each backend's output is checked against the reference first.
 
 The last line is one JSON object. ``-P``: the repository's ``kernels/`` folder must not shadow the
 package transformers probes.
@@ -98,6 +104,75 @@ def flops_ratio(rank: int) -> float:
     return base / (base + extra)
 
 
+QKV_OUT = (4096, 1024, 1024)  # Llama-3-8B's q, k, v projections
+SLOT_RANKS = (16, 8, 16, 4, 16, 16, 12, 16)  # 8 adapters, max rank 16 (the rest zero-padded)
+
+
+def _qkv_step(num_tokens: int, seed: int) -> tuple[Any, ...]:
+    """(y, x, a, bs, mapping) of one bfloat16 step on CUDA; a quarter of the tokens on the base."""
+    import numpy as np
+
+    from batchinfer.kernels.lora import LoRAMapping
+
+    rank, in_features, dev, dtype = 16, 4096, "cuda", torch.bfloat16
+    rng = np.random.default_rng(seed)
+    slots = rng.integers(0, len(SLOT_RANKS), size=num_tokens)
+    slots[rng.random(num_tokens) < 0.25] = -1
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(len(SLOT_RANKS), len(QKV_OUT) * rank, in_features, generator=g) / in_features**0.5
+    bs = [torch.randn(len(SLOT_RANKS), out, rank, generator=g) for out in QKV_OUT]
+    for slot, r in enumerate(SLOT_RANKS):
+        a[slot].view(len(QKV_OUT), rank, in_features)[:, r:] = 0
+        for b in bs:
+            b[slot, :, r:] = 0
+    x = torch.randn(num_tokens, in_features, generator=g).to(dev, dtype)
+    y = torch.randn(num_tokens, sum(QKV_OUT), generator=g).to(dev, dtype)
+    mapping = LoRAMapping.build(slots, SLOT_RANKS, dev)
+    assert mapping is not None
+    return y, x, a.to(dev, dtype), [b.to(dev, dtype) for b in bs], mapping
+
+
+def _cuda_ms(fn: Any, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def kernel_table() -> None:
+    """The ``== lora`` table of ``add_lora`` per backend (see the module docstring), then its JSON."""
+    import functools
+
+    from batchinfer.kernels.lora import add_lora
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--kernel-table needs CUDA")
+    rows = []
+    for num_tokens in (16, 2048):
+        y, x, a, bs, mapping = _qkv_step(num_tokens, seed=3)
+        ref = add_lora(y.clone(), x, a, bs, mapping, backend="reference")
+        for backend in ("triton", "cpu"):
+            out = add_lora(y.clone(), x, a, bs, mapping, backend=backend)
+            torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2, msg=lambda m, b=backend: f"{b}: {m}")
+        w = torch.randn(sum(QKV_OUT), 4096, device="cuda", dtype=torch.bfloat16)
+        times = {name: _cuda_ms(functools.partial(add_lora, y, x, a, bs, mapping, backend=name),
+                                iters=5 if name == "reference" else 50)
+                 for name in ("triton", "cpu", "reference")}
+        times["base matmul"] = _cuda_ms(functools.partial(torch.nn.functional.linear, x, w), iters=50)
+        rows.append((num_tokens, times))
+    print("== lora: add_lora, qkv_proj of Llama-3-8B (in 4096, out 4096/1024/1024), 8 adapters R=16, bf16")
+    print(f"{'tokens':>7} {'triton ms':>10} {'torch ms':>10} {'reference ms':>13} {'base mm ms':>11} "
+          f"{'vs torch':>9}")
+    for num_tokens, t in rows:
+        print(f"{num_tokens:>7} {t['triton']:>10.3f} {t['cpu']:>10.3f} {t['reference']:>13.3f} "
+              f"{t['base matmul']:>11.3f} {t['cpu'] / t['triton']:>8.2f}x")
+    print(json.dumps({"bench": "lora_kernel", "device": torch.cuda.get_device_name(),
+                      "ms": {str(n): {k: round(v, 4) for k, v in t.items()} for n, t in rows}}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=256)
@@ -108,7 +183,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's)")
     ap.add_argument("--repeats", type=int, default=3, help="base / LoRA pairs run (best of each reported)")
     ap.add_argument("--quick", action="store_true", help="64 requests")
+    ap.add_argument("--kernel-table", action="store_true", help="time add_lora per backend instead (CUDA)")
     args = ap.parse_args()
+    if args.kernel_table:
+        kernel_table()
+        return
     if args.quick:
         args.requests = 64
     if args.threads:

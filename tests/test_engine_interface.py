@@ -7,7 +7,9 @@ import inspect
 from pathlib import Path
 
 import pytest
+from tiny_embedders import make_tiny_embedding_model
 
+from batchinfer.workers.engine.embedder import EmbeddingEngine
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine_config import EngineConfig
@@ -30,8 +32,19 @@ def test_the_protocol_holds_what_the_daemon_drives():
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_llama) -> list[WorkerEngine]:
-    return [Engine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8)), EchoEngine()]
+def engines(tiny_llama, tmp_path_factory) -> list[WorkerEngine]:
+    """Every engine the worker daemon serves: generation (model and echo) and embeddings."""
+    bert = make_tiny_embedding_model(tmp_path_factory.mktemp("bert") / "bert")
+    return [Engine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8)), EchoEngine(),
+            EmbeddingEngine.from_model(bert, max_num_batched_tokens=128)]
+
+
+def test_the_fixture_holds_every_worker_engine(engines):
+    # a new WorkerEngine class (``class X(WorkerEngine)`` anywhere in workers/) must join the fixture
+    trees = [ast.parse(path.read_text()) for path in DAEMON.parents[1].rglob("*.py")]  # all of workers/
+    declared = {node.name for tree in trees for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                and any(ast.unparse(b) == "WorkerEngine" for b in node.bases)}
+    assert declared == {type(e).__name__ for e in engines}
 
 
 def _defining_class(cls: type, name: str) -> type | None:
@@ -74,23 +87,32 @@ def test_both_engines_implement_every_member(engines):
 
 
 def test_the_members_answer_with_their_types(engines):
+    # tokens computed for 3 prompt tokens: the model adds the second generated token; the echo engine
+    # counts both of its answer's tokens; the embedder computes the prompt alone
+    computed = {Engine: 4, EchoEngine: 5, EmbeddingEngine: 3}
     for engine in engines:
+        embeds = engine.task == "embed"
+        assert engine.task == ("embed" if isinstance(engine, EmbeddingEngine) else "generate")
         assert isinstance(engine.model_name, str) and engine.model_name
-        assert all(isinstance(t, int) for t in engine.eos_token_ids) and list(engine.eos_token_ids)
+        assert all(isinstance(t, int) for t in engine.eos_token_ids)
+        assert bool(list(engine.eos_token_ids)) is not embeds  # nothing generated: no eos
         assert "tokenizer.json" in engine.tokenizer_files()
         assert set(engine.capacity()) == {"max_model_len", "max_num_seqs", "max_num_batched_tokens",
                                           "kv_tokens"}
+        assert engine.lora_adapters() == [] and engine.resident_adapters() == []
         before = engine.num_computed_tokens
-        engine.add_request("r", prompt_token_ids=[5, 6, 7], sampling_params={"max_tokens": 2,
-                                                                              "temperature": 0.0})
+        if embeds:
+            engine.add_request("r", prompt_token_ids=[5, 6, 7], pooling_params={})
+        else:
+            engine.add_request("r", prompt_token_ids=[5, 6, 7], sampling_params={"max_tokens": 2,
+                                                                                  "temperature": 0.0})
         assert engine.has_unfinished() and engine.num_unfinished() == 1
         while engine.has_unfinished():
             engine.step()
-        # 3 prompt tokens, then the second token: the echo engine counts both of its answer's tokens
-        assert engine.num_computed_tokens - before == (4 if isinstance(engine, Engine) else 5)
+        assert engine.num_computed_tokens - before == computed[type(engine)]
         assert (engine.num_running, engine.num_waiting, engine.num_preemptions) == (0, 0, 0)
-    engine, echo = engines
-    assert engine.kv_usage == 0.0 and echo.kv_usage is None
+    model, echo, embedder = engines
+    assert model.kv_usage == 0.0 and echo.kv_usage is None and embedder.kv_usage is None
 
 
 def _engine_uses(tree: ast.AST) -> tuple[list[str], list[str]]:

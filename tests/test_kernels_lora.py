@@ -6,9 +6,6 @@ tests/conftest.py before triton is imported) on tiny shapes; ``gpu`` tests run t
 
 from __future__ import annotations
 
-import functools
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -311,37 +308,3 @@ def test_gpu_triton_matches_the_reference(dtype):
         assert torch.equal(out[base], y[base])
         cpu_path = add_lora(y.clone(), x, a, bs, mapping, backend="cpu")
         _close(cpu_path, ref, tol)
-
-
-def _time_ms(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e3
-
-
-@pytest.mark.gpu
-def test_gpu_timing_table():
-    """Prints a "== lora" table (bench/gpu_check.sh shows it): triton vs the torch (cpu) path vs the
-    reference, and the base qkv matmul of the same step for scale. Asserts correctness only."""
-    rows = []
-    for num_tokens in (16, 2048):
-        y, x, a, bs, mapping, _ = _gpu_step(num_tokens, torch.bfloat16, seed=3)
-        ref = add_lora(y.clone(), x, a, bs, mapping, backend="reference")
-        out = add_lora(y.clone(), x, a, bs, mapping, backend="triton")
-        _close(out, ref, 2e-2)
-        w = torch.randn(sum(GPU_OUT), 4096, device="cuda", dtype=torch.bfloat16)
-        times = {name: _time_ms(functools.partial(add_lora, y, x, a, bs, mapping, backend=name),
-                                iters=5 if name == "reference" else 50)
-                 for name in ("triton", "cpu", "reference")}
-        times["base matmul"] = _time_ms(functools.partial(torch.nn.functional.linear, x, w), iters=50)
-        rows.append((num_tokens, times))
-    print("\n== lora: add_lora, qkv_proj of Llama-3-8B (in 4096, out 4096/1024/1024), 8 adapters R=16, bf16")
-    print(f"{'tokens':>7} {'triton ms':>10} {'torch ms':>10} {'reference ms':>13} {'base mm ms':>11} "
-          f"{'vs torch':>9}")
-    for num_tokens, t in rows:
-        print(f"{num_tokens:>7} {t['triton']:>10.3f} {t['cpu']:>10.3f} {t['reference']:>13.3f} "
-              f"{t['base matmul']:>11.3f} {t['cpu'] / t['triton']:>8.2f}x")

@@ -1,6 +1,6 @@
 """``causal=False`` on every attention backend, and ``varlen_attention`` (packed sequences, no cache).
 
-Ground truth is ``kernels.testing``'s naive dense attention (float64, ``tril``/``triu`` masks);
+Ground truth is ``tests/paged_batches.py``'s naive dense attention (float64, ``tril``/``triu`` masks);
 the cpu and triton backends are also held to the reference. Without CUDA the Triton kernels run
 under the interpreter (``TRITON_INTERPRET=1``, tiny shapes, as tests/test_kernels_triton.py
 explains); with CUDA the same tests run compiled, and the ``gpu`` tests add realistic shapes.

@@ -123,6 +123,12 @@ def test_cancelling_job_keeps_status_but_still_requests_export(r):
     assert pub.publish(row("c", 0, "cancelled")).finalizing
     fields = job_fields(r, "c")
     assert fields["status"] == "cancelling" and "export_requested_at" in fields
+    # the row itself is stored and counted as a cancelled one, and its guard bit is set
+    ((_, entry),) = r.xrange(KEYS.results("c"))
+    stored = ResultRow.from_json(entry[b"row"])
+    assert (stored.request_id, stored.idx, stored.status) == ("c:0", 0, "cancelled")
+    assert stored.error_code == "boom"
+    assert fields["cancelled"] == "1" and fields["failed"] == "0" and pub.is_published("c", 0)
 
 
 def test_publish_survives_script_flush(redis_server):

@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 
 import pytest
+from clocks import FakeClock
 from daemons import wait_until
 
 from batchinfer.config import Settings
-from batchinfer.keys import Keys
+from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.protocol.entries import IntakeEntry
-from batchinfer.protocol.rows import ResultRow
+from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
@@ -111,7 +111,12 @@ def test_a_retry_to_a_new_reply_stream_gets_the_original_row_once(stack):
     fields = IntakeEntry(body=BODY, reply_to="{rd}:reply:b", client_request_id="my-service-42").to_fields()
     assert type(stack.sched.admission.admit(retry, {k.encode(): str(v).encode() for k, v in fields.items()})
                 ).__name__ == "Duplicate"
-    time.sleep(0.3)  # give the worker a chance to publish anything it (wrongly) would
+    # the retries were settled by the intake above; the worker has nothing left that could publish
+    # a second row (no request held, nothing unsent, no batch unacked)
+    worker = stack.worker
+    assert worker is not None
+    wait_until(lambda: worker.book.empty() and worker.outbox.empty(), what="the worker idle")
+    assert r.xpending(KEYS.batches("echo"), WORKERS_GROUP)["pending"] == 0
     assert [r.xlen(f"{{rd}}:reply:{s}") for s in "abc"] == [1, 1, 1]
     # no second row anywhere else: one row in results:direct, one request ever sent to a worker
     assert [x.request_id for x in _rows(r, KEYS.results("direct"))] == [first]
@@ -176,7 +181,9 @@ def test_a_row_the_scheduler_publishes_to_a_wrong_type_reply_to_is_counted(stack
 def test_results_direct_keeps_rows_for_the_retention(redis_server):
     r = redis_server.client()
     r.config_set("stream-node-max-entries", 2)  # MINID ~ trims whole nodes: make them small
-    pub = Publisher(r, KEYS, direct_retention_s=1)
+    # a fake "now" (rows are still XADDed with Redis's own ids): past the retention without waiting it out
+    wall = FakeClock.from_now()
+    pub = Publisher(r, KEYS, direct_retention_s=1, clock=wall.ms)
 
     def direct(i: int) -> ResultRow:
         return ResultRow(job_id=None, request_id=f"0-{i}", status="completed", output_text="x")
@@ -185,7 +192,11 @@ def test_results_direct_keeps_rows_for_the_retention(redis_server):
         assert pub.publish(direct(i)).published
     job = ResultRow(job_id="j", idx=0, request_id="j:0", status="completed")
     pub.publish(job)
-    time.sleep(1.2)
+    # MINID is now - retention: one retention past the last row's id, the old rows are older than it
+    # and row 10 (its id taken after that "now") is not
+    last_id = int(r.xinfo_stream(KEYS.results("direct"))["last-generated-id"].split(b"-")[0])
+    wait_until(lambda: now_ms() > last_id, what="the next millisecond")
+    wall.now = now_ms() / 1000 + 1
     pub.publish(direct(10))
     kept = _rows(r, KEYS.results("direct"))
     assert len(kept) <= 2 and kept[-1].request_id == "0-10"  # the old rows are gone

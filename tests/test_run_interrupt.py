@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -13,7 +14,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from daemons import CLI, START_TIMEOUT_S
+from daemons import CLI, START_TIMEOUT_S, wait_until
+
+from batchinfer.config import Settings
+from batchinfer.keys import Keys
+from batchinfer.redis_conn import connect
 
 STOP_WITHIN_S = 15.0  # SIGTERM, 2 s grace, SIGTERM, 1 s, SIGKILL; then the partial file
 
@@ -25,14 +30,34 @@ def long_input(tmp_path: Path, n: int = 400) -> Path:
     return f
 
 
-def start_run(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, list[str]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("BATCHINFER_REDIS_URL", None)
-    proc = subprocess.Popen([*CLI, "run", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=tmp_path)
-    seen: list[str] = []
-    threading.Thread(target=lambda: seen.extend(iter(proc.stderr.readline, "")), daemon=True).start()
-    return proc, seen
+class Run:
+    """``batchinfer run`` in a subprocess; ``seen``: its stderr lines so far, read by a thread."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.env.pop("BATCHINFER_REDIS_URL", None)
+        self.proc = subprocess.Popen([*CLI, "run", *args], env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        self.seen: list[str] = []
+        stderr = self.proc.stderr
+        assert stderr is not None
+        self.reader = threading.Thread(target=lambda: self.seen.extend(iter(stderr.readline, "")),
+                                       daemon=True)
+        self.reader.start()
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        """The exit code, and all of stderr (read to its end: nothing still in flight)."""
+        code = self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=30)
+        assert not self.reader.is_alive(), "stderr still open after the exit"
+        return code, "".join(self.seen)
+
+
+def reported_rows(text: str) -> int:
+    """N of the "wrote the results so far (N of 400 rows)" line."""
+    match = re.search(r"wrote the results so far \((\d+) of 400 rows\)", text)
+    assert match, text
+    return int(match.group(1))
 
 
 def wait_for(seen: list[str], proc: subprocess.Popen, prefix: str, timeout: float = START_TIMEOUT_S) -> str:
@@ -48,38 +73,43 @@ def wait_for(seen: list[str], proc: subprocess.Popen, prefix: str, timeout: floa
 
 def test_ctrl_c_stops_quickly_and_writes_the_partial_results(tiny_llama, tmp_path):
     out = tmp_path / "out.parquet"
-    proc, seen = start_run(tmp_path, str(long_input(tmp_path)), "-o", str(out), "--model", str(tiny_llama))
-    wait_for(seen, proc, "job ")
-    time.sleep(3)  # some rows in
+    run = Run(tmp_path, str(long_input(tmp_path)), "-o", str(out), "--model", str(tiny_llama))
+    proc, seen = run.proc, run.seen
+    url = wait_for(seen, proc, "embedded Redis on ").split(" on ", 1)[1].strip()
+    job = wait_for(seen, proc, "job ").split()[1]
+    results = Keys(Settings.from_env(run.env).prefix).results(job)
+    with connect(url) as r:  # the run's own Redis: wait for some rows in
+        wait_until(lambda: r.xlen(results) > 0, timeout=START_TIMEOUT_S, what="the job's first rows")
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
     wait_for(seen, proc, "stopping...", timeout=2)
     assert time.monotonic() - sent < 2, "stopping... is said at once"
-    assert proc.wait(timeout=STOP_WITHIN_S) == 130, "".join(seen)
+    code, text = run.wait(timeout=STOP_WITHIN_S)
+    assert code == 130, text
     assert time.monotonic() - sent < STOP_WITHIN_S
-    time.sleep(0.2)
-    text = "".join(seen)
-    assert "wrote the results so far" in text and "of 400 rows" in text, text
     rows = pq.read_table(out).to_pylist()
-    assert len(rows) < 400 and all(r["custom_id"] for r in rows)
+    assert 0 < len(rows) == reported_rows(text) < 400  # rows were in before the Ctrl-C
+    assert all(r["custom_id"] for r in rows) and len({r["custom_id"] for r in rows}) == len(rows)
     logs = Path(wait_for(seen, proc, "logs kept in ").split("logs kept in ", 1)[1].strip())
     assert logs.is_dir() and (logs / "worker-0.log").is_file()
 
 
 def test_timeout_writes_partial_results_and_no_partial_does_not(tiny_llama, tmp_path):
     out = tmp_path / "out.jsonl"
-    proc, seen = start_run(tmp_path, str(long_input(tmp_path)), "-o", str(out), "--model", str(tiny_llama),
-                           "--timeout", "5")
-    assert proc.wait(timeout=START_TIMEOUT_S + STOP_WITHIN_S) == 6, "".join(seen)
-    time.sleep(0.2)
-    text = "".join(seen)
-    assert "after 5 s; stopping..." in text and "wrote the results so far" in text, text
-    assert all(json.loads(line)["custom_id"] for line in out.read_text().splitlines())
+    run = Run(tmp_path, str(long_input(tmp_path)), "-o", str(out), "--model", str(tiny_llama),
+              "--timeout", "5")
+    code, text = run.wait(timeout=START_TIMEOUT_S + STOP_WITHIN_S)
+    assert code == 6, text
+    assert "after 5 s; stopping..." in text, text
+    # however many rows 5 s gave (none, on a slow box), the file holds exactly those the line reports
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == reported_rows(text) < 400 and all(x["custom_id"] for x in lines)
     other = tmp_path / "none.parquet"
-    proc, seen = start_run(tmp_path, str(long_input(tmp_path)), "-o", str(other), "--model", str(tiny_llama),
-                           "--timeout", "3", "--no-partial")
-    assert proc.wait(timeout=START_TIMEOUT_S + STOP_WITHIN_S) == 6, "".join(seen)
-    assert not other.exists()
+    run = Run(tmp_path, str(long_input(tmp_path)), "-o", str(other), "--model", str(tiny_llama),
+              "--timeout", "3", "--no-partial")
+    code, text = run.wait(timeout=START_TIMEOUT_S + STOP_WITHIN_S)
+    assert code == 6, text
+    assert "wrote the results so far" not in text and not other.exists()
 
 
 @pytest.mark.parametrize("flag", ["--served-model-name"])
@@ -90,11 +120,9 @@ def test_run_answers_lines_naming_another_model(tiny_llama, tmp_path, flag):
                                               "messages": [{"role": "user", "content": f"hi {i}"}]}}) + "\n"
                          for i in range(3)))
     out = tmp_path / "out.parquet"
-    proc, seen = start_run(tmp_path, str(f), "-o", str(out), "--model", str(tiny_llama), flag, "local",
-                           "--timeout", "120")
-    assert proc.wait(timeout=START_TIMEOUT_S + 120) == 0, "".join(seen)
-    time.sleep(0.2)
+    run = Run(tmp_path, str(f), "-o", str(out), "--model", str(tiny_llama), flag, "local", "--timeout", "120")
+    code, text = run.wait(timeout=START_TIMEOUT_S + 120)
+    assert code == 0, text
     rows = pq.read_table(out).to_pylist()
     assert [r["status"] for r in rows] == ["completed"] * 3, rows
-    assert "note: 3 lines named another model ('gpt-4o-mini'); the job's model 'local' answered them" \
-        in "".join(seen)
+    assert "note: 3 lines named another model ('gpt-4o-mini'); the job's model 'local' answered them" in text

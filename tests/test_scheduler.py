@@ -7,6 +7,8 @@ import threading
 import time
 
 import pytest
+from clocks import FakeClock
+from daemons import wait_until
 
 from batchinfer.config import Settings
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
@@ -24,6 +26,9 @@ from batchinfer.workers.text.tokenizer import Tokenizer
 from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 KEYS = Keys("{t}")
+# A lease's idle time is Redis's own clock (XAUTOCLAIM's min-idle), which no fake clock moves: the
+# lease tests use a lease this short and poll the reclaim until it takes the batch back.
+LEASE_S = 0.05
 CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_tokens": 4096}
 
 
@@ -35,8 +40,10 @@ def env(redis_server, tiny_llama):
     return r, registry, Tokenizer.from_dir(tiny_llama)
 
 
-def make_scheduler(r, hold: float = 600.0, **settings) -> SchedulerDaemon:
-    sched = SchedulerDaemon(r, Settings(prefix="{t}", **settings), direct_hold_s=hold)
+def make_scheduler(r, hold: float = 600.0, clock: FakeClock | None = None, wall: FakeClock | None = None,
+                   **settings) -> SchedulerDaemon:
+    clocks = {**({"clock": clock} if clock else {}), **({"wall_clock": wall.ms} if wall else {})}
+    sched = SchedulerDaemon(r, Settings(prefix="{t}", **settings), direct_hold_s=hold, **clocks)
     sched.dispatcher.jobs.ttl = sched.admission.jobs.ttl = 0  # see job changes at once
     return sched
 
@@ -109,7 +116,8 @@ def test_bad_entries_become_error_rows_with_line_numbers(env):
 
 def test_unknown_model_is_held_then_served_or_rejected(env):
     r, registry, _ = env
-    sched = make_scheduler(r, hold=0.3)
+    wall = FakeClock.from_now()
+    sched = make_scheduler(r, hold=0.3, wall=wall)
     r.xadd(KEYS.requests, IntakeEntry(body=json.dumps({"prompt": "hi", "model": "later"})).to_fields())
     r.xadd(KEYS.requests, IntakeEntry(body=json.dumps({"prompt": "hi", "model": "never"}),
                                       reply_to="{t}:reply").to_fields())
@@ -118,11 +126,13 @@ def test_unknown_model_is_held_then_served_or_rejected(env):
     registry.register_model("later", registry.get_model("tiny").files, CAP)
     registry.heartbeat_worker("w2", {"model": "later", "capacity": CAP}, ttl=60)
     sched.admission.models.refresh = 0
-    time.sleep(0.35)
-    sched.intake.sweep_held()
+    assert sched.intake.sweep_held() == 1  # "later" is served now; "never" is within its hold
     sched.dispatcher.step()
-    assert r.xlen(held_key(KEYS)) == 0
     assert len(batches(r, "later")) == 1
+    assert r.xlen(held_key(KEYS)) == 1 and not r.exists("{t}:reply")
+    wall.advance(0.35)  # past the 0.3 s hold
+    assert sched.intake.sweep_held() == 1
+    assert r.xlen(held_key(KEYS)) == 0
     (_, reply), = r.xrange("{t}:reply")
     assert ResultRow.from_json(reply[b"row"]).error_code == "unknown_model"
 
@@ -131,7 +141,8 @@ def test_a_held_backlog_drains_without_waiting_for_the_sweep_timer(env):
     # Requests that arrive before their model's worker registers are held; once it is served they
     # must all move on at once, not 500 per 2-second sweep (a 1M-request job would trickle an hour).
     r, registry, _ = env
-    sched = make_scheduler(r)
+    clock = FakeClock()  # stands still but when advanced: the sweep timer fires only when the test says
+    sched = make_scheduler(r, clock=clock)
     body = json.dumps({"prompt": "hi", "model": "later", "max_tokens": 2})
     pipe = r.pipeline()
     for _ in range(1600):
@@ -142,11 +153,9 @@ def test_a_held_backlog_drains_without_waiting_for_the_sweep_timer(env):
     registry.register_model("later", registry.get_model("tiny").files, CAP)
     registry.heartbeat_worker("w2", {"model": "later", "capacity": CAP}, ttl=60)
     sched.admission.models.refresh = 0
-    sched.timers["held"].last = float("-inf")  # the sweep timer fires (within 2 s in a real run)
-    began = time.monotonic()
-    for _ in range(8):
+    clock.advance(2.0)  # one sweep period: the timer fires once, and not again in these passes (the
+    for _ in range(8):  # clock stands still), so the re-sweeps alone drain 1600 > one sweep's 500
         sched.run_once()
-    assert time.monotonic() - began < 2.0, "the test must finish inside one sweep period to mean anything"
     assert r.xlen(held_key(KEYS)) == 0
 
 
@@ -155,7 +164,7 @@ def test_lease_expiry_redispatches_unpublished_and_dead_letters(env):
     live_worker(registry)
     JobStore(r, KEYS).create("j", model="tiny")
     submit(r, "j", [{"prompt": "a", "max_tokens": 2}, {"prompt": "b", "max_tokens": 2}])
-    sched = make_scheduler(r, lease_seconds=0.2, max_attempts=2)
+    sched = make_scheduler(r, lease_seconds=LEASE_S, max_attempts=2)
     sched.run_once()
     publisher = Publisher(r, KEYS)
     for attempt in (1, 2):
@@ -168,8 +177,7 @@ def test_lease_expiry_redispatches_unpublished_and_dead_letters(env):
         else:
             assert [(q.idx, q.attempts) for q in requests] == [(1, 1)]  # published idx 0 was dropped
             assert fields[b"solo"] == b"1"  # its last attempt: it runs alone
-        time.sleep(0.25)
-        assert sched.leases.step() == 1
+        assert wait_until(sched.leases.step, what="the lease to expire") == 1
         assert not r.xrange(KEYS.batches("tiny"), min=entry_id, max=entry_id)  # old entry acked + deleted
     assert r.xlen(KEYS.batches("tiny")) == 0  # 2 failures = max_attempts: no third batch
     (_, letter), = r.xrange(KEYS.deadletter)
@@ -186,8 +194,8 @@ def test_an_unreadable_batch_is_dead_lettered_whole_when_its_lease_expires(env):
     ensure_group(r, stream, WORKERS_GROUP)
     entry_id = r.xadd(stream, {"requests": "not json", "model": "tiny"})
     r.xreadgroup(WORKERS_GROUP, "w1", {stream: ">"})  # a worker took it, then died
-    time.sleep(0.25)
-    assert make_scheduler(r, lease_seconds=0.2).leases.step() == 1
+    leases = make_scheduler(r, lease_seconds=LEASE_S).leases
+    assert wait_until(leases.step, what="the lease to expire") == 1
     (_, letter), = r.xrange(KEYS.deadletter)
     assert letter[b"requests"] == b"not json" and letter[b"model"] == b"tiny"  # the entry as it was
     assert letter[b"batch"] == entry_id and letter[b"error"].startswith(b"unreadable batch entry: ")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -342,12 +343,14 @@ def test_echo_engine_echoes_prompts_and_hands_out_aborts():
     assert not e.has_unfinished()
 
 
-def test_worker_survives_a_redis_restart(redis_server):
+def test_worker_survives_a_redis_restart(redis_server, caplog):
     r = redis_server.client()
     worker = Running(r, EchoEngine())
     wait_until(lambda: Registry(r, KEYS).get_model("echo"))
-    redis_server.stop()
-    time.sleep(1.0)  # the worker backs off meanwhile
+    with caplog.at_level(logging.WARNING, logger="batchinfer.workers.service.daemon"):
+        redis_server.stop()
+        wait_until(lambda: any("Redis unavailable" in rec.getMessage() for rec in caplog.records),
+                   what="the worker's loop to meet the outage")  # and back off
     redis_server.start()  # an empty Redis: no persistence in tests
     r = redis_server.client()
     wait_until(lambda: Registry(r, KEYS).get_model("echo"), what="the model registered again")

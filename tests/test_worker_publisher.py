@@ -176,11 +176,13 @@ def test_engine_steps_go_on_while_redis_is_paused(redis_server):
     daemon = worker.daemon
     wait_until(lambda: len(daemon.book.held) == 40 and daemon.steps > 0)
     with paused(redis_server):
-        time.sleep(0.1)  # a send answered just before the pause is handed back by now
+        # a few steps in, a send answered just before the pause has been handed back
+        paused_at = daemon.steps
+        wait_until(lambda: daemon.steps >= paused_at + 3, what="steps while Redis is paused")
         steps, done = daemon.steps, daemon.requests_done
-        time.sleep(0.4)
-        assert daemon.steps - steps >= 5  # the engine thread does not wait on Redis
-        assert daemon.requests_done == done  # while no row can be published
+        # the engine thread does not wait on Redis ...
+        wait_until(lambda: daemon.steps >= steps + 5, what="more steps while Redis is paused")
+        assert daemon.requests_done == done  # ... while no row can be published
     wait_until(lambda: len(_rows(r, "js")) == 40, what="40 rows")
     assert worker.stop() == 0
     assert sorted(x["idx"] for x in _rows(r, "js")) == list(range(40))

@@ -22,9 +22,9 @@ import logging
 
 import redis
 
+from batchinfer.clock import WALL_MS, WallClock
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
-from batchinfer.protocol.rows import now_ms
 from batchinfer.scheduler.lookups import JobCache, RowSink
 from batchinfer.store import replies
 from batchinfer.store.jobstore import JobField, JobStatus, JobStore, parse_fields
@@ -42,8 +42,9 @@ class Accounting:
     """The periodic job sweep."""
 
     def __init__(self, r: redis.Redis, keys: Keys, settings: Settings, jobs: JobCache, sink: RowSink,
-                 chunk: int = 500, export_grace_ms: int = EXPORT_GRACE_MS):
+                 chunk: int = 500, export_grace_ms: int = EXPORT_GRACE_MS, clock: WallClock = WALL_MS):
         self.redis, self.keys, self.settings, self.jobs, self.sink = r, keys, settings, jobs, sink
+        self.clock = clock  # expiry and the export safety net are decided by it
         self.store = JobStore(r, keys)
         self.chunk, self.export_grace_ms = chunk, export_grace_ms
         self.cursor = 0
@@ -58,7 +59,7 @@ class Accounting:
         pipe = self.redis.pipeline(transaction=False)
         for job_id in ids:
             pipe.hmget(self.keys.job(job_id), *FIELDS)
-        now, acted = now_ms(), 0
+        now, acted = self.clock(), 0
         for job_id, values in zip(ids, pipe.execute(), strict=True):
             fields = parse_fields(FIELDS, values)  # in FIELDS' order
             status, expires, requested, exported, submitted, total, cancelling_at = fields.values()

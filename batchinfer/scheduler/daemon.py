@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from collections.abc import Callable
 
 import redis
 
+from batchinfer.clock import MONOTONIC, WALL_MS, Clock, WallClock
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.ops.metrics import SchedulerMetrics
@@ -41,13 +41,13 @@ STALL_AFTER_S = 300.0  # /healthz fails when a pass has not finished for this lo
 
 
 class Periodic:
-    """``due()`` is True at most once every ``period`` seconds."""
+    """``due()`` is True at most once every ``period`` seconds of ``clock``."""
 
-    def __init__(self, period: float):
-        self.period, self.last = period, float("-inf")
+    def __init__(self, period: float, clock: Clock = MONOTONIC):
+        self.period, self.last, self.clock = period, float("-inf"), clock
 
     def due(self) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         if now - self.last < self.period:
             return False
         self.last = now
@@ -59,21 +59,24 @@ class SchedulerDaemon:
 
     def __init__(self, r: redis.Redis, settings: Settings, *, name: str = "scheduler",
                  metrics: SchedulerMetrics | None = None, block_ms: int = 200,
-                 direct_hold_s: float | None = None):
+                 direct_hold_s: float | None = None, clock: Clock = MONOTONIC,
+                 wall_clock: WallClock = WALL_MS):
         """``direct_hold_s``: how long a direct request for an unserved model is held (default
-        ``settings.direct_hold_seconds``, ``BATCHINFER_DIRECT_HOLD_SECONDS``)."""
+        ``settings.direct_hold_seconds``, ``BATCHINFER_DIRECT_HOLD_SECONDS``). ``clock`` times the
+        periodic sweeps; ``wall_clock`` decides holds, job expiry and ``results:direct``'s retention."""
         self.redis, self.settings, self.name, self.block_ms = r, settings, name, block_ms
         self.keys = keys = Keys(settings.prefix)
         registry = Registry(r, keys)
         jobs, models, staging = JobCache(r, keys), ModelCache(registry), Staging(r, keys)
-        self.sink = RowSink(r, settings, keys, metrics)
-        self.admission = Admission(r, keys, settings, jobs, models, direct_hold_s=direct_hold_s)
+        self.sink = RowSink(r, settings, keys, metrics, clock=wall_clock)
+        self.admission = Admission(r, keys, settings, jobs, models, direct_hold_s=direct_hold_s,
+                                   clock=wall_clock)
         self.intake = Intake(r, keys, self.admission, staging, self.sink, consumer=name)
         self.dispatcher = Dispatcher(r, keys, registry, models, staging, jobs, self.sink, metrics)
         self.leases = Leases(r, keys, settings, registry, jobs, self.sink, consumer=name)
-        self.accounting = Accounting(r, keys, settings, jobs, self.sink)
-        self.timers = {"leases": Periodic(max(0.05, settings.lease_seconds / 4)), "held": Periodic(2.0),
-                       "accounting": Periodic(1.0)}
+        self.accounting = Accounting(r, keys, settings, jobs, self.sink, clock=wall_clock)
+        self.timers = {"leases": Periodic(max(0.05, settings.lease_seconds / 4), clock),
+                       "held": Periodic(2.0, clock), "accounting": Periodic(1.0, clock)}
         self._ready = False
         self._held_releasing = False  # the last held sweep released requests: sweep again next pass
 

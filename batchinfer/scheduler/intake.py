@@ -27,11 +27,12 @@ from typing import Any
 
 import redis
 
+from batchinfer.clock import WALL_MS, WallClock
 from batchinfer.config import Settings
 from batchinfer.keys import SCHEDULER_GROUP, Keys
 from batchinfer.protocol.bodies import RequestSpec, leading_custom_id, parse_body
 from batchinfer.protocol.entries import IntakeEntry, RequestError
-from batchinfer.protocol.rows import BatchRequest, ResultRow, now_ms, request_id_for
+from batchinfer.protocol.rows import BatchRequest, ResultRow, request_id_for
 from batchinfer.redis_conn import ensure_group, read_group
 from batchinfer.scheduler.embed_intake import check_task, embed_fields
 from batchinfer.scheduler.entry_checks import (
@@ -91,8 +92,9 @@ class Admission:
     """Decides the fate of one intake entry (reads job states and models through caches)."""
 
     def __init__(self, r: redis.Redis, keys: Keys, settings: Settings, jobs: JobCache, models: ModelCache,
-                 direct_hold_s: float | None = None):
+                 direct_hold_s: float | None = None, clock: WallClock = WALL_MS):
         self.redis, self.keys, self.settings = r, keys, settings
+        self.clock = clock  # holds are decided by it
         self.jobs, self.models = jobs, models
         self.direct_hold_s = settings.direct_hold_seconds if direct_hold_s is None else direct_hold_s
         self.duplicates = 0
@@ -153,7 +155,7 @@ class Admission:
         model = base["model"]
         if (why := unknown_adapter(self.models, model)) is not None:
             return Reject(ResultRow.error("unknown_model", why, **base), entry.reply_to, overridden)
-        now = now_ms()
+        now = self.clock()
         deadline = held_until or hold_deadline(view, now, entry.hold_seconds, self.direct_hold_s)
         row = ResultRow.error("unknown_model", f"model {model!r} is not served by any worker", **base)
         if now < deadline:

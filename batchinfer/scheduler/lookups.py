@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from batchinfer.clock import WALL_MS, WallClock
 from batchinfer.config import Settings
 from batchinfer.jobs.queueing import enqueue_export, finish_then_export, publish_then_export
 from batchinfer.keys import Keys
@@ -179,9 +180,9 @@ class RowSink:
     """Publishes the scheduler's rows exactly once and enqueues exports for jobs they complete."""
 
     def __init__(self, redis_client: redis.Redis, settings: Settings, keys: Keys,
-                 metrics: SchedulerMetrics | None = None):
+                 metrics: SchedulerMetrics | None = None, clock: WallClock = WALL_MS):
         self.redis, self.settings, self.metrics = redis_client, settings, metrics
-        self.publisher = Publisher(redis_client, keys, metrics=metrics,
+        self.publisher = Publisher(redis_client, keys, metrics=metrics, clock=clock,
                                    direct_retention_s=settings.direct_results_retention_seconds)
 
     def publish(self, row: ResultRow, reply_to: str | None = None) -> bool:

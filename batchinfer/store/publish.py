@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 import redis
 from redis.exceptions import NoScriptError
 
+from batchinfer.clock import WALL_MS, WallClock
 from batchinfer.keys import DIRECT, Keys
-from batchinfer.protocol.rows import now_ms
 from batchinfer.redis_conn import as_text
 from batchinfer.store import scripts
 from batchinfer.store.jobstore import ROW_COUNTERS
@@ -69,7 +69,9 @@ class Publisher:
     """Publishes result rows exactly once; see docs/protocol.md for the keys it touches."""
 
     def __init__(self, redis_client: redis.Redis, keys: Keys, direct_guard_ttl: int = DIRECT_GUARD_TTL, *,
-                 direct_retention_s: int = DIRECT_RETENTION, metrics: ReplyMetrics | None = None):
+                 direct_retention_s: int = DIRECT_RETENTION, metrics: ReplyMetrics | None = None,
+                 clock: WallClock = WALL_MS):
+        """``clock``: now, for the job times publication records and ``results:direct``'s retention."""
         if direct_retention_s <= 0:
             raise ValueError(f"direct_retention_s must be > 0 seconds, got {direct_retention_s}")
         self.redis = redis_client
@@ -77,6 +79,7 @@ class Publisher:
         self.direct_guard_ttl = int(direct_guard_ttl)
         self.direct_retention_ms = int(direct_retention_s) * 1000
         self.metrics = metrics  # a daemon's: counts reply streams skipped for their type
+        self.clock = clock
         # redis-py Script objects use EVALSHA and reload on NOSCRIPT (e.g. after a Redis restart)
         self._publish = scripts.register(redis_client, "publish")
         self._finish = scripts.register(redis_client, "finish_submission")
@@ -95,7 +98,7 @@ class Publisher:
             keys.append(reply_to)
         counter = ROW_COUNTERS[row.status].value
         idx = row.idx if job_id is not None else -1
-        now = now_ms()
+        now = self.clock()
         return keys, [idx, row.to_json(), counter, now, self.direct_guard_ttl, now - self.direct_retention_ms]
 
     def _outcome(self, row: Row, reply: list) -> PublishOutcome:
@@ -163,7 +166,7 @@ class Publisher:
         """
         if total < 0:
             raise ValueError(f"total must be >= 0, got {total}")
-        result = self._finish(keys=[self.keys.job(job_id)], args=[total, now_ms()])
+        result = self._finish(keys=[self.keys.job(job_id)], args=[total, self.clock()])
         if result == -1:
             raise KeyError(f"job {job_id!r} does not exist")
         return bool(result)

@@ -127,9 +127,8 @@ class EmbeddingEngine(WorkerEngine):
 
     def add_request(self, request_id: str, prompt: str | None = None,
                     prompt_token_ids: Seq[int] | None = None, sampling_params: Any = None, *,
-                    inputs: Seq[Seq[int] | str] | None = None,
-                    pooling_params: PoolingParams | Mapping[str, Any] | None = None,
-                    lora: str | None = None) -> None:
+                    lora: str | None = None, inputs: Seq[Seq[int] | str] | None = None,
+                    pooling_params: PoolingParams | Mapping[str, Any] | None = None) -> None:
         """Validate and queue one request of ``inputs`` (token-id lists, one vector each; ``prompt``
         or ``prompt_token_ids`` is one input). ``ValueError`` naming the field when it is bad."""
         if lora is not None:

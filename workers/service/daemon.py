@@ -48,6 +48,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import redis
 
+from batchinfer.clock import MONOTONIC, Clock
 from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.ops.httpserver import Readiness
@@ -113,7 +114,8 @@ class WorkerDaemon:
                  tokenizer_files: dict[str, bytes] | None = None, block_ms: int = 1000,
                  cancel_poll_seconds: float = 0.5, max_failed_steps: int = 32,
                  stall_seconds: float | None = None, hard_stop: threading.Event | None = None,
-                 metrics: WorkerMetrics | None = None, readiness: Readiness | None = None):
+                 metrics: WorkerMetrics | None = None, readiness: Readiness | None = None,
+                 clock: Clock = MONOTONIC):
         config = WorkerConfig(model=engine.model_name, served_model_names=list(served_model_names or []),
                               model_name=model_name, name=name, device=device)
         assert config.name is not None  # WorkerConfig fills in the default
@@ -151,10 +153,11 @@ class WorkerDaemon:
         self.metrics = metrics or WorkerMetrics(self.model, worker=self.name, device=device)
         self.publisher.metrics = self.metrics  # counts reply streams skipped for their type
         self.readiness = readiness or Readiness()
+        self.clock = clock  # leases, heartbeats, the stall and the wait for a dead holder's name
         self.keeper = Keeper(r, self.keys, worker=self.name, model=self.model, status=self.status,
                              register=self._register_model,
                              lease_seconds=settings.lease_seconds, stall_seconds=stall_seconds,
-                             heartbeat_seconds=settings.heartbeat_seconds, streams=self.streams)
+                             heartbeat_seconds=settings.heartbeat_seconds, streams=self.streams, clock=clock)
         # Publishing, retries, acks and exports run on the publisher thread, on a connection of its own
         own = own_connection(r)
         sender = Publisher(own, self.keys, direct_retention_s=settings.direct_results_retention_seconds,
@@ -307,11 +310,11 @@ class WorkerDaemon:
                 first_beat = holder.heartbeat_at
                 # a live holder beats again within a third of its TTL; a dead one's expires
                 wait = max(ttl, self.redis.pttl(self.keys.worker(self.name)) / 1000)
-                deadline = time.monotonic() + wait + beat
+                deadline = self.clock() + wait + beat
                 log.warning("worker %s: the name is registered by another process (pid %s on %s); "
                             "waiting up to %.0fs for its heartbeat to expire", self.name,
                             holder.info.get("pid"), holder.info.get("host"), wait)
-            elif holder.heartbeat_at != first_beat or time.monotonic() > deadline:
+            elif holder.heartbeat_at != first_beat or self.clock() > deadline:
                 raise WorkerNameTaken(
                     f"worker name {self.name!r} is taken by a live worker (pid {holder.info.get('pid')} on "
                     f"{holder.info.get('host')}, serving {holder.model!r}); give this worker another --name")

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import redis
 
+from batchinfer.clock import MONOTONIC, Clock
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.redis_conn import as_text
 from batchinfer.store import scripts
@@ -43,8 +43,9 @@ class Keeper:
     def __init__(self, r: redis.Redis, keys: Keys, *, worker: str, model: str, lease_seconds: float,
                  heartbeat_seconds: float, status: Callable[[], dict[str, Any]],
                  register: Callable[[], None] | None = None, stall_seconds: float | None = None,
-                 streams: BatchStreams | None = None):
-        self.redis = r
+                 streams: BatchStreams | None = None, clock: Clock = MONOTONIC):
+        """``clock`` times the refreshes, the heartbeats and the stall; the thread waits in real time."""
+        self.redis, self.clock = r, clock
         self.streams = streams or BatchStreams(keys, model)
         self.stream = self.streams.base
         self.model = model
@@ -60,7 +61,7 @@ class Keeper:
         self._entries: set[str] = set()
         self._lost: set[str] = set()
         self._resident_elsewhere: dict[str, frozenset[str]] = {}  # replaced whole, never mutated
-        self._last_tick = time.monotonic()
+        self._last_tick = self.clock()
         self._stalled = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"keeper-{worker}", daemon=True)
@@ -79,7 +80,7 @@ class Keeper:
 
     def tick(self) -> None:
         """The main loop is alive."""
-        self._last_tick = time.monotonic()
+        self._last_tick = self.clock()
 
     def hold(self, entry_id: str) -> None:
         with self._lock:
@@ -102,14 +103,14 @@ class Keeper:
 
     @property
     def stalled(self) -> bool:
-        return time.monotonic() - self._last_tick > self.stall_seconds
+        return self.clock() - self._last_tick > self.stall_seconds
 
     # -- the thread -------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_lease = next_beat = time.monotonic()
-        while not self._stop.wait(max(0.0, min(next_lease, next_beat) - time.monotonic())):
-            now = time.monotonic()
+        next_lease = next_beat = self.clock()
+        while not self._stop.wait(max(0.0, min(next_lease, next_beat) - self.clock())):
+            now = self.clock()
             if self.stalled:
                 if not self._stalled:
                     log.error("worker %s: main loop silent for %.0fs; letting its leases lapse",

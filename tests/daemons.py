@@ -248,6 +248,15 @@ def start_echo_job(stack: Stack, n: int, scheduler: str = "scheduler") -> str:
                                 for i in range(n)], model="echo")
 
 
+def poison_stack(stacks: Callable[..., Stack], redis_url: str, max_attempts: int) -> Stack:
+    """The poison tests' stack: a scheduler and an exporter on ``redis_url``, ``max_attempts`` tries
+    per request (the workers, with the poison options, are each test's own)."""
+    stack = stacks(redis_url, BATCHINFER_MAX_ATTEMPTS=str(max_attempts))
+    stack.start("scheduler", "scheduler")
+    stack.start("exporter", "exporter")
+    return stack
+
+
 def submit_poison_job(stack: Stack, n: int, poison_idx: int) -> tuple[str, list[str]]:
     """Submit ``n`` echo requests ``r0`` .. ``r<n-1>`` (4 tokens each) whose ``poison_idx``-th prompt
     holds ``POISON`` (the echo engine's ``poison`` marker); returns the job id and the prompts."""

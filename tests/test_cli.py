@@ -10,16 +10,16 @@ import sys
 import uuid
 from pathlib import Path
 
+import cli_helpers
 import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import redis
-from click.testing import CliRunner
+from cli_helpers import prompts
 
 from batchinfer.cli import context as cli_context
 from batchinfer.cli.embedded import EmbeddedRedis, find_redis_server
-from batchinfer.cli.main import cli
 from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.protocol.rows import ResultRow
@@ -39,15 +39,7 @@ def env(redis_session, tmp_path):
 
 
 def invoke(args: list[str], *more: str, code: int = 0):
-    result = CliRunner().invoke(cli, [*args, *more], catch_exceptions=False)
-    assert result.exit_code == code, (result.exit_code, result.output)
-    return result
-
-
-def prompts(tmp_path: Path, n: int = 3) -> Path:
-    f = tmp_path / "in.jsonl"
-    f.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt": f"p{i}"}) + "\n" for i in range(n)))
-    return f
+    return cli_helpers.invoke(*args, *more, code=code)
 
 
 def test_submit_prints_the_job_id(env, tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from daemons import SLOW_ECHO, assert_exactly_once, attempts, dead_letters, submit_poison_job
+from daemons import SLOW_ECHO, assert_exactly_once, attempts, dead_letters, poison_stack, submit_poison_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -20,9 +20,7 @@ MAX_ATTEMPTS = 3
 
 
 def test_poison_request_is_retried_then_dead_lettered(redis_server, stacks):
-    stack = stacks(redis_server.url, BATCHINFER_MAX_ATTEMPTS=str(MAX_ATTEMPTS))
-    stack.start("scheduler", "scheduler")
-    stack.start("exporter", "exporter")
+    stack = poison_stack(stacks, redis_server.url, MAX_ATTEMPTS)
     options = {**SLOW_ECHO, "poison": "POISON"}
     for name in ("a", "b"):
         stack.worker(name, echo=True, options=options)

@@ -14,7 +14,7 @@ import json
 import time
 
 import pytest
-from daemons import SLOW_ECHO, assert_exactly_once, attempts, dead_letters, submit_poison_job
+from daemons import SLOW_ECHO, assert_exactly_once, attempts, dead_letters, poison_stack, submit_poison_job
 from faulty_echo import POISON_EXIT_CODE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -25,9 +25,7 @@ MAX_ATTEMPTS = 3
 
 
 def test_a_request_that_kills_its_worker_is_dead_lettered_alone(redis_server, stacks):
-    stack = stacks(redis_server.url, BATCHINFER_MAX_ATTEMPTS=str(MAX_ATTEMPTS))
-    stack.start("scheduler", "scheduler")
-    stack.start("exporter", "exporter")
+    stack = poison_stack(stacks, redis_server.url, MAX_ATTEMPTS)
     options = {**SLOW_ECHO, "poison": "POISON", "poison_exit": "true"}
     stack.worker("w0", echo=True, options=options)
     stack.wait_for_worker("w0")

@@ -14,6 +14,7 @@ retransmission would deliver it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -34,6 +35,8 @@ from batchinfer.cli.runner import python_module
 from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.store.registry import Registry
+from batchinfer.workers.service.daemon import WorkerDaemon
+from batchinfer.workers.service.worker_config import WorkerConfig
 
 CLI = python_module("batchinfer.cli")
 TESTS = str(Path(__file__).resolve().parent)  # on a daemon's PYTHONPATH for tests/faulty_echo.py
@@ -208,6 +211,19 @@ def wait_until(cond: Callable[[], Any], timeout: float = 60.0, what: str = "cond
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+CONFIG_FIELDS = {f.name for f in dataclasses.fields(WorkerConfig)}
+
+
+def worker_daemon(r: Any, settings: Settings, engine: Any, name: str | None = None,
+                  **kw: Any) -> WorkerDaemon:
+    """A ``WorkerDaemon`` of ``engine`` named ``name``: the keywords that are ``WorkerConfig``'s fields
+    (``served_model_names``, ``block_ms``, ``cancel_poll_seconds``, ...) go to its config, the others
+    (``hard_stop``, ``clock``, ...) to the daemon."""
+    fields = {k: v for k, v in kw.items() if k in CONFIG_FIELDS}
+    config = WorkerConfig(model=engine.model_name, name=name, **fields)
+    return WorkerDaemon(r, settings, engine, config, **{k: v for k, v in kw.items() if k not in fields})
 
 
 class ThreadedWorker:

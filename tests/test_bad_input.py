@@ -26,6 +26,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from daemons import worker_daemon
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -41,7 +42,6 @@ from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStatus, JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
-from batchinfer.workers.service.daemon import WorkerDaemon
 from batchinfer.workers.service.echo_engine import EchoEngine, byte_tokenizer_files
 
 DATA = Path(__file__).parent / "data" / "bad_input"
@@ -138,7 +138,7 @@ class Serving:
     """A worker daemon serving in a thread (``run`` returns only when stopped or broken)."""
 
     def __init__(self, r, settings_: Settings, engine, name: str):
-        self.daemon = WorkerDaemon(r, settings_, engine, name, block_ms=50, cancel_poll_seconds=0.2)
+        self.daemon = worker_daemon(r, settings_, engine, name, block_ms=50, cancel_poll_seconds=0.2)
         self.stop_event = threading.Event()
         self.code: int | None = None
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)

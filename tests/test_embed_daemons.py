@@ -20,7 +20,16 @@ import math
 from collections import Counter
 
 import pytest
-from daemons import FAULT_ENV, Stack, ThreadedWorker, assert_exactly_once, pending_of, stream_rows, wait_until
+from daemons import (
+    FAULT_ENV,
+    Stack,
+    ThreadedWorker,
+    assert_exactly_once,
+    pending_of,
+    stream_rows,
+    wait_until,
+    worker_daemon,
+)
 
 from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
@@ -29,7 +38,6 @@ from batchinfer.redis_conn import ensure_group
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.registry import Registry
 from batchinfer.workers.engine_config import EngineConfig
-from batchinfer.workers.service.daemon import WorkerDaemon
 from batchinfer.workers.service.echo_engine import EchoEngine
 
 pytestmark = pytest.mark.timeout(300)
@@ -208,8 +216,8 @@ def test_the_worker_registers_its_task_and_answers_wrong_requests_with_rows(redi
     engine = EmbeddingEngine(EngineConfig(model=str(bert), device="cpu"))
     ids = engine.tokenizer.encode("a cat sits on the mat")
     settings = Settings(prefix="{ed}", heartbeat_seconds=0.3)
-    worker = ThreadedWorker(WorkerDaemon(r, settings, engine, "emb"))
-    echo = ThreadedWorker(WorkerDaemon(r, settings, EchoEngine(), "gen"))
+    worker = ThreadedWorker(worker_daemon(r, settings, engine, "emb"))
+    echo = ThreadedWorker(worker_daemon(r, settings, EchoEngine(), "gen"))
     registry = Registry(r, KEYS)
     # a worker's heartbeat can be seen a moment before its model registration
     wait_until(lambda: len(registry.live_workers()) == 2 and registry.get_model("tiny-bert") is not None
@@ -265,7 +273,7 @@ def test_a_failing_step_is_bisected_to_the_one_embed_request_behind_it(redis_ser
     JobStore(r, KEYS).create("j", model="tiny-bert")
     engine = PoisonedEmbedder(EngineConfig(model=str(bert), device="cpu"))
     settings = Settings(prefix="{ed}", heartbeat_seconds=0.3, max_attempts=2)
-    worker = ThreadedWorker(WorkerDaemon(r, settings, engine, "emb"))
+    worker = ThreadedWorker(worker_daemon(r, settings, engine, "emb"))
     wait_until(lambda: Registry(r, KEYS).live_workers(), what="the worker")
     inputs = [[[2, 10 + i, 3], [2, 20 + i, 3]] for i in range(6)]
     inputs[4] = [[2, 30, 3], [2, POISON, 3]]  # the second input of request 4 poisons any step it is in
@@ -295,7 +303,7 @@ def test_cancelling_an_embeddings_job_aborts_its_running_and_waiting_requests(re
     JobStore(r, KEYS).create("j", model="tiny-bert")
     engine = SlowEmbedder(EngineConfig(model=str(bert), device="cpu", max_num_seqs=2))
     settings = Settings(prefix="{ed}", heartbeat_seconds=0.3)
-    worker = ThreadedWorker(WorkerDaemon(r, settings, engine, "emb", cancel_poll_seconds=0.05))
+    worker = ThreadedWorker(worker_daemon(r, settings, engine, "emb", cancel_poll_seconds=0.05))
     for start in range(0, 24, 8):
         batch = [_embed(i, [[2, 10 + i, 3], [2, 11, 3]], "tiny-bert") for i in range(start, start + 8)]
         _dispatch(r, "tiny-bert", batch)

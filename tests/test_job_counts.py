@@ -10,7 +10,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from daemons import wait_until
+from daemons import wait_until, worker_daemon
 
 from batchinfer.cli.render import record_text
 from batchinfer.config import Settings
@@ -21,7 +21,6 @@ from batchinfer.protocol.rows import ResultRow
 from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobRecord, JobStatus, JobStore
 from batchinfer.store.publish import Publisher
-from batchinfer.workers.service.daemon import WorkerDaemon
 from batchinfer.workers.service.echo_engine import EchoEngine
 
 PREFIX = "{jc}"
@@ -92,7 +91,7 @@ class Daemons:
         self.sched.timers["held"].period = 0.2  # a held request's deadline is checked often
         self.threads = [threading.Thread(target=self._schedule, daemon=True)]
         if worker is not None:
-            daemon = WorkerDaemon(r, settings, worker, "w1", cancel_poll_seconds=0.1)
+            daemon = worker_daemon(r, settings, worker, "w1", cancel_poll_seconds=0.1)
             self.threads.append(threading.Thread(target=daemon.run, args=(self.stop,), daemon=True))
         for t in self.threads:
             t.start()

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from daemons import FAULT_ENV, Stack, ThreadedWorker, assert_exactly_once, pending_of, wait_until
+from daemons import (
+    FAULT_ENV,
+    Stack,
+    ThreadedWorker,
+    assert_exactly_once,
+    pending_of,
+    wait_until,
+    worker_daemon,
+)
 from faulty_echo import FaultyEchoEngine
 
 from batchinfer.cli.daemons import lora_options, parse_lora_modules
@@ -27,7 +35,6 @@ from batchinfer.protocol.rows import BatchRequest
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
-from batchinfer.workers.service.daemon import WorkerDaemon
 from batchinfer.workers.service.echo_engine import EchoEngine, adapter_marker
 from batchinfer.workers.service.inflight import Book
 from batchinfer.workers.service.keeper import Keeper
@@ -168,7 +175,7 @@ def _rows(r, job: str) -> dict[int, dict]:
 
 
 def Running(r, engine, name="w1", settings=None, **kw) -> ThreadedWorker:  # noqa: N802 - reads as a class
-    return ThreadedWorker(WorkerDaemon(r, settings or _settings(), engine, name, **kw))
+    return ThreadedWorker(worker_daemon(r, settings or _settings(), engine, name, **kw))
 
 
 def test_one_worker_answers_the_base_and_each_adapter_from_its_own_stream(redis_server):
@@ -312,11 +319,11 @@ def test_busy_worker_leaves_an_adapter_loaded_elsewhere_to_that_worker_until_it_
     registry.heartbeat_worker("w3", {"model": "other", "loras_resident": ["a"]}, ttl=60)  # another base
     engine = EchoEngine(adapters=["a", "b"], max_loras=1, step_delay=0.05, requests_per_step=1,
                         max_num_seqs=8)
-    daemon = WorkerDaemon(r, _settings(), engine, "w1")
+    daemon = worker_daemon(r, _settings(), engine, "w1")
     daemon.keeper.heartbeat()
     assert daemon.keeper.resident_elsewhere() == {"b": frozenset({"w2"})}
-    assert daemon._streams_now(idle=False) == [KEYS.batches("echo"), KEYS.batches("echo:a")]
-    assert daemon._streams_now(idle=True) == daemon.streams.all()
+    assert daemon.reader.streams_now(idle=False) == [KEYS.batches("echo"), KEYS.batches("echo:a")]
+    assert daemon.reader.streams_now(idle=True) == daemon.streams.all()
     reqs = _job(r, "j5", [(None, 8)])
     worker = ThreadedWorker(daemon)
     wait_until(lambda: daemon.book.running, what="w1 busy with the base batch")
@@ -335,7 +342,7 @@ def test_an_adapter_alias_a_live_worker_of_another_model_serves_is_skipped(redis
     r = redis_server.client()
     registry = Registry(r, KEYS)
     registry.heartbeat_worker("w9", {"model": "other", "served_model_names": ["other", "a"]}, ttl=60)
-    caplog.set_level(logging.WARNING, logger="batchinfer.workers.service.daemon")
+    caplog.set_level(logging.WARNING, logger="batchinfer.workers.service.registration")
     worker = Running(r, EchoEngine(adapters=["a"]), served_model_names=["echo", "e2"])
     wait_until(lambda: registry.live_workers("echo"), what="w1 live")
     assert worker.stop() == 0

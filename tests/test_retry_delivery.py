@@ -9,7 +9,7 @@ import threading
 
 import pytest
 from clocks import FakeClock
-from daemons import wait_until
+from daemons import wait_until, worker_daemon
 
 from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
@@ -65,7 +65,7 @@ class Stack:
                 return
 
     def start_worker(self) -> WorkerDaemon:
-        self.worker = WorkerDaemon(self.r, _settings(), self.engine, "w1")
+        self.worker = worker_daemon(self.r, _settings(), self.engine, "w1")
         self.thread = threading.Thread(target=self.worker.run, args=(self.stop_event,), daemon=True)
         self.thread.start()
         return self.worker
@@ -218,5 +218,5 @@ def test_the_retention_is_a_setting_the_daemons_use(redis_server):
     r = redis_server.client()
     sched = SchedulerDaemon(r, settings)
     assert sched.intake.sink.publisher.direct_retention_ms == 3600 * 1000
-    worker = WorkerDaemon(r, settings, EchoEngine(), "w1")
+    worker = worker_daemon(r, settings, EchoEngine(), "w1")
     assert worker.publisher.direct_retention_ms == 3600 * 1000

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from daemons import ThreadedWorker, wait_until
+from daemons import ThreadedWorker, wait_until, worker_daemon
 
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
@@ -19,7 +19,6 @@ from batchinfer.protocol.rows import ResultRow
 from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.registry import Registry, ServedNameTaken
-from batchinfer.workers.service.daemon import WorkerDaemon
 from batchinfer.workers.service.echo_engine import EchoEngine
 from batchinfer.workers.service.worker_config import WorkerConfig
 
@@ -35,7 +34,7 @@ def _settings() -> Settings:
 
 def Serving(r, engine, name, **kw) -> ThreadedWorker:  # noqa: N802 - reads as a class
     """A worker daemon in a thread; ``stop()`` drains it."""
-    return ThreadedWorker(WorkerDaemon(r, _settings(), engine, name, **kw))
+    return ThreadedWorker(worker_daemon(r, _settings(), engine, name, **kw))
 
 
 def _scheduler(r) -> SchedulerDaemon:

@@ -158,11 +158,12 @@ def test_scheduler_loop_backs_off_while_redis_is_away(nowhere):
 
 
 def test_worker_loop_backs_off_while_redis_is_away(nowhere):
-    from batchinfer.workers.service.daemon import WorkerDaemon
+    from daemons import worker_daemon
+
     from batchinfer.workers.service.echo_engine import EchoEngine
 
     hard_stop = StopAfter(7)
-    daemon = WorkerDaemon(connect(nowhere), Settings(prefix="{h}"), EchoEngine(), "w1", hard_stop=hard_stop)
+    daemon = worker_daemon(connect(nowhere), Settings(prefix="{h}"), EchoEngine(), "w1", hard_stop=hard_stop)
     assert daemon.run(threading.Event()) == 1  # hard-stopped, not a clean drain
     assert hard_stop.waits == [0.5, 1, 2, 4, 8, 10, 10]
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemons import ThreadedWorker, wait_until
+from daemons import ThreadedWorker, wait_until, worker_daemon
 
 from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
@@ -23,7 +23,6 @@ from batchinfer.store.jobstore import JobStore
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.engine.outputs import CompletionOutput, FirstToken, RequestOutput, StepStats
 from batchinfer.workers.sampling_params import SamplingParams
-from batchinfer.workers.service.daemon import WorkerDaemon
 from batchinfer.workers.service.echo_engine import EchoEngine
 
 LONG = list(range(3, 43))  # 40 tokens: two full KV blocks, prefilled in chunks of a 32-token step
@@ -254,7 +253,7 @@ def test_the_worker_runs_final_only_and_its_metrics_add_up_to_its_rows(redis_ser
     r.xgroup_create(KEYS.batches(model), WORKERS_GROUP, id="0", mkstream=True)
     for batch in (reqs[:3], reqs[3:]):
         r.xadd(KEYS.batches(model), {"v": "1", "requests": json.dumps([q.to_dict() for q in batch])})
-    worker = ThreadedWorker(WorkerDaemon(r, Settings(prefix=PREFIX, heartbeat_seconds=0.3), engine, "wf"))
+    worker = ThreadedWorker(worker_daemon(r, Settings(prefix=PREFIX, heartbeat_seconds=0.3), engine, "wf"))
     wait_until(lambda: r.xlen(KEYS.results("jf")) == len(reqs), timeout=120)
     assert worker.stop() == 0
     rows = [json.loads(f[b"row"]) for _, f in r.xrange(KEYS.results("jf"))]

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemons import ThreadedWorker, wait_until
+from daemons import ThreadedWorker, wait_until, worker_daemon
 from faulty_echo import FaultyEchoEngine
 
 from batchinfer.config import Settings
@@ -21,7 +21,6 @@ from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
-from batchinfer.workers.service.daemon import WorkerDaemon
 from batchinfer.workers.service.echo_engine import EchoEngine
 
 PREFIX = "{w}"
@@ -66,7 +65,7 @@ def _rows(r, job: str) -> list[dict]:
 
 def Running(r, engine, name="w1", settings=None, **kw) -> ThreadedWorker:  # noqa: N802 - reads as a class
     """A worker daemon serving in a thread; ``stop()`` drains it and returns its exit code."""
-    return ThreadedWorker(WorkerDaemon(r, settings or _settings(), engine, name, **kw))
+    return ThreadedWorker(worker_daemon(r, settings or _settings(), engine, name, **kw))
 
 
 def test_each_request_published_once_batches_acked_and_export_enqueued(redis_server):

@@ -13,13 +13,12 @@ import sys
 import threading
 import time
 
-from daemons import ThreadedWorker, wait_until
+from daemons import ThreadedWorker, wait_until, worker_daemon
 
 from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.protocol.rows import BatchRequest
 from batchinfer.store.registry import Registry, WorkerNameTaken
-from batchinfer.workers.service.daemon import WorkerDaemon
 from batchinfer.workers.service.echo_engine import EchoEngine
 from batchinfer.workers.service.worker_config import WorkerConfig
 
@@ -34,7 +33,7 @@ def Serving(r, name=None, **kw) -> ThreadedWorker:  # noqa: N802 - reads as a cl
     """An echo worker in a thread; ``.hard`` is its hard-stop event."""
     hard = threading.Event()
     settings = Settings(prefix=PREFIX, heartbeat_seconds=BEAT)
-    worker = ThreadedWorker(WorkerDaemon(r, settings, EchoEngine(), name, hard_stop=hard, **kw))
+    worker = ThreadedWorker(worker_daemon(r, settings, EchoEngine(), name, hard_stop=hard, **kw))
     worker.hard = hard
     return worker
 

@@ -14,14 +14,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from daemons import ThreadedWorker, wait_until
+from daemons import ThreadedWorker, wait_until, worker_daemon
 
 from batchinfer.config import Settings
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
-from batchinfer.workers.service.daemon import WorkerDaemon
 from batchinfer.workers.service.echo_engine import EchoEngine
 from batchinfer.workers.service.inflight import Book
 from batchinfer.workers.service.outbox import Outbox, PublisherStopped, PublisherThread, own_connection
@@ -163,7 +162,7 @@ def test_a_hard_stop_gives_up_a_blocked_hand_over(redis_server):
 
 def _worker(r, engine: EchoEngine) -> ThreadedWorker:
     settings = Settings(prefix=PREFIX, heartbeat_seconds=0.3)
-    return ThreadedWorker(WorkerDaemon(r, settings, engine, "w1", block_ms=50))
+    return ThreadedWorker(worker_daemon(r, settings, engine, "w1", block_ms=50))
 
 
 def test_engine_steps_go_on_while_redis_is_paused(redis_server):

@@ -4,9 +4,10 @@ Three classes implement it: :class:`~batchinfer.workers.engine.engine.Engine` (a
 model on a paged KV cache), :class:`~batchinfer.workers.engine.embedder.EmbeddingEngine` (an
 embedding model: whole inputs per step, no KV cache) and
 :class:`~batchinfer.workers.service.echo_engine.EchoEngine` (no model: echoes prompts); the worker
-service's :class:`~batchinfer.workers.service.daemon.WorkerDaemon` uses nothing else of an engine. Its loop is
-nano-vllm's: ``add_request`` what fits, ``step()`` while ``has_unfinished()``, publish each
-finished output. This module imports no torch: an echo worker never loads it.
+service's :class:`~batchinfer.workers.service.daemon.WorkerDaemon` (and the managers it composes) uses
+nothing else of an engine. Its loop is nano-vllm's: ``add_request`` what fits, ``step()`` while
+``has_unfinished()``, publish each finished output. This module imports no torch: an echo worker
+never loads it.
 """
 
 from __future__ import annotations

@@ -389,7 +389,7 @@ class PublisherThread:
 
     def _hand_back(self) -> None:
         """Confirmed rows go back to the engine thread; a retry's request was done when handed over
-        (``WorkerDaemon._engine_failed``): the book may hold its re-read batch by now."""
+        (``Feeder.engine_failed``): the book may hold its re-read batch by now."""
         self._done.extend(c for c in self.outbox.confirmed if c[1])
         self.outbox.confirmed = []
 

@@ -171,8 +171,7 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
     readiness = Readiness(stall_after=10 * settings.lease_seconds)
     readiness.mark("serving", False, "registering")
     readiness.add_probe("redis", r.ping)
-    daemon = WorkerDaemon(r, settings, engine, name, served_model_names=config.served_model_names,
-                          device=device, tokenizer_files=files, hard_stop=hard, metrics=metrics,
+    daemon = WorkerDaemon(r, settings, engine, config, tokenizer_files=files, hard_stop=hard, metrics=metrics,
                           readiness=readiness)
     server = serve_http(settings.metrics_port, metrics.registry, readiness)
     try:

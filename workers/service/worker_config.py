@@ -1,4 +1,5 @@
-"""``WorkerConfig``: how a worker daemon presents itself (its name and served model names).
+"""``WorkerConfig``: how a worker daemon presents itself (its name and served model names) and
+paces its loop.
 
 Every error is a ``ValueError`` whose message starts with the field's name. No torch: an echo
 worker builds one without loading it.
@@ -20,7 +21,8 @@ def _served_name(what: str, value: Any) -> str:
 
 @dataclass
 class WorkerConfig:
-    """How one worker daemon presents itself: its name and the model names it serves.
+    """How one worker daemon presents itself (its name and the model names it serves) and paces
+    its loop; built once (``serve.py``, or a test) and handed to ``WorkerDaemon``.
 
     ``served_model_names`` are vLLM's ``--served-model-name``: the first is the canonical name
     (the worker registers under it and pulls ``{p}:batches:<canonical>``), the others are aliases
@@ -28,6 +30,11 @@ class WorkerConfig:
     ``--model-name`` of earlier versions), else ``[model]``, the model folder's (the engine's)
     name. ``name`` defaults to ``<host>-<canonical>-<device>-<pid>``: unique per process on a host,
     and stable across restarts of a container (same hostname, same pid 1).
+
+    The loop's pacing: a pull with nothing held or running waits ``block_ms`` for a batch; the
+    publisher thread reads the cancelled jobs every ``cancel_poll_seconds``; ``max_failed_steps``
+    engine steps failing in a row end the daemon (exit 3); the keeper lets the leases lapse when
+    the loop is silent for ``stall_seconds`` (None: ten leases).
     """
 
     model: str  # the engine's model name: the model folder's name (``echo`` for a bare echo engine)
@@ -35,6 +42,10 @@ class WorkerConfig:
     model_name: str | None = None
     name: str | None = None
     device: str = "cpu"
+    block_ms: int = 1000
+    cancel_poll_seconds: float = 0.5
+    max_failed_steps: int = 32
+    stall_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_names, str):  # one name passed bare: not a list of letters

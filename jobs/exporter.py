@@ -32,6 +32,7 @@ BACKOFF_START_S, BACKOFF_CAP_S = 1.0, 30.0  # waits before a rebuild: 1, 2, 4, 8
 # export retry due 10 s after a Redis blip would wait up to 10 minutes. These bound it to ~15 s.
 WORKER_TTL_S = 20  # idle dequeues last worker_ttl - 15 s
 MAINTENANCE_S = 10  # maintenance (restarting a dead scheduler, cleaning registries) at most this often
+PUBSUB_POLL_S = 1.0  # how long an exit may wait for rq's pub/sub thread (see ExporterWorker.subscribe)
 # rq logs each maintenance pass at INFO: with MAINTENANCE_S that was a third of the exporter's log
 MAINTENANCE_MESSAGES = ("Worker %s: cleaning registries", "Worker %s: cleaning group registries")
 
@@ -71,6 +72,16 @@ def build_worker(r: redis.Redis, name: str | None = None):
         def request_stop(self, signum, frame):
             self.stop_asked = True
             super().request_stop(signum, frame)
+
+        def subscribe(self) -> None:
+            """rq's, but its pub/sub thread polls every PUBSUB_POLL_S instead of 60 s: redis-py 8's
+            ``PubSubWorkerThread.stop()`` joins the thread, which after the unsubscribe sits out a
+            whole poll, so every exit (a burst run's end, a stop) could hang for up to a minute."""
+            self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+            self.pubsub = self.connection.pubsub()
+            self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+            self.pubsub_thread = self.pubsub.run_in_thread(
+                sleep_time=PUBSUB_POLL_S, daemon=True, exception_handler=self._pubsub_exception_handler)
 
     queue = Queue(RQ_QUEUE, connection=r, serializer=JSONSerializer)
     return ExporterWorker([queue], connection=r, serializer=JSONSerializer, name=name,

@@ -299,3 +299,21 @@ def test_held_text_says_when_the_model_has_been_served_since():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_exporter_leaves_without_sitting_out_a_pubsub_poll(redis_server):
+    # redis-py 8's PubSubWorkerThread.stop() joins rq's pub/sub thread, which after the unsubscribe
+    # waits out a whole poll (rq's: 60 s): the exporter's worker polls every PUBSUB_POLL_S instead.
+    # Without that, `exporter --burst` hung at exit in 1 of 3 runs (test above, 60 s timeout).
+    import threading
+
+    from batchinfer.jobs.exporter import build_worker
+
+    worker = build_worker(redis_server.client(), name="pubsub-exit")
+    worker.subscribe()
+    assert worker.pubsub_thread is not None and worker.pubsub_thread.is_alive()
+    leaving = threading.Thread(target=worker.unsubscribe, daemon=True)
+    leaving.start()
+    leaving.join(timeout=20)  # a bound far above the poll, far below rq's 60 s
+    assert not leaving.is_alive(), "unsubscribe still waiting for the pub/sub thread"
+    assert not worker.pubsub_thread.is_alive()

@@ -33,8 +33,8 @@ from batchinfer.workers.engine.outputs import (
     StepStats,
 )
 from batchinfer.workers.engine.sampler import Sampler, SamplingRow, make_generator
-from batchinfer.workers.engine.scheduler import Scheduler
 from batchinfer.workers.engine.sequence import Request, Sequence
+from batchinfer.workers.engine.step_scheduler import StepScheduler
 from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.models import Decoder, load_model
 from batchinfer.workers.sampling_params import SamplingParams
@@ -101,8 +101,8 @@ class Engine(WorkerEngine):
         self.runner.max_model_len = self.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   gate=self.lora)
+        self.scheduler = StepScheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                       gate=self.lora)
         self.eos_token_ids = sorted({*mc.eos_token_ids, *self.tokenizer.eos_token_ids})
         # Requests that set no seed draw from this engine's own generator, not torch's global one:
         # building an engine leaves the process's RNG alone, and its unseeded draws are still

@@ -60,7 +60,7 @@ class AdmissionGate(Protocol):
     def released(self, seq: Sequence) -> None: ...
 
 
-class Scheduler:
+class StepScheduler:
     """Keeps the waiting queue and the running set; ``schedule()`` plans one step."""
 
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,

@@ -25,9 +25,10 @@ from typing import Any, cast
 
 import torch
 
-from batchinfer.workers.engine.engine import Engine, check_token_ids
+from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import PooledRequestOutput, StepStats
+from batchinfer.workers.engine.processors import check_token_ids
 from batchinfer.workers.engine_config import EngineConfig, resolve_dtype
 from batchinfer.workers.models.attention import AttentionMetadata
 from batchinfer.workers.models.bert import BertModel, load_encoder

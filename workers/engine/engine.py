@@ -9,7 +9,7 @@ tokens, text, stops, outputs), and returns the outputs of the requests that move
 whose postprocessing raises is finished as aborted with its error; the other requests and the
 loop carry on.
 
-LoRA (``config.lora_enabled``): a ``LoRAManager`` holds the served adapters and gates admission
+LoRA (``config.lora.enabled``): a ``LoRAManager`` holds the served adapters and gates admission
 (a request waits while its adapter loads); requests of different adapters and of the base model
 share every step. A request whose adapter fails to load in the background ends aborted with
 the loader's error.
@@ -64,10 +64,8 @@ class Engine(WorkerEngine):
         self.task = "generate"
         mc = self.model.config
         self._build_runner(mc)  # self.lora, self.runner, self.kv_tokens, self.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
-        self.scheduler = StepScheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                       gate=self.lora)
+        self.block_manager = BlockManager.from_config(self.runner.num_blocks, config.cache)
+        self.scheduler = StepScheduler.from_config(self.block_manager, config.scheduler, gate=self.lora)
         eos = sorted({*mc.eos_token_ids, *self.tokenizer.eos_token_ids})
         # Requests that set no seed draw from this engine's own generator, not torch's global one:
         # building an engine leaves the process's RNG alone, and its unseeded draws are still
@@ -75,7 +73,8 @@ class Engine(WorkerEngine):
         self.generator = torch.Generator().manual_seed(config.seed)
         self.sampler = Sampler(mc.vocab_size, eos, generator=self.generator)
         # Structured outputs: the grammar backend is built on the first constrained request.
-        self.structured = StructuredOutputManager(config, self.tokenizer, mc.vocab_size, eos)
+        self.structured = StructuredOutputManager(config.structured, self.tokenizer, mc.vocab_size, eos,
+                                                  config.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.scheduler,
                                                 self.structured)
         self.requests: dict[str, Request] = self.output_processor.requests  # queued or running
@@ -92,17 +91,17 @@ class Engine(WorkerEngine):
 
         Adapters are read (and checked) and their stacked weights allocated before the KV cache
         is sized, so that the cache takes what they leave."""
-        config = self.config
-        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+        config, lora, asked_len = self.config, self.config.lora, self.config.max_model_len
+        if asked_len is not None and asked_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {asked_len} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
-        wanted_len = config.max_model_len or mc.max_position_embeddings
+        wanted_len = asked_len or mc.max_position_embeddings
         self.lora: LoRAManager | None = None
         try:
-            if config.lora_enabled:
+            if lora.enabled:
                 from batchinfer.workers.lora.manager import LoRAManager
 
-                self.lora = LoRAManager(config, mc, self.model.dtype, self.model.device)
+                self.lora = LoRAManager(lora, mc, self.model.dtype, self.model.device)
             self.runner = ModelRunner(self.model, config, wanted_len, ranks=self.ranks)
         except BaseException:
             if self.ranks is not None:
@@ -113,9 +112,9 @@ class Engine(WorkerEngine):
         if self.lora is not None:
             self.runner.lora_stack = self.lora.stack
         self.kv_tokens = self.runner.num_blocks * config.block_size
-        if config.max_model_len is not None and config.max_model_len > self.kv_tokens:
+        if asked_len is not None and asked_len > self.kv_tokens:
             self.runner.close()
-            raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV cache of "
+            raise ValueError(f"max_model_len {asked_len} does not fit the KV cache of "
                              f"{self.kv_tokens} tokens: raise num_kv_blocks / kv_cache_memory or lower it")
         # A sequence never outgrows the pool, so the oldest one can always run alone.
         self.max_model_len = min(wanted_len, self.kv_tokens)

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from batchinfer.workers.engine.outputs import (
     CompletionOutput,
@@ -24,6 +24,7 @@ from batchinfer.workers.engine.outputs import (
 )
 from batchinfer.workers.engine.sampler import SamplingRow, make_generator
 from batchinfer.workers.engine.sequence import Request, Sequence
+from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.text.detokenizer import IncrementalDetokenizer, append_tokens
 from batchinfer.workers.text.stopping import check_stop, is_stop_token
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from batchinfer.workers.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+P = TypeVar("P", SamplingParams, PoolingParams)
 
 
 class InputProcessor:
@@ -69,7 +72,7 @@ class InputProcessor:
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = _token_ids(prompt_token_ids, self.vocab_size)
-        params = _sampling_params(sampling_params)
+        params = params_of(sampling_params, SamplingParams, "sampling_params")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt_token_ids: the prompt has {len(ids)} tokens; max_model_len is "
                              f"{self.max_model_len}, which leaves no room to generate")
@@ -280,14 +283,16 @@ def sampling_row(seq: Sequence) -> SamplingRow:
     return row
 
 
-def _sampling_params(value: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+def params_of(value: Any, cls: type[P], name: str) -> P:
+    """A request's ``name`` argument as ``cls`` (SamplingParams or PoolingParams): None -> the
+    defaults, a dict -> ``cls.from_dict``; anything else is a ValueError naming ``name``."""
     if value is None:
-        return SamplingParams()
-    if isinstance(value, SamplingParams):
+        return cls()
+    if isinstance(value, cls):
         return value
     if isinstance(value, Mapping):
-        return SamplingParams.from_dict(value)
-    raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(value).__name__}")
+        return cls.from_dict(value)
+    raise ValueError(f"{name} must be {cls.__name__} or a dict, got {type(value).__name__}")
 
 
 def _token_ids(ids: Any, vocab_size: int) -> list[int]:

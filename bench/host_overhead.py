@@ -88,7 +88,8 @@ class StageClock:
         engine.runner.execute = self._wrap("execute", engine.runner.execute)  # type: ignore[method-assign]
         engine.runner.prepare = self._wrap("prepare", engine.runner.prepare)  # type: ignore[method-assign]
         engine.sampler = self._wrap("sample", engine.sampler)
-        engine._postprocess = self._wrap("postprocess", engine._postprocess)  # type: ignore[method-assign]
+        out = engine.output_processor
+        out.postprocess = self._wrap("postprocess", out.postprocess)  # type: ignore[method-assign]
 
     def _wrap(self, stage: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchinfer.workers.engine.block_manager import BlockManager
-from batchinfer.workers.engine.scheduler import Scheduler
 from batchinfer.workers.engine.sequence import Sequence, SequenceStatus
+from batchinfer.workers.engine.step_scheduler import StepScheduler
 
 BS = 4
 
@@ -137,7 +137,7 @@ workload = st.lists(
 @given(workload, st.integers(6, 20), st.sampled_from([4, 7, 64]), st.booleans())
 def test_random_workloads_keep_kv_consistent_and_leak_nothing(work, num_blocks, budget, caching):
     bm = BlockManager(num_blocks=num_blocks, block_size=BS, enable_prefix_caching=caching)
-    sched = Scheduler(bm, max_num_batched_tokens=budget, max_num_seqs=5)
+    sched = StepScheduler(bm, max_num_batched_tokens=budget, max_num_seqs=5)
     kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token id): the simulated cache
     limit = num_blocks * BS  # max_model_len: one sequence always fits the pool alone
     seqs, max_new, abort_at = [], {}, {}

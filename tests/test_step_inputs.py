@@ -12,8 +12,8 @@ from batchinfer.workers.engine.block_manager import BlockManager
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.engine.model_runner import BlockTableRows, ModelRunner
 from batchinfer.workers.engine.outputs import RequestOutput
-from batchinfer.workers.engine.scheduler import ScheduledSequence, Scheduler
 from batchinfer.workers.engine.sequence import Sequence, SequenceStatus
+from batchinfer.workers.engine.step_scheduler import ScheduledSequence, StepScheduler
 from batchinfer.workers.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -46,7 +46,7 @@ def test_step_host_equals_a_from_scratch_build_over_random_schedules(engine_fact
     engine = engine_factory(num_kv_blocks=9, max_num_seqs=3, max_num_batched_tokens=40)
     runner = engine.runner
     bm = BlockManager(9, BLOCK, enable_prefix_caching=True)
-    sched = Scheduler(bm, max_num_batched_tokens=rng.choice([24, 40]), max_num_seqs=3)
+    sched = StepScheduler(bm, max_num_batched_tokens=rng.choice([24, 40]), max_num_seqs=3)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(1, 50))] for _ in range(4)]
     seq_id = 0
     kinds = set()

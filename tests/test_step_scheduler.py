@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from batchinfer.workers.engine.block_manager import BlockManager
-from batchinfer.workers.engine.scheduler import Scheduler, SchedulerOutput
 from batchinfer.workers.engine.sequence import Sequence, SequenceStatus
+from batchinfer.workers.engine.step_scheduler import SchedulerOutput, StepScheduler
 
 BS = 4
 
@@ -13,11 +13,11 @@ def seq(seq_id: int, prompt_len: int, first_token: int = 0) -> Sequence:
     return Sequence(seq_id, None, 0, list(range(first_token, first_token + prompt_len)), float(seq_id))
 
 
-def make(num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, caching: bool = True) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, BS, caching), budget, max_seqs)
+def make(num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, caching: bool = True) -> StepScheduler:
+    return StepScheduler(BlockManager(num_blocks, BS, caching), budget, max_seqs)
 
 
-def step(sched: Scheduler) -> SchedulerOutput:
+def step(sched: StepScheduler) -> SchedulerOutput:
     """Schedule, 'run', and append a token to every sequence that reached its last token."""
     out = sched.schedule()
     sched.commit(out)

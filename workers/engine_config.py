@@ -1,11 +1,17 @@
 """``EngineConfig``: what sizes and shapes one engine, validated in one place.
 
+Built flat (``EngineConfig(model=..., max_num_seqs=...)``, as ``LLM(**kwargs)``, the CLI's
+``--engine-option`` and vLLM's EngineArgs pass it) and read by part: ``config.model_load``,
+``.cache``, ``.scheduler``, ``.parallel``, ``.lora`` and ``.structured`` are frozen views of the
+flat fields, one per component, so that each component is handed only what it reads.
+
 Every error is a ``ValueError`` whose message starts with the field's name. torch is imported
 only where a setting needs it (the dtype, the devices).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +91,74 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelLoadConfig:
+    """Which model, and how it is loaded and run (``load_model``, the model runner, the sampler's seed)."""
+
+    model: str
+    dtype: torch.dtype
+    attention_backend: str | None
+    enforce_eager: bool
+    seed: int
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, capacity (see ``EngineConfig``) and prefix caching."""
+
+    block_size: int
+    num_kv_blocks: int | None
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class StepSchedulerConfig:
+    """The step budget of the ``StepScheduler`` and the longest sequence asked for."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int | None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the rank count, the rendezvous, and each rank's device (rank 0 first)."""
+
+    tensor_parallel_size: int
+    tp_port: int | None
+    tp_timeout_s: float
+    devices: tuple[str, ...]  # one per rank: "cpu" for every rank on the CPU, else "cuda:i"
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """The adapters an engine serves (``LoRAManager``)."""
+
+    lora_modules: Mapping[str, str]
+    enable_lora: bool
+    max_loras: int
+    max_cpu_loras: int | None
+    max_lora_rank: int | None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine serves adapters (some given, or ``enable_lora``)."""
+        return self.enable_lora or bool(self.lora_modules)
+
+
+@dataclass(frozen=True)
+class StructuredConfig:
+    """Structured outputs (``StructuredOutputManager``); the flat fields named in brackets."""
+
+    backend: str  # [structured_outputs_backend]
+    jump_forward: bool
+    grammar_cache_size: int
+    grammar_threads: int | None
+    limits: StructuredLimits  # [structured_limits]
 
 
 @dataclass
@@ -201,7 +275,38 @@ class EngineConfig:
     @property
     def lora_enabled(self) -> bool:
         """Whether the engine serves adapters (some given, or ``enable_lora``)."""
-        return self.enable_lora or bool(self.lora_modules)
+        return self.lora.enabled
+
+    # -- the parts, each read from the flat fields when asked (so they always agree) ------------
+
+    @property
+    def model_load(self) -> ModelLoadConfig:
+        return ModelLoadConfig(self.model, resolve_dtype(self.dtype), self.attention_backend,
+                               self.enforce_eager, self.seed)
+
+    @property
+    def cache(self) -> CacheConfig:
+        return CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory,
+                           self.gpu_memory_utilization, self.enable_prefix_caching)
+
+    @property
+    def scheduler(self) -> StepSchedulerConfig:
+        return StepSchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.tp_port, self.tp_timeout_s,
+                              tuple(str(d) for d in self.rank_devices))
+
+    @property
+    def lora(self) -> LoRAConfig:
+        return LoRAConfig(dict(self.lora_modules), self.enable_lora, self.max_loras, self.max_cpu_loras,
+                          self.max_lora_rank)
+
+    @property
+    def structured(self) -> StructuredConfig:
+        return StructuredConfig(self.structured_outputs_backend, self.jump_forward, self.grammar_cache_size,
+                                self.grammar_threads, self.structured_limits)
 
     @property
     def torch_device(self) -> torch.device:

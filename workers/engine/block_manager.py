@@ -20,8 +20,12 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from batchinfer.workers.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from batchinfer.workers.engine_config import CacheConfig
 
 
 def hash_block(parent: bytes, token_ids: Seq[int]) -> bytes:
@@ -46,6 +50,11 @@ class BlockManager:
         # Prefix-cache statistics (tokens queried / tokens hit), for metrics.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+
+    @classmethod
+    def from_config(cls, num_blocks: int, cache: CacheConfig) -> BlockManager:
+        """A pool of ``num_blocks`` blocks (the model runner's count) shaped by the engine's cache part."""
+        return cls(num_blocks, cache.block_size, cache.enable_prefix_caching)
 
     # -- state ----------------------------------------------------------------------------------
 

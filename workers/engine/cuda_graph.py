@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchinfer.workers.engine.scheduler import ScheduledSequence
+from batchinfer.workers.engine.step_scheduler import ScheduledSequence
 from batchinfer.workers.models.attention import AttentionMetadata
 
 if TYPE_CHECKING:

@@ -25,9 +25,10 @@ from typing import Any, cast
 
 import torch
 
-from batchinfer.workers.engine.engine import Engine, check_token_ids
+from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import PooledRequestOutput, StepStats
+from batchinfer.workers.engine.processors import check_token_ids, params_of
 from batchinfer.workers.engine_config import EngineConfig, resolve_dtype
 from batchinfer.workers.models.attention import AttentionMetadata
 from batchinfer.workers.models.bert import BertModel, load_encoder
@@ -148,7 +149,7 @@ class EmbeddingEngine(WorkerEngine):
             inputs = [prompt_token_ids]
         if not isinstance(inputs, (list, tuple)) or not inputs:
             raise ValueError(f"inputs must be a non-empty list of token-id lists, got {inputs!r:.80}")
-        params = _pooling_params(pooling_params)
+        params = params_of(pooling_params, PoolingParams, "pooling_params")
         kind, normalize, dims = self.pooling.resolve(params, self.embedding_dim)
         ids = [self._input_ids(i, x, params.truncate_prompt_tokens) for i, x in enumerate(inputs)]
         req = _Request(request_id, ids, kind, normalize, dims, [None] * len(ids), len(ids))
@@ -302,14 +303,6 @@ class EmbeddingEngine(WorkerEngine):
         return None
 
 
-def _pooling_params(value: Any) -> PoolingParams:
-    if value is None:
-        return PoolingParams()
-    if isinstance(value, PoolingParams):
-        return value
-    if isinstance(value, Mapping):
-        return PoolingParams.from_dict(value)
-    raise ValueError(f"pooling_params must be PoolingParams or a dict, got {type(value).__name__}")
 
 
 def _st_max_seq_length(path: Path) -> int | None:

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from batchinfer.workers.engine.scheduler import ScheduledSequence
 from batchinfer.workers.engine.sequence import Sequence, SequenceStatus
+from batchinfer.workers.engine.step_scheduler import ScheduledSequence
 from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.lora.stack import LoRAStack, LoRAStep
 from batchinfer.workers.models import Decoder

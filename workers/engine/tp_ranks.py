@@ -134,13 +134,14 @@ class RankProcesses:
         from batchinfer.workers.parallel.group import TPGroup
         from batchinfer.workers.parallel.step_inputs import StepChannel
 
-        size, devices = config.tensor_parallel_size, config.rank_devices
+        parallel = config.parallel
+        size, devices = parallel.tensor_parallel_size, [torch.device(d) for d in parallel.devices]
         mc = ModelConfig.from_dir(config.model)
         longest = wanted_model_len(config, mc.max_position_embeddings)
         ctx = mp.get_context("spawn")
         channel = StepChannel(ctx, size, config.max_num_batched_tokens, config.max_num_seqs,
                               -(-longest // config.block_size))
-        port = config.tp_port or free_port()
+        port = parallel.tp_port or free_port()
         init_method = f"tcp://127.0.0.1:{port}"
         if devices[0].type == "cpu":
             torch.set_num_threads(_cpu_threads(size))
@@ -157,7 +158,7 @@ class RankProcesses:
                 procs.append(proc)
                 conns.append(parent_end)
             _await(procs, conns, "hello", {})
-            tp = TPGroup.init(0, size, init_method, _backend(devices[0]), devices[0], config.tp_timeout_s)
+            tp = TPGroup.init(0, size, init_method, _backend(devices[0]), devices[0], parallel.tp_timeout_s)
             model = load_model(config.model, config.dtype, devices[0], progress=True, tp=tp)
             _await(procs, conns, "loaded", {})
             for conn in conns:
@@ -386,11 +387,12 @@ def rank_main(rank: int, config: EngineConfig, init_method: str, channel: StepCh
         from batchinfer.workers.parallel.group import TPGroup
 
         conn.send(("hello", os.getpid()))
-        device = config.rank_devices[rank]
+        parallel = config.parallel
+        device = torch.device(parallel.devices[rank])
         if device.type == "cpu":
-            torch.set_num_threads(_cpu_threads(config.tensor_parallel_size))
-        tp = TPGroup.init(rank, config.tensor_parallel_size, init_method, _backend(device), device,
-                          config.tp_timeout_s)
+            torch.set_num_threads(_cpu_threads(parallel.tensor_parallel_size))
+        tp = TPGroup.init(rank, parallel.tensor_parallel_size, init_method, _backend(device), device,
+                          parallel.tp_timeout_s)
         model = load_model(config.model, config.dtype, device, progress=False, tp=tp)
         conn.send(("loaded", None))
         while not conn.poll(PARENT_POLL_S):  # rank 0's "go": every shard is loaded (the watchdog runs)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchinfer.workers.engine_config import EngineConfig
+from batchinfer.workers.engine_config import LoRAConfig
 from batchinfer.workers.lora.adapter import ADAPTER_CONFIG, LoRAAdapter, load_adapter
 from batchinfer.workers.lora.stack import LoRAStack
 from batchinfer.workers.lora_request import LoRARequest, check_adapter_name
@@ -56,9 +56,9 @@ def largest_rank(paths: list[str]) -> int:
 class LoRAManager:
     """The served adapters of one engine and where each one is loaded."""
 
-    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+    def __init__(self, config: LoRAConfig, model_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device | str) -> None:
-        c = engine_config
+        c = config
         self.model_config = model_config
         self.dtype = dtype
         self.max_loras = c.max_loras

@@ -35,7 +35,7 @@ from batchinfer.workers.text.stopping import StopResult
 
 if TYPE_CHECKING:
     from batchinfer.workers.engine.sequence import Sequence as Seq
-    from batchinfer.workers.engine_config import EngineConfig
+    from batchinfer.workers.engine_config import StructuredConfig
     from batchinfer.workers.text.tokenizer import Tokenizer
 
 
@@ -43,10 +43,12 @@ class StructuredOutputManager:
     """One engine's grammar backend (built on the first constrained request), its step bitmask and
     its counters (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, vocab_size: int,
-                 eos_token_ids: Sequence[int]) -> None:
-        """``vocab_size``: the model's (the logits' width); ``eos_token_ids``: the engine's."""
+    def __init__(self, config: StructuredConfig, tokenizer: Tokenizer, vocab_size: int,
+                 eos_token_ids: Sequence[int], max_num_seqs: int) -> None:
+        """``vocab_size``: the model's (the logits' width); ``eos_token_ids``: the engine's;
+        ``max_num_seqs``: the step's most sampling rows (the bitmask's first size)."""
         self.config = config
+        self.max_num_seqs = max_num_seqs
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -72,8 +74,8 @@ class StructuredOutputManager:
         """The grammar backend, built for the engine's tokenizer on first use."""
         if self._backend is None:
             c = self.config
-            self._backend = make_backend(c.structured_outputs_backend, self.tokenizer, self.vocab_size,
-                                         self.eos_token_ids, limits=c.structured_limits,
+            self._backend = make_backend(c.backend, self.tokenizer, self.vocab_size,
+                                         self.eos_token_ids, limits=c.limits,
                                          cache_size=c.grammar_cache_size, num_threads=c.grammar_threads)
         return self._backend
 
@@ -103,7 +105,7 @@ class StructuredOutputManager:
         if not rows:
             return
         if self._bitmask is None:
-            self._bitmask = self.backend.allocate_bitmask(max(self.config.max_num_seqs, len(rows)))
+            self._bitmask = self.backend.allocate_bitmask(max(self.max_num_seqs, len(rows)))
         elif self._bitmask.shape[0] < len(rows):
             self._bitmask = self.backend.allocate_bitmask(len(rows))
         if self._pool is None:

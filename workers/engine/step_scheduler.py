@@ -20,10 +20,13 @@ import bisect
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from batchinfer.workers.engine.block_manager import BlockManager
 from batchinfer.workers.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from batchinfer.workers.engine_config import StepSchedulerConfig
 
 
 @dataclass
@@ -60,7 +63,7 @@ class AdmissionGate(Protocol):
     def released(self, seq: Sequence) -> None: ...
 
 
-class Scheduler:
+class StepScheduler:
     """Keeps the waiting queue and the running set; ``schedule()`` plans one step."""
 
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
@@ -72,6 +75,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by sort_key: oldest first
         self.num_preemptions = 0
+
+    @classmethod
+    def from_config(cls, block_manager: BlockManager, config: StepSchedulerConfig,
+                    gate: AdmissionGate | None = None) -> StepScheduler:
+        """A scheduler with the engine's step budget (its scheduler part)."""
+        return cls(block_manager, config.max_num_batched_tokens, config.max_num_seqs, gate)
 
     @property
     def num_waiting(self) -> int:

@@ -10,16 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.workers.engine.sampler import (
-    _MASK64,
-    Sampler,
-    SamplingRow,
+from batchinfer.kernels.sampling import (
+    MASK64,
     _nucleus_threshold,
     _sorted_threshold,
-    _splitmix64,
     counter_uniforms,
-    make_generator,
+    splitmix64,
 )
+from batchinfer.workers.engine.sampler import Sampler, SamplingRow, make_generator
 from batchinfer.workers.models.tiny import build_tokenizer
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.text.detokenizer import IncrementalDetokenizer, append_tokens
@@ -30,7 +28,7 @@ GOLDEN = 0x9E3779B97F4A7C15
 
 def reference_uniform(key: int, counter: int) -> float:
     """counter_uniforms in Python's unbounded integers: splitmix64 at state key + counter * golden."""
-    return (_splitmix64((key + counter * GOLDEN) & _MASK64) >> 11) * 2.0**-53
+    return (splitmix64((key + counter * GOLDEN) & MASK64) >> 11) * 2.0**-53
 
 
 def test_counter_uniforms_match_splitmix64_in_python_integers():

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from batchinfer.workers.engine.sampler import (
-    Sampler,
-    SamplingRow,
-    apply_min_p,
-    apply_top_k_top_p,
-    make_generator,
-)
+from batchinfer.kernels.sampling import apply_min_p, apply_top_k_top_p, signed64
+from batchinfer.workers.engine.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
 from batchinfer.workers.sampling_params import SamplingParams
 
 V = 12
@@ -267,6 +263,58 @@ def test_padded_vocabulary_columns_are_never_chosen():
     assert all(t < V for t in out.token_ids)
     with pytest.raises(ValueError, match="logits must be"):
         Sampler(V, [EOS])(torch.zeros(2, 8), [row(), row()])
+
+
+# -- the batch's metadata ------------------------------------------------------------------------
+
+
+def batch_state(batch: SamplingBatch) -> dict[str, object]:
+    """Every array, tensor and index set the batch holds, as comparable values."""
+    state: dict[str, object] = {}
+    for name, value in vars(batch).items():
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            state[name] = (value.dtype, value.shape, value.tolist())
+        elif name == "rows":
+            state[name] = [id(r) for r in value]
+        else:
+            state[name] = value
+    return state
+
+
+def built_from_scratch(rows: list[SamplingRow]) -> SamplingBatch:
+    batch = SamplingBatch(V, [EOS])
+    batch.update(rows)
+    return batch
+
+
+def test_batch_updated_row_by_row_equals_one_built_from_scratch():
+    kinds = [dict(temperature=0), dict(temperature=0.7, top_p=0.9), dict(top_k=3, min_p=0.1),
+             dict(seed=5), dict(repetition_penalty=1.2, logprobs=2), dict(min_tokens=2, stop_token_ids=[4]),
+             dict(frequency_penalty=0.5, presence_penalty=0.1, ignore_eos=True, min_tokens=1), dict()]
+    rows = [row(generator=make_generator(p["seed"], 0) if "seed" in p else None, **p) for p in kinds]
+    batch = SamplingBatch(V, [EOS])
+    steps = [rows[:3], rows[:5],  # rows join
+             rows[1:5], [rows[1], rows[4]],  # rows leave
+             [rows[4], rows[1]], rows[::-1], [rows[0]] + rows[3:6] + [rows[2]],  # reordered, mixed
+             [rows[7], rows[7], rows[3]],  # one row twice (as tests pass [row] * n)
+             [], rows]
+    for step in steps:
+        batch.update(step)
+        assert batch_state(batch) == batch_state(built_from_scratch(step))
+
+
+def test_batch_arrays_hold_the_rows_params():
+    rows = [row(temperature=0), row(temperature=0.5, top_k=50, top_p=0.8), row(temperature=2.0, min_p=0.3,
+            seed=9, generator=make_generator(9, 1)), row(logprobs=0, repetition_penalty=1.5)]
+    batch = built_from_scratch(rows)
+    assert batch.random_rows.tolist() == [1, 2, 3] and not batch.all_random
+    assert batch.temperature.squeeze(1).tolist() == torch.tensor([0.5, 2.0, 1.0]).tolist()
+    assert batch.filtered is not None and batch.filtered.tolist() == [0]
+    assert batch.top_k.tolist() == [V] and batch.top_p.tolist() == torch.tensor([0.8]).tolist()
+    assert batch.min_p is not None and batch.min_p.tolist() == torch.tensor([0.0, 0.3, 0.0]).tolist()
+    assert batch.seeded.tolist() == [1] and batch.seeded_rows == [2]
+    assert batch.seed_keys.tolist() == [signed64(make_generator(9, 1).initial_seed())]
+    assert batch.logprob_rows == [3] and batch.logprob_counts == [0] and batch.repetition_rows == [3]
 
 
 # -- seeds ---------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 ``params`` (what a request asks for; queue-side safe, no torch), ``backend`` (the grammar-library
 contract), ``factory`` (``make_backend`` by name), ``llguidance_backend`` (the default) and
-``xgrammar_backend`` (optional), ``bitmask`` (applying masks to logits) and ``manager`` (what the
-engine drives each step).
+``xgrammar_backend`` (optional; with ``xgrammar_vocab``, our tokenizer as xgrammar sees it, and
+``xgrammar_json``, where its JSON handling falls short), ``bitmask`` (applying masks to logits)
+and ``manager`` (what the engine drives each step).
 """

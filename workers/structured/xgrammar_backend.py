@@ -1,29 +1,19 @@
 """The optional grammar backend: xgrammar (MLC's pushdown automaton with precomputed token masks).
 
-Built from our tokenizer alone (there is no transformers tokenizer object here): the encoded
-vocabulary comes from ``tokenizers``' vocab, its type from the decoder (ByteLevel -> BYTE_LEVEL,
-ByteFallback / Metaspace -> BYTE_FALLBACK, else RAW), its size is the model's (ids past the
-tokenizer's are empty strings, which xgrammar treats as special: never allowed), and the stop ids are
-the engine's EOS ids. Added tokens marked special become empty strings too, so a JSON string can
-never contain ``<|eot|>`` spelled as one token; added tokens that are plain text are re-encoded in
-the vocabulary's own alphabet so xgrammar reads their true bytes.
+Built from our tokenizer alone (``xgrammar_vocab.py``: its ``TokenizerInfo`` and token bytes).
 
 Behaviour matches the llguidance backend: compact JSON unless whitespace is allowed
 (``separators=(",", ":")``), extra properties allowed unless ``disable_additional_properties``
 closes the objects, Lark grammars (``compile_lark``) and EBNF / GBNF ones (``::=`` rules,
-``compile_grammar``), ``json_object`` as the schema ``{"type": "object"}``, and a
-``StructuredOutputError`` for a JSON-schema keyword xgrammar would silently ignore (``not``,
-``if``, ``uniqueItems``, ``contains``, ``allOf`` of several schemas, ``multipleOf`` on a number,
-``maxLength`` beside a ``pattern``, ...), as llguidance says "Unimplemented keys": ignoring one
-would let outputs through that the schema rejects.
+``compile_grammar``), ``json_object`` as the schema ``{"type": "object"}``. Where xgrammar's JSON
+handling falls short (keywords it would ignore, loosely checked formats, wrong masks for control
+characters and surrogates) ``xgrammar_json.py`` refuses, rewrites or filters.
 
 Differences handled here: xgrammar terminates only once it has accepted a stop token, so
 ``is_terminated`` also holds when the match is complete and the mask allows nothing but stop
 tokens (one one-row mask fill, only in complete states); a terminated matcher cannot fill a mask,
-so its row gets only the stop tokens. Where its JSON masks are wrong (raw control characters in
-a ``maxLength`` string, UTF-16 surrogates in any string: ``XGrammarBackend.json_filter``) the rows
-are ANDed with a filter and ``accept`` refuses the same tokens; a ``format`` it checks loosely
-(``ipv4`` with leading zeros) becomes the equivalent ``pattern``.
+so its row gets only the stop tokens. A JSON matcher's rows are ANDed with its text filter and
+``accept`` refuses the same tokens.
 
 Compiles are eager (every token mask precomputed: ~5-30 ms for an extraction schema on a 49k
 vocabulary, ~0.5 s for a 64 KiB one); xgrammar cannot cancel one, so a compile that passes the
@@ -33,7 +23,6 @@ run at once. The batch fill (``BatchGrammarMatcher``) runs without the GIL.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -50,10 +39,15 @@ from batchinfer.workers.structured.backend import (
     Matcher,
     StructuredOutputError,
     closed_objects,
-    walk_schema,
 )
+from batchinfer.workers.structured.xgrammar_json import (
+    JsonTextFilter,
+    check_enforceable,
+    json_text_filter,
+    strict_formats,
+)
+from batchinfer.workers.structured.xgrammar_vocab import adds_prefix_space, token_tables, tokenizer_info
 from batchinfer.workers.structured_params import StructuredOutputsParams
-from batchinfer.workers.text.token_bytes import _BYTE_LEVEL, _decoder_types
 
 if TYPE_CHECKING:
     import torch
@@ -61,24 +55,6 @@ if TYPE_CHECKING:
 _COMPILE_SLOTS = 4  # compiles running at once, abandoned (timed-out) ones included
 # xgrammar's C++ errors start "[17:11:21] /project/cpp/json_schema_converter.cc:5082: ".
 _CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+:\d+:\s*")
-# JSON-schema keywords xgrammar 0.2.9 accepts but does not enforce (probed: a violating output
-# passes its matcher); llguidance rejects them as "Unimplemented keys" too.
-_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
-               "contains", "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems")
-_BYTE_TO_LEVEL = {b: c for c, b in _BYTE_LEVEL.items()}  # byte -> its ByteLevel character
-
-
-@dataclass(frozen=True)
-class JsonTextFilter:
-    """Tokens a JSON output must not take whatever xgrammar's mask says (see
-    ``XGrammarBackend.json_filter``): ``banned`` never, ``continuations`` not right after a token
-    that ends in the byte 0xED (``ends_ed``). The ``keep`` words are the mask words without them."""
-
-    banned: frozenset[int]
-    keep: np.ndarray  # int32 [W]
-    ends_ed: frozenset[int]
-    continuations: frozenset[int]
-    keep_after_ed: np.ndarray  # int32 [W]: without banned nor continuations
 
 
 @dataclass(frozen=True)
@@ -175,20 +151,17 @@ class XGrammarBackend(GrammarBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stop_token_ids = [i for i in self.eos_token_ids if 0 <= i < self.vocab_size]
-        self._prefix_space = _adds_prefix_space(self.tokenizer.backend)
-        self.info = xgrammar.TokenizerInfo(
-            encoded_vocab(self.tokenizer.backend, self.vocab_size), vocab_type(self.tokenizer.backend),
-            vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None,
-            add_prefix_space=self._prefix_space)
+        self._prefix_space = adds_prefix_space(self.tokenizer.backend)
+        self.info = tokenizer_info(self.tokenizer.backend, self.vocab_size, self.stop_token_ids,
+                                   self._prefix_space)
         threads = self.num_threads or max(1, (os.cpu_count() or 2) // 2)
         # No xgrammar cache: the base class's LRU is the one cache (bounded, and it counts compiles).
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=max(1, os.cpu_count() or 1),
                                                  cache_enabled=False)
         self.batch = xgrammar.BatchGrammarMatcher(threads)  # fills rows in parallel, GIL released
         self._slots = threading.BoundedSemaphore(_COMPILE_SLOTS)
-        self._decoded: list[bytes] | None = None  # token id -> its bytes (b"" for special ids)
-        self._extendable: frozenset[bytes] | None = None  # proper prefixes of the tokens' bytes
-        self._max_token_bytes = 1
+        # token id -> its bytes (b"" for special ids), proper prefixes of them, the longest's length
+        self._tables: tuple[list[bytes], frozenset[bytes], int] | None = None
         self._filters: dict[bool, JsonTextFilter] = {}
         self._cols: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(keep words) -> (them, columns)
 
@@ -229,28 +202,11 @@ class XGrammarBackend(GrammarBackend):
         return compiled
 
     def json_filter(self, whitespace: bool) -> JsonTextFilter:
-        """What JSON matchers refuse beyond xgrammar's masks, which 0.2.9 gets wrong in two ways
-        (probed; each lets through text no JSON parser reads as the schema says):
-
-        - a raw control character (U+0000-U+001F) in a length-bounded string (``maxLength``):
-          ``"\x1c"``. JSON text never holds one (tab, newline and carriage return stay allowed
-          between values when ``whitespace``): tokens holding one are refused;
-        - a UTF-16 surrogate (U+D800-U+DFFF, bytes ED A0-BF ..) in any string: invalid UTF-8, which
-          decodes to U+FFFD. Tokens holding ED A0-BF are refused, and after a token that ends in ED
-          so are tokens starting with A0-BF."""
+        """What JSON matchers refuse beyond xgrammar's masks (``xgrammar_json.json_text_filter``),
+        built once per whitespace setting."""
         key = bool(whitespace)
         if key not in self._filters:
-            allowed = {9, 10, 13} if whitespace else set()
-            decoded, _ = self._token_tables()
-            surrogate = re.compile(b"\xed[\xa0-\xbf]")
-            banned = frozenset(t for t, piece in enumerate(decoded) if surrogate.search(piece)
-                               or any(c < 0x20 and c not in allowed for c in piece))
-            continuations = frozenset(t for t, piece in enumerate(decoded) if piece[:1] and
-                                      0xA0 <= piece[0] <= 0xBF)
-            ends_ed = frozenset(t for t, piece in enumerate(decoded) if piece.endswith(b"\xed"))
-            keep = self._words_without(banned)
-            self._filters[key] = JsonTextFilter(banned, keep, ends_ed, continuations,
-                                                keep & self._words_without(continuations))
+            self._filters[key] = json_text_filter(self._token_tables()[0], self.vocab_size, key)
         return self._filters[key]
 
     def _columns(self, keep: np.ndarray) -> np.ndarray:
@@ -259,12 +215,6 @@ class XGrammarBackend(GrammarBackend):
         if cols is None or cols[0] is not keep:
             cols = self._cols[id(keep)] = (keep, np.flatnonzero(keep != -1))
         return cols[1]
-
-    def _words_without(self, tokens: frozenset[int]) -> np.ndarray:
-        words = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
-        for t in tokens:
-            words[t // 32] &= ~np.int32(-(2**31) if t % 32 == 31 else 1 << (t % 32))
-        return words
 
     def _within_time_limit(self, kind: str, build: Callable[[], xgrammar.CompiledGrammar]
                            ) -> xgrammar.CompiledGrammar:
@@ -372,9 +322,9 @@ class XGrammarBackend(GrammarBackend):
         if not text:
             return []
         data = text.encode("utf-8")
-        decoded, extendable = self._token_tables()
+        decoded, extendable, max_token_bytes = self._token_tables()
         safe_end = len(data)
-        for start in range(max(0, len(data) - self._max_token_bytes), len(data)):
+        for start in range(max(0, len(data) - max_token_bytes), len(data)):
             if data[start:] in extendable:  # the longest such suffix: the earliest start
                 safe_end = start
                 break
@@ -407,62 +357,17 @@ class XGrammarBackend(GrammarBackend):
                 return ids[k + 1:]
         return encode(text, add_special_tokens=False)  # the verification in forced_tokens trims it
 
-    def _token_tables(self) -> tuple[list[bytes], frozenset[bytes]]:
-        """Each token's bytes, and every proper prefix of a token's bytes (built on first use:
-        ~0.2 s for a 49k vocabulary)."""
-        if self._decoded is None or self._extendable is None:
-            special = set(self.info.special_token_ids) | set(self.stop_token_ids)
-            decoded = [b"" if i in special else bytes(b) for i, b in enumerate(self.info.decoded_vocab)]
-            self._max_token_bytes = max((len(b) for b in decoded), default=1)
-            self._extendable = frozenset(b[:k] for b in decoded for k in range(1, len(b)))
-            self._decoded = decoded
-        return self._decoded, self._extendable
+    def _token_tables(self) -> tuple[list[bytes], frozenset[bytes], int]:
+        """``xgrammar_vocab.token_tables``, built on first use."""
+        if self._tables is None:
+            self._tables = token_tables(self.info, self.stop_token_ids)
+        return self._tables
 
     def token_text(self, token_id: int) -> str:
         """A token's text for error messages."""
         if not 0 <= token_id < self.vocab_size:
             return f"<id outside the vocabulary of {self.vocab_size}>"
         return self.tokenizer.backend.decode([token_id], skip_special_tokens=False)
-
-
-# -- building the tokenizer info ------------------------------------------------------------------
-
-def vocab_type(backend: Any) -> xgrammar.VocabType:
-    """How the vocabulary spells bytes, from the tokenizer's decoder."""
-    types = _decoder_types(backend)
-    if "ByteLevel" in types:
-        return xgrammar.VocabType.BYTE_LEVEL
-    if "ByteFallback" in types or "Metaspace" in types:  # "▁" for a space, "<0x0A>" byte pieces
-        return xgrammar.VocabType.BYTE_FALLBACK
-    return xgrammar.VocabType.RAW
-
-
-def encoded_vocab(backend: Any, vocab_size: int) -> list[str]:
-    """Token id -> its vocabulary string, ``vocab_size`` long (the model's: ids past the tokenizer's
-    are ""). Special added tokens are "" (never text); plain-text added tokens are spelled in the
-    ByteLevel alphabet when the vocabulary uses it, so xgrammar decodes them to their own bytes."""
-    out = [""] * vocab_size
-    for token, i in backend.get_vocab(with_added_tokens=True).items():
-        if 0 <= i < vocab_size:
-            out[i] = token
-    byte_level = vocab_type(backend) == xgrammar.VocabType.BYTE_LEVEL
-    for i, added in backend.get_added_tokens_decoder().items():
-        if not 0 <= i < vocab_size:
-            continue
-        if added.special:
-            out[i] = ""
-        elif byte_level:
-            out[i] = "".join(_BYTE_TO_LEVEL[b] for b in added.content.encode("utf-8"))
-    return out
-
-
-def _adds_prefix_space(backend: Any) -> bool:
-    """Whether the tokenizer prepends a space to a text it encodes (SentencePiece's "▁a" for "a")."""
-    try:
-        tokens = backend.encode("a", add_special_tokens=False).tokens
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode "a" has no prefix to detect
-        return False
-    return bool(tokens) and tokens[0].startswith(("▁", "Ġ"))
 
 
 def ebnf_string(text: str) -> str:
@@ -477,61 +382,6 @@ def ebnf_string(text: str) -> str:
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'
-
-
-def check_enforceable(schema: Any) -> None:
-    """``StructuredOutputError`` naming the first keyword (and where) that xgrammar would accept
-    without enforcing it (see the module docstring)."""
-    for where, node in walk_schema(schema):
-        problem = _unenforced(node, where)
-        if problem:
-            raise StructuredOutputError(f"json: {problem}")
-
-
-def _unenforced(node: dict[str, Any], where: str) -> str | None:
-    """What in one subschema xgrammar 0.2.9 ignores (each case probed: it warns, or a violating
-    output passes), or None."""
-    unsupported = " is not supported by the xgrammar backend (it would not be enforced)"
-    for key in _UNENFORCED:
-        if key in node:
-            return f"the keyword {key!r} at {where}{unsupported}"
-    if node.get("uniqueItems") is True:
-        return f"the keyword 'uniqueItems' at {where}{unsupported}"
-    all_of = node.get("allOf")
-    if isinstance(all_of, list) and len(all_of) > 1:
-        return f"'allOf' with {len(all_of)} schemas at {where}{unsupported}"
-    if "multipleOf" in node and node.get("type") != "integer":
-        return f"'multipleOf' on a non-integer at {where}{unsupported}"
-    lengths = [k for k in ("minLength", "maxLength") if k in node]
-    if lengths and ("pattern" in node or "format" in node):
-        other = "pattern" if "pattern" in node else "format"
-        return f"{lengths[0]!r} together with {other!r} at {where}{unsupported}"
-    required, props = node.get("required"), node.get("properties")
-    if (isinstance(required, list) and node.get("additionalProperties") is False
-            and "patternProperties" not in node):
-        missing = [r for r in required if not isinstance(props, dict) or r not in props]
-        if missing:  # xgrammar drops the requirement; llguidance calls it unsatisfiable
-            return (f"the required property {missing[0]!r} at {where} is not among the properties of "
-                    f"a closed object: the schema matches no value")
-    return None
-
-
-_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
-# Formats xgrammar 0.2.9 checks more loosely than JSON Schema (its ipv4 takes "088.1.1.1"), as the
-# patterns that say exactly what the format does (RFC 2673 dotted quads: no leading zeros).
-_FORMAT_PATTERNS = {"ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$"}
-
-
-def strict_formats(schema: Any) -> Any:
-    """``schema`` with each ``format`` of ``_FORMAT_PATTERNS`` (and no ``pattern`` of its own)
-    replaced by its pattern; a copy when anything changes."""
-    if not any(node.get("format") in _FORMAT_PATTERNS for _, node in walk_schema(schema)):
-        return schema
-    schema = copy.deepcopy(schema)
-    for _, node in walk_schema(schema):
-        if node.get("format") in _FORMAT_PATTERNS and "pattern" not in node:
-            node["pattern"] = _FORMAT_PATTERNS[node.pop("format")]
-    return schema
 
 
 def _clean(message: str) -> str:

@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Any
 
 import redis
 
@@ -80,8 +81,9 @@ def build_worker(r: redis.Redis, name: str | None = None):
             self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
             self.pubsub = self.connection.pubsub()
             self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
-            self.pubsub_thread = self.pubsub.run_in_thread(
+            thread: Any = self.pubsub.run_in_thread(  # Any: rq's stubs type the attribute as None
                 sleep_time=PUBSUB_POLL_S, daemon=True, exception_handler=self._pubsub_exception_handler)
+            self.pubsub_thread = thread
 
     queue = Queue(RQ_QUEUE, connection=r, serializer=JSONSerializer)
     return ExporterWorker([queue], connection=r, serializer=JSONSerializer, name=name,

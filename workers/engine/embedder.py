@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 
 from batchinfer.workers.engine.engine import Engine
-from batchinfer.workers.engine.interface import WorkerEngine
+from batchinfer.workers.engine.interface import ModelFolderState, NoQueueStats, WorkerEngine
 from batchinfer.workers.engine.outputs import PooledRequestOutput, StepStats
 from batchinfer.workers.engine.processors import check_token_ids, params_of
 from batchinfer.workers.engine_config import EngineConfig, resolve_dtype
@@ -44,7 +44,6 @@ from batchinfer.workers.models.pooling import (
 )
 from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.text.tokenizer import Tokenizer, truncate_text_ids
-from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class _Request:
     remaining: int = 0
 
 
-class EmbeddingEngine(WorkerEngine):
+class EmbeddingEngine(ModelFolderState, NoQueueStats, WorkerEngine):
     """One embedding model and the requests waiting for it."""
 
     def __init__(self, config: EngineConfig, model: BertModel | Decoder | None = None,
@@ -261,18 +260,6 @@ class EmbeddingEngine(WorkerEngine):
 
     # -- state ----------------------------------------------------------------------------------
 
-    def has_unfinished(self) -> bool:
-        """True while a request is queued, or an abort's output is not handed out yet."""
-        return bool(self.requests or self._pending)
-
-    def num_unfinished(self) -> int:
-        """Requests queued or being pooled."""
-        return len(self.requests)
-
-    def tokenizer_files(self) -> dict[str, bytes]:
-        """The model folder's tokenizer files, as a worker registers them for the scheduler."""
-        return read_tokenizer_files(self.config.model)
-
     def lora_adapters(self) -> list[str]:
         """Embedding models serve no adapters."""
         return []
@@ -285,22 +272,6 @@ class EmbeddingEngine(WorkerEngine):
         budget = self.config.max_num_batched_tokens
         return {"max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
                 "max_num_batched_tokens": budget, "kv_tokens": budget}
-
-    @property
-    def num_running(self) -> int:
-        return len(self.requests)
-
-    @property
-    def num_waiting(self) -> int:
-        return 0
-
-    @property
-    def num_preemptions(self) -> int:
-        return 0
-
-    @property
-    def kv_usage(self) -> float | None:
-        return None
 
 
 

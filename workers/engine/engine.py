@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchinfer.workers.engine.block_manager import BlockManager
-from batchinfer.workers.engine.interface import WorkerEngine
+from batchinfer.workers.engine.interface import ModelFolderState, WorkerEngine
 from batchinfer.workers.engine.model_runner import ModelRunner
 from batchinfer.workers.engine.outputs import RequestOutput
 from batchinfer.workers.engine.processors import InputProcessor, OutputProcessor, sampling_row
@@ -37,14 +37,13 @@ from batchinfer.workers.models import Decoder, ModelConfig, load_model
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.structured.manager import StructuredOutputManager
 from batchinfer.workers.text.tokenizer import Tokenizer
-from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 if TYPE_CHECKING:
     from batchinfer.workers.lora.manager import LoRAManager
     from batchinfer.workers.lora_request import LoRARequest
 
 
-class Engine(WorkerEngine):
+class Engine(ModelFolderState, WorkerEngine):
     """One model, its KV cache, and the requests sharing them."""
 
     def __init__(self, config: EngineConfig, model: Decoder | None = None,
@@ -210,18 +209,6 @@ class Engine(WorkerEngine):
             self.lora.close()  # the adapter loader thread
 
     # -- state ----------------------------------------------------------------------------------
-
-    def has_unfinished(self) -> bool:
-        """True while a request is queued or running, or an abort's output is not handed out yet."""
-        return bool(self.requests or self._pending)
-
-    def num_unfinished(self) -> int:
-        """Requests queued or running."""
-        return len(self.requests)
-
-    def tokenizer_files(self) -> dict[str, bytes]:
-        """The model folder's tokenizer files, as a worker registers them for the scheduler."""
-        return read_tokenizer_files(self.config.model)
 
     def capacity(self) -> dict[str, int]:
         """What this engine accepts: the scheduler daemon packs batches to it."""

@@ -137,3 +137,52 @@ class WorkerEngine(Protocol):
     daemon's metrics read it instead of per-step outputs, so its generation requests run
     ``final_only``; an engine that generates nothing (``"embed"``) reports no first tokens and 0
     tokens (its prompt tokens count from its finished outputs)."""
+
+
+class ModelFolderState:
+    """``has_unfinished`` / ``num_unfinished`` / ``tokenizer_files`` of an engine over a model folder
+    (``config.model``) that keeps its live requests in ``requests`` and the outputs of aborts not yet
+    handed out in ``_pending`` (:class:`Engine` and :class:`EmbeddingEngine`)."""
+
+    requests: Mapping[str, Any]
+    _pending: list[Any]
+    config: Any
+
+    def has_unfinished(self) -> bool:
+        """True while a request is queued or running, or an abort's output is not handed out yet."""
+        return bool(self.requests or self._pending)
+
+    def num_unfinished(self) -> int:
+        """Requests queued or running."""
+        return len(self.requests)
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The model folder's tokenizer files, as a worker registers them for the scheduler."""
+        from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
+
+        return read_tokenizer_files(self.config.model)
+
+
+class NoQueueStats:
+    """The statistics of an engine with no waiting queue, no preemption and no KV cache (the
+    embedding and echo engines): every unanswered request counts as running."""
+
+    def num_unfinished(self) -> int:
+        """The engine's own (every class that mixes this in defines it)."""
+        raise NotImplementedError
+
+    @property
+    def num_running(self) -> int:
+        return self.num_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        return 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return 0
+
+    @property
+    def kv_usage(self) -> float | None:
+        return None

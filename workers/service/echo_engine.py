@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchinfer.workers.engine.interface import WorkerEngine
+from batchinfer.workers.engine.interface import NoQueueStats, WorkerEngine
 from batchinfer.workers.engine.outputs import CompletionOutput, FirstToken, RequestOutput, StepStats
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
@@ -90,7 +90,7 @@ def adapter_marker(name: str) -> str:
     return f"[{name}] "
 
 
-class EchoEngine(WorkerEngine):
+class EchoEngine(NoQueueStats, WorkerEngine):
     """An engine that echoes prompts; see the module docstring for its exact behaviour."""
 
     def __init__(
@@ -240,25 +240,6 @@ class EchoEngine(WorkerEngine):
         """The files this engine tokenises with (the byte-level tokenizer's unless given)."""
         return dict(self._tokenizer_files)
 
-    @property
-    def num_running(self) -> int:
-        """Requests not answered yet (all count as running)."""
-        return len(self._waiting)
-
-    @property
-    def num_waiting(self) -> int:
-        """Always 0: the echo engine has no waiting queue."""
-        return 0
-
-    @property
-    def num_preemptions(self) -> int:
-        """Always 0: the echo engine never preempts."""
-        return 0
-
-    @property
-    def kv_usage(self) -> float | None:
-        """None: the echo engine has no KV cache."""
-        return None
 
     # -- echo ---------------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScaling
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 
-from batchinfer.workers.models.gguf.config import (
+from batchinfer.workers.models.gguf.hf_config import (
     GEMMA3_LOCAL_ROPE_BASE,
     GEMMA3_SLIDING_PATTERN,
     gemma_query_scalar,

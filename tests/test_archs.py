@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from batchinfer.workers.models.archs import ARCHITECTURES, ArchSpec
-from batchinfer.workers.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from batchinfer.workers.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402

@@ -26,7 +26,7 @@ from lora_cases import (
 )
 
 from batchinfer.workers.lora.adapter import GROUP_SLICES, LoRAAdapter, load_adapter, lora_groups
-from batchinfer.workers.models.config import ModelConfig
+from batchinfer.workers.models.model_config import ModelConfig
 
 pytest.importorskip("peft")
 

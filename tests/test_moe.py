@@ -14,8 +14,8 @@ import test_llm_vs_transformers as vs_hf  # noqa: E402
 import transformers  # noqa: E402
 from moe_models import ARCHITECTURES, make_tiny_moe_model  # noqa: E402
 
-from batchinfer.workers.models.config import ModelConfig  # noqa: E402
 from batchinfer.workers.models.loader import load_model  # noqa: E402
+from batchinfer.workers.models.model_config import ModelConfig  # noqa: E402
 from batchinfer.workers.models.moe import SparseMoeBlock  # noqa: E402
 
 

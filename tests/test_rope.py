@@ -17,7 +17,7 @@ from test_models import check_against_transformers
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.workers.models import ModelConfig
-from batchinfer.workers.models.config import SUPPORTED_ROPE_TYPES
+from batchinfer.workers.models.model_config import SUPPORTED_ROPE_TYPES
 from batchinfer.workers.models.rope import ROPE_TYPES, attention_factor, cos_sin_cache, inv_frequencies
 from batchinfer.workers.models.tiny import make_tiny_model
 

@@ -3,7 +3,7 @@
 The folder is what ``LLM(model=OUTDIR)``, ``batchinfer worker --model OUTDIR`` and transformers'
 ``from_pretrained(OUTDIR)`` load: ``model.safetensors`` (or shards + index) with the tensors
 dequantized into one dtype, ``config.json`` from the GGUF metadata (the same mapping the GGUF
-loader uses, ``workers/models/gguf/config.py``), and the tokenizer rebuilt from the metadata
+loader uses, ``workers/models/gguf/hf_config.py``), and the tokenizer rebuilt from the metadata
 (``tokenizer.json``, ``tokenizer_config.json`` with the chat template, ``generation_config.json``).
 
 One tensor is dequantized at a time and each shard is written as soon as it is full, so memory

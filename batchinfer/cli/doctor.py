@@ -110,7 +110,7 @@ def check_model_dir(model_dir: str | Path) -> list[Check]:
                       "tokenizer.json) to --model")]
 
     def config() -> str:
-        from batchinfer.workers.models.config import ModelConfig
+        from batchinfer.workers.models.model_config import ModelConfig
 
         c = ModelConfig.from_dir(path)
         return (f"{c.architecture}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
@@ -159,7 +159,7 @@ def check_gguf(path: Path) -> list[Check]:
                       "pass one readable .gguf file (or a folder holding exactly one) to --model")]
 
     def config() -> str:
-        from batchinfer.workers.models.config import ModelConfig
+        from batchinfer.workers.models.model_config import ModelConfig
 
         c = ModelConfig.from_dir(gguf.path)
         return (f"{c.architecture}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import torch
 from safetensors import safe_open
 
-from batchinfer.workers.models.config import ModelConfig
+from batchinfer.workers.models.model_config import ModelConfig
 
 # The projections of a decoder layer an adapter may target, by our fused group.
 GROUP_SLICES: dict[str, tuple[str, ...]] = {

@@ -31,7 +31,7 @@ from batchinfer.workers.engine_config import LoRAConfig
 from batchinfer.workers.lora.adapter import ADAPTER_CONFIG, LoRAAdapter, load_adapter
 from batchinfer.workers.lora.stack import LoRAStack
 from batchinfer.workers.lora_request import LoRARequest, check_adapter_name
-from batchinfer.workers.models.config import ModelConfig
+from batchinfer.workers.models.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from batchinfer.workers.engine.sequence import Sequence

@@ -15,7 +15,7 @@ import torch
 
 from batchinfer.kernels.lora import LoRAMapping, add_lora
 from batchinfer.workers.lora.adapter import LoRAAdapter, lora_groups
-from batchinfer.workers.models.config import ModelConfig
+from batchinfer.workers.models.model_config import ModelConfig
 
 # (layer, group name) -> (A [L, S * R, in], S x B [L, out_i, R])
 StackedWeights = dict[tuple[int, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]

@@ -28,7 +28,7 @@ from torch import nn
 from batchinfer.kernels import paged_attention, varlen_attention, write_kv
 from batchinfer.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
 from batchinfer.workers.models.attention import AttentionMetadata
-from batchinfer.workers.models.config import ModelConfig
+from batchinfer.workers.models.model_config import ModelConfig
 from batchinfer.workers.models.moe import SparseMoeBlock
 from batchinfer.workers.models.rope import cos_sin_cache
 from batchinfer.workers.models.sharding import ShardPlan

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from batchinfer.workers.models.config import ModelConfig
 from batchinfer.workers.models.decoder import Decoder
 from batchinfer.workers.models.gguf import (
     GGUFFile,
@@ -34,6 +33,7 @@ from batchinfer.workers.models.gguf import (
     unpermute_qk,
 )
 from batchinfer.workers.models.gguf.names import CONFIG_TENSORS, has_norm_offset, split_stacked
+from batchinfer.workers.models.model_config import ModelConfig
 from batchinfer.workers.models.moe import checkpoint_target, part_bounds
 from batchinfer.workers.models.sharding import ShardPlan
 from batchinfer.workers.parallel.group import TPGroup

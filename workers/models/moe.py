@@ -23,7 +23,7 @@ from torch import nn
 
 from batchinfer.kernels.fused import silu_and_mul
 from batchinfer.kernels.moe import fused_moe
-from batchinfer.workers.models.config import ModelConfig
+from batchinfer.workers.models.model_config import ModelConfig
 from batchinfer.workers.parallel.group import TPGroup
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchinfer.workers.models.config import BASE_DECODERS, SUPPORTED_ARCHITECTURES
+from batchinfer.workers.models.model_config import BASE_DECODERS, SUPPORTED_ARCHITECTURES
 from batchinfer.workers.pooling_params import POOLING_TYPES, PoolingParams
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from batchinfer.workers.models.config import ModelConfig
+from batchinfer.workers.models.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@
 folder holding one; nothing here imports the decoder or ``ModelConfig`` (no import circles).
 """
 
-from batchinfer.workers.models.gguf.config import ARCHITECTURES, hf_config
 from batchinfer.workers.models.gguf.dequant import SUPPORTED_TYPES, dequantize, dequantize_bytes
+from batchinfer.workers.models.gguf.hf_config import ARCHITECTURES, hf_config
 from batchinfer.workers.models.gguf.names import hf_name, needs_unpermute, unpermute_qk
 from batchinfer.workers.models.gguf.reader import GGUFFile, gguf_path, is_gguf
 

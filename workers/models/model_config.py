@@ -109,7 +109,7 @@ class ModelConfig:
         model_dir = Path(model_dir)
         found = gguf_path(model_dir)
         if found is not None:
-            from batchinfer.workers.models.gguf.config import hf_config
+            from batchinfer.workers.models.gguf.hf_config import hf_config
 
             return cls.from_dict(*hf_config(GGUFFile(found)), source=str(found))
         path = model_dir / "config.json"

@@ -147,3 +147,21 @@ def redis_module(tmp_path_factory):
     server.stop(kill=True)
 
 
+
+
+@pytest.fixture
+def health_servers():
+    """``start(registry=None, readiness=None)`` -> a started HealthServer on a free loopback port;
+    every one started is stopped after the test."""
+    from batchinfer.ops.httpserver import HealthServer
+
+    started: list[HealthServer] = []
+
+    def start(registry=None, readiness=None) -> HealthServer:
+        http = HealthServer(0, registry, readiness, host="127.0.0.1").start()
+        started.append(http)
+        return http
+
+    yield start
+    for http in started:
+        http.stop()

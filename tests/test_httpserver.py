@@ -24,17 +24,8 @@ def get(url: str, accept: str | None = None) -> tuple[int, bytes, str]:
 
 
 @pytest.fixture
-def server():
-    started: list[HealthServer] = []
-
-    def start(registry=None, readiness=None) -> HealthServer:
-        http = HealthServer(0, registry, readiness, host="127.0.0.1").start()
-        started.append(http)
-        return http
-
-    yield start
-    for http in started:
-        http.stop()
+def server(health_servers):
+    return health_servers
 
 
 def test_metrics_are_served_in_text_and_openmetrics(server):

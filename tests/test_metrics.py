@@ -59,17 +59,8 @@ def get(url: str) -> tuple[int, bytes]:
 
 
 @pytest.fixture
-def servers():
-    started: list[HealthServer] = []
-
-    def start(registry, readiness=None) -> HealthServer:
-        server = HealthServer(0, registry, readiness, host="127.0.0.1").start()
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
+def servers(health_servers):
+    return health_servers
 
 
 def test_a_job_moves_the_counters_by_the_expected_amounts(redis_server, servers):

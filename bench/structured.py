@@ -25,10 +25,20 @@ Two halves:
 
 Targets on the 2-core CPU: ratio >= 0.85, mask fill <= 2 ms per step at 256 rows.
 
+``--mask-cost`` (issue 27 item 5) instead measures what one request's grammar costs a step, as the
+engine pays it (its forced tokens, the mask fill unless the text is forced, the token's accept), for
+a simple regex and for DFA-heavy ones (counted repeats whose lexer builds new expressions every
+token), with the lexer-fuel bound on (``StructuredLimits.lexer_fuel``'s default, what the scheduler
+and the workers use) and off (llguidance's own fuel, 1,000,000): each spec's median ms a step over
+``--mask-steps`` tokens (64: the issue's ``max_tokens``) or until it fails, its ratio to the simple
+regex, the scheduler check's verdict, and what 20 such requests would hold a worker for in grammar
+work alone.
+
     python bench/structured.py                  # the default run (~5 minutes on 2 cores)
     python bench/structured.py --quick          # 64 requests (~1.5 minutes)
     python bench/structured.py --backend-only   # only the backend-level half
     python bench/structured.py --quick --device cuda
+    python bench/structured.py --mask-cost      # the per-request mask cost, bound on vs off (~30 s)
 
 The last line printed is one JSON object.
 """
@@ -51,9 +61,10 @@ import torch
 from batchinfer import LLM, SamplingParams
 from batchinfer.workers.models.demo import demo_gguf
 from batchinfer.workers.models.tiny import make_tiny_model
-from batchinfer.workers.structured.backend import GrammarBackend, Matcher
+from batchinfer.workers.structured.backend import GrammarBackend, Matcher, StructuredOutputError
+from batchinfer.workers.structured.bitmask import first_allowed
 from batchinfer.workers.structured.factory import make_backend
-from batchinfer.workers.structured_params import StructuredOutputsParams
+from batchinfer.workers.structured_params import StructuredLimits, StructuredOutputsParams
 from batchinfer.workers.text.tokenizer import Tokenizer
 
 VOCAB = 49152  # SmolLM2's; the random fallback model gets the same width
@@ -260,6 +271,76 @@ def _advance(backend: GrammarBackend, row: dict[str, Any]) -> None:
     row["pos"] += 1
 
 
+# -- one request's mask cost a step: a DFA-heavy regex vs a simple one, bound on vs off ---------------
+
+SIMPLE_REGEX = "[a-z ]{1,200}"
+# Counted repeats: forced text the lexer looks ahead through, building derivative expressions as it goes.
+DFA_HEAVY = {"heavy_100": "(x{100}){100}", "heavy_300": "(x{300}){300}", "heavy_1000": "(x{1000}){1000}"}
+UNBOUNDED_FUEL = 1_000_000  # llguidance's own initial_lexer_fuel: the bound off
+
+
+def mask_cost(backend: GrammarBackend, regex: str, steps: int) -> dict[str, Any]:
+    """One fresh matcher of ``regex`` stepped ``steps`` tokens as the engine steps a request (forced
+    tokens, the mask fill unless forced, the accept; the token: the forced one, else the lowest
+    allowed one); the per-step times until it fails, and the scheduler check's verdict."""
+    params = StructuredOutputsParams(regex=regex)
+    # A compile of its own (not the cache's): a spec's matchers share their lexer's states, so a
+    # matcher of an already probed spec would not pay for them again.
+    matcher = backend.matcher(backend._compile(params))
+    bitmask = backend.allocate_bitmask(1)
+    eos = set(backend.eos_token_ids)
+    times: list[float] = []
+    error = None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        forced = matcher.forced_tokens()
+        if not forced:
+            backend.fill_bitmask([(matcher, 0)], bitmask)
+        if matcher.error is None:
+            token = forced[0] if forced else first_allowed(bitmask[0], backend.vocab_size, eos)
+            if token is not None:
+                matcher.accept(token)
+        times.append(time.perf_counter() - t0)
+        error = matcher.error
+        if error is not None or token is None or matcher.is_terminated:
+            break
+    try:
+        backend.validate(params)
+        verdict = "accepted"
+    except StructuredOutputError as e:
+        verdict = f"refused: {e}"
+    return {"verdict": verdict, "steps": len(times), "error": error,
+            "ms_per_step_median": round(statistics.median(times) * 1e3, 3),
+            "ms_per_step_max": round(max(times) * 1e3, 3), "total_ms": round(sum(times) * 1e3, 2)}
+
+
+def bench_mask_cost(tok: Tokenizer, vocab: int, eos: list[int], steps: int) -> dict[str, Any]:
+    """``mask_cost`` of the simple regex and the DFA-heavy ones, with the lexer-fuel bound on and off."""
+    result: dict[str, Any] = {}
+    for label, fuel in (("bound_on", StructuredLimits().lexer_fuel), ("bound_off", UNBOUNDED_FUEL)):
+        backend = make_backend("llguidance", tok, vocab, eos, limits=StructuredLimits(lexer_fuel=fuel),
+                               num_threads=1)
+        mask_cost(backend, SIMPLE_REGEX, 2)  # warm up (first-use tables)
+        rows = {"simple": mask_cost(backend, SIMPLE_REGEX, steps)}
+        rows.update({name: mask_cost(backend, regex, steps) for name, regex in DFA_HEAVY.items()})
+        base = rows["simple"]["ms_per_step_median"]
+        print(f"-- lexer fuel {fuel:,} ({label.replace('_', ' ')})")
+        for name, row in rows.items():
+            row["ratio_to_simple"] = round(row["ms_per_step_median"] / base, 1) if base else None
+            regex = SIMPLE_REGEX if name == "simple" else DFA_HEAVY[name]
+            # what 20 such requests at max_tokens=steps hold a worker for in grammar work alone
+            row["twenty_requests_s"] = round(20 * row["ms_per_step_median"] * steps / 1e3, 2) \
+                if row["error"] is None else round(20 * row["total_ms"] / 1e3, 2)
+            ended = f"failed at step {row['steps']}: {row['error']}" if row["error"] \
+                else f"{row['steps']} steps"
+            print(f"{name:10s} {regex:16s} {row['ms_per_step_median']:8.3f} ms/step median "
+                  f"(max {row['ms_per_step_max']:.3f}, x{row['ratio_to_simple']} the simple regex), "
+                  f"{ended}; 20 requests: {row['twenty_requests_s']} s; scheduler: {row['verdict'][:90]}",
+                  flush=True)
+        result[label] = {"lexer_fuel": fuel, **rows}
+    return result
+
+
 # -- end to end -------------------------------------------------------------------------------------
 
 def prompts_for(tok: Tokenizer, items: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
@@ -353,6 +434,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads and grammar_threads")
     ap.add_argument("--backend-only", action="store_true", help="skip the end-to-end half")
     ap.add_argument("--json", default=None, help="also write the result to this file")
+    ap.add_argument("--mask-cost", action="store_true",
+                    help="only one request's mask cost a step: DFA-heavy regexes vs a simple one")
+    ap.add_argument("--mask-steps", type=int, default=64, help="--mask-cost: tokens a spec is stepped (64)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -393,6 +477,20 @@ def main() -> None:
     eos = tok.eos_token_ids
     print(f"vocab {vocab}, eos {eos}, torch threads {torch.get_num_threads()}, backends {backends}")
 
+    if args.mask_cost:
+        cost = bench_mask_cost(tok, vocab, eos, args.mask_steps)
+        summary = {"model": model.name, "vocab": vocab, "steps": args.mask_steps}
+        for label, rows in cost.items():
+            summary[f"{label}_simple_ms"] = rows["simple"]["ms_per_step_median"]
+            for name in DFA_HEAVY:
+                r = rows[name]
+                summary[f"{label}_{name}_ratio"] = r["ratio_to_simple"]
+                summary[f"{label}_{name}_ended"] = f"error at step {r['steps']}" if r["error"] else "served"
+        if args.json:
+            Path(args.json).write_text(json.dumps({"model": model.name, "mask_cost": cost}, indent=2) + "\n")
+        print("== structured outputs: mask cost a step per request")
+        print(json.dumps(summary))
+        return
     result: dict[str, Any] = {"model": model.name, "vocab": vocab, "requests": n, "max_tokens": max_tokens,
                               "device": args.device, "backend": {}}
     for name in backends:

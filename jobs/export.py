@@ -1,26 +1,25 @@
 """Export a job's results stream to Parquet / JSONL / OpenAI batch output (an rq job).
 
 ``export_job`` reads ``{bi}:results:<job>`` in chunks, orders the rows by ``idx`` with bounded
-memory (rows are spilled to per-range temporary files, see :class:`IdxSorter`; the same pass
-learns the embedding widths, which fix the Parquet schema before its first row group), writes them to a
-temporary name and renames it into place (:mod:`batchinfer.jobs.output`); only then does the job
-record get its ``output`` and its final status: ``finalizing`` -> ``completed``, ``cancelling`` ->
-``cancelled``, ``expired`` stays. A failure is recorded on the job record (``errors``,
+memory (an external merge sort: sorted runs spilled to temporary files, see :class:`IdxSorter`;
+the same pass learns the embedding widths, which fix the Parquet schema before its first row
+group), writes them a bounded row group at a time to a temporary name and renames it into
+place (:mod:`batchinfer.jobs.output`); only then does the job record get its ``output`` and its
+final status: ``finalizing`` -> ``completed``, ``cancelling`` -> ``cancelled``, ``expired``
+stays. A failure is recorded on the job record (``errors``,
 ``export_error``) and raised, so rq retries it; after the last retry the job is ``failed``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
 import logging
-import math
 import os
 import struct
 import tempfile
-from collections import defaultdict
-from collections.abc import Iterator
-from typing import BinaryIO
+from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
 import redis
@@ -36,19 +35,24 @@ from batchinfer.jobs.queueing import (  # noqa: F401 - re-exported: the exporter
 )
 from batchinfer.jobs.vectors import VectorWidths
 from batchinfer.keys import Keys
+from batchinfer.protocol.destinations import check_output
 from batchinfer.protocol.rows import now_ms
 from batchinfer.redis_conn import as_text
 from batchinfer.store import replies, scripts
 from batchinfer.store.jobstore import TERMINAL, JobStatus, JobStore
 
-__all__ = ["RESULT_SCHEMA", "IdxSorter", "SortedRows", "confined_output", "enqueue_export", "export_job",
+__all__ = ["RESULT_SCHEMA", "IdxSorter", "SortedRows", "enqueue_export", "export_job",
            "iter_stream", "rq_job_id", "sorted_rows", "write_rows"]
 
 log = logging.getLogger(__name__)
 
-STREAM_CHUNK = 1000  # entries per XRANGE
-BUCKET_ROWS = 100_000  # rows sorted in memory at once (more for jobs over MAX_BUCKETS buckets)
-MAX_BUCKETS = 256  # spill files open at once
+STREAM_CHUNK = 1000  # entries per XRANGE at most
+STREAM_BYTES = 1 << 20  # about this much row JSON per XRANGE reply (fewer entries when rows are large)
+FIRST_CHUNK = 16  # entries of unknown size asked for at once
+RUN_BYTES = 16 << 20  # rows' JSON (plus ROW_OVERHEAD each) held in memory before a sorted run is spilled
+ROW_OVERHEAD = 128  # bytes a held row costs besides its JSON (its tuple, int and bytes objects)
+MAX_RUNS = 64  # runs merged at once: open files, each with a READ_BUFFER
+READ_BUFFER = 64 << 10
 _RECORD = struct.Struct("<qI")  # spill record header: idx, length of the row's JSON
 
 # statuses in which every request has its row: the export may run (again, for an ended job)
@@ -56,81 +60,123 @@ EXPORTABLE = frozenset({JobStatus.FINALIZING, JobStatus.CANCELLING, *TERMINAL})
 
 
 def iter_stream(r: redis.Redis, key: str, *, count: int = STREAM_CHUNK, start: str = "-",
-                end: str = "+") -> Iterator[tuple[bytes, dict[bytes, bytes]]]:
-    """Every entry of stream ``key`` between ``start`` and ``end``, read ``count`` at a time."""
+                end: str = "+", max_bytes: int | None = None) -> Iterator[tuple[bytes, dict[bytes, bytes]]]:
+    """Every entry of stream ``key`` between ``start`` and ``end``, read ``count`` at a time.
+
+    ``max_bytes``: read fewer when entries are large, so that one reply holds about that many
+    bytes of field values (sized from the entries read so far; the first read asks for at most
+    :data:`FIRST_CHUNK`).
+    """
+    want = count if max_bytes is None else min(count, FIRST_CHUNK)
+    seen = seen_bytes = 0
     while True:
-        entries = replies.entries(r.xrange(key, min=start, max=end, count=count))
+        entries = replies.entries(r.xrange(key, min=start, max=end, count=want))
         yield from entries
-        if len(entries) < count:
+        if len(entries) < want:
             return
         start = "(" + as_text(entries[-1][0])
+        if max_bytes is not None:
+            seen += len(entries)
+            seen_bytes += sum(len(v) for _, fields in entries for v in fields.values())
+            want = max(1, min(count, max_bytes * seen // max(seen_bytes, 1)))
 
 
 class IdxSorter:
     """Orders ``(idx, row JSON)`` pairs by idx in bounded memory; later duplicates of an idx are dropped.
 
-    Rows go to a bucket per ``bucket_rows`` consecutive idx values; buffered buckets are appended
-    to their spill file whenever ``buffer_rows`` rows are held. Iterating reads the buckets back
-    one at a time, each sorted in memory.
+    An external merge sort: rows are held until ``run_bytes`` (their JSON plus ``ROW_OVERHEAD``
+    each) and then written, sorted, as a run file; iterating merges the runs, at most ``max_runs``
+    at a time (more runs are first merged in consecutive groups into longer runs). Memory: one run
+    being filled, or one row and one read buffer per merged run, whatever the number of rows.
+    Every sort and merge is stable, and runs keep their arrival order, so the first copy of an idx
+    added is the one kept.
     """
 
-    def __init__(self, directory: str, bucket_rows: int = BUCKET_ROWS, buffer_rows: int = 32_768):
+    def __init__(self, directory: str, run_bytes: int = RUN_BYTES, max_runs: int = MAX_RUNS,
+                 read_buffer: int = READ_BUFFER):
+        if max_runs < 2:
+            raise ValueError(f"max_runs must be at least 2, got {max_runs}")
         self.directory = directory
-        self.bucket_rows = bucket_rows
-        self.buffer_rows = buffer_rows
+        self.run_bytes = run_bytes
+        self.max_runs = max_runs
+        self.read_buffer = read_buffer
         self.duplicates = 0
-        self._buffers: dict[int, list[tuple[int, bytes]]] = defaultdict(list)
-        self._files: dict[int, BinaryIO] = {}
-        self._held = 0
+        self.runs: list[str] = []  # spilled run files, in arrival order
+        self._held: list[tuple[int, bytes]] = []
+        self._held_bytes = 0
+        self._names = 0
 
     def add(self, idx: int, raw: bytes) -> None:
-        self._buffers[idx // self.bucket_rows].append((idx, raw))
-        self._held += 1
-        if self._held >= self.buffer_rows:
+        self._held.append((idx, raw))
+        self._held_bytes += len(raw) + ROW_OVERHEAD
+        if self._held_bytes >= self.run_bytes:
             self._spill()
 
-    def _spill(self) -> None:
-        for bucket, items in self._buffers.items():
-            f = self._files.get(bucket)
-            if f is None:
-                path = os.path.join(self.directory, f"bucket-{bucket}.bin")
-                f = self._files[bucket] = open(path, "w+b")  # noqa: SIM115 (closed in __iter__ / close)
-            f.write(b"".join(_RECORD.pack(i, len(raw)) + raw for i, raw in items))
-        self._buffers.clear()
-        self._held = 0
+    def _new_run(self) -> str:
+        self._names += 1
+        return os.path.join(self.directory, f"run-{self._names}.bin")
 
-    def _read(self, f: BinaryIO) -> Iterator[tuple[int, bytes]]:
-        f.flush()
-        f.seek(0)
-        data = f.read()
-        pos = 0
-        while pos < len(data):
-            idx, size = _RECORD.unpack_from(data, pos)
-            pos += _RECORD.size
-            yield idx, data[pos:pos + size]
-            pos += size
+    def _spill(self) -> None:
+        if self._held:
+            self._held.sort(key=_idx)  # stable: arrival order among equal idx values
+            self.runs.append(self._write_run(self._held))
+        self._held, self._held_bytes = [], 0
+
+    def _write_run(self, items: Iterable[tuple[int, bytes]]) -> str:
+        path = self._new_run()
+        with open(path, "wb", buffering=self.read_buffer) as f:
+            for idx, raw in items:
+                f.write(_RECORD.pack(idx, len(raw)))
+                f.write(raw)
+        return path
+
+    def _read_run(self, path: str) -> Iterator[tuple[int, bytes]]:
+        with open(path, "rb", buffering=self.read_buffer) as f:
+            while header := f.read(_RECORD.size):
+                idx, size = _RECORD.unpack(header)
+                yield idx, f.read(size)
+
+    def _merged(self, paths: list[str]) -> Iterator[tuple[int, bytes]]:
+        # heapq.merge breaks ties by the iterable's position: an earlier run's copy comes first
+        return heapq.merge(*(self._read_run(p) for p in paths), key=_idx)
 
     def __iter__(self) -> Iterator[bytes]:
-        for bucket in sorted(set(self._buffers) | set(self._files)):
-            items = self._buffers.pop(bucket, [])
-            f = self._files.pop(bucket, None)
-            if f is not None:
-                with f:
-                    items = list(self._read(f)) + items
-            items.sort(key=lambda item: item[0])  # stable: the first published copy wins
-            previous = None
-            for idx, raw in items:
-                if idx == previous:
-                    self.duplicates += 1
-                    continue
-                previous = idx
-                yield raw
+        if self.runs:
+            self._spill()
+            while len(self.runs) > self.max_runs:  # one more pass over the data per level
+                groups = [self.runs[i:i + self.max_runs] for i in range(0, len(self.runs), self.max_runs)]
+                self.runs = []
+                for group in groups:
+                    if len(group) == 1:
+                        self.runs.append(group[0])
+                        continue
+                    self.runs.append(self._write_run(self._merged(group)))
+                    for path in group:
+                        os.remove(path)
+            items: Iterable[tuple[int, bytes]] = self._merged(self.runs)
+        else:  # everything fitted in one run: no file
+            self._held.sort(key=_idx)
+            items, self._held = self._held, []
+        previous = None
+        for idx, raw in items:
+            if idx == previous:
+                self.duplicates += 1
+                continue
+            previous = idx
+            yield raw
+        self.close()
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
-        self._buffers.clear()
+        """Drop what is held and delete the run files."""
+        self._held, self._held_bytes = [], 0
+        for path in self.runs:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        self.runs = []
+
+
+def _idx(item: tuple[int, bytes]) -> int:
+    return item[0]
 
 
 class SortedRows:
@@ -158,19 +204,23 @@ class SortedRows:
             self._sorter.close()
 
 
-def sorted_rows(r: redis.Redis, stream: str, directory: str, total: int | None = None) -> SortedRows:
-    """Read a job's results stream into spill files under ``directory``; its rows ordered by idx."""
-    n = total if total is not None else r.xlen(stream)
-    sorter = IdxSorter(directory, bucket_rows=max(BUCKET_ROWS, math.ceil(n / MAX_BUCKETS)))
+def sorted_rows(r: redis.Redis, stream: str, directory: str, total: int | None = None, *,
+                chunk_rows: int = STREAM_CHUNK, run_bytes: int = RUN_BYTES) -> SortedRows:
+    """Read a job's results stream, ``chunk_rows`` entries per XRANGE, into sorted runs spilled under
+    ``directory`` (:class:`IdxSorter`, ``run_bytes`` per run); its rows ordered by idx.
+
+    ``total`` (the job's request count) is not needed: the sort's memory does not depend on it.
+    """
+    sorter = IdxSorter(directory, run_bytes=run_bytes)
     widths = VectorWidths()
     try:
-        for entry_id, fields in iter_stream(r, stream):
+        for entry_id, fields in iter_stream(r, stream, count=chunk_rows, max_bytes=STREAM_BYTES):
             raw = fields.get(b"row")
             if raw is None:
                 raise ValueError(f"{stream} entry {entry_id!r} has no 'row' field")
             row = json.loads(raw)
             idx = row.get("idx")
-            if not isinstance(idx, int) or idx < 0:
+            if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < 1 << 63:
                 raise ValueError(f"{stream} entry {entry_id!r}: row has no valid idx ({idx!r})")
             widths.add(row)
             sorter.add(idx, raw)
@@ -203,13 +253,18 @@ def _last_attempt() -> bool:
 
 
 def export_job(job_id: str, *, prefix: str | None = None, output: str | None = None, fmt: str | None = None,
-               redis_url: str | None = None) -> str:
+               redis_url: str | None = None, chunk_rows: int = STREAM_CHUNK,
+               run_bytes: int = RUN_BYTES) -> str:
     """Export job ``job_id``'s results and settle the job; returns where the file was written.
 
     ``output`` and ``fmt`` default to the job record's ``output`` / ``output_format`` and then to
-    ``<results_root>/<job_id>.parquet``; the record's output must be a URI or stay inside
-    ``results_root`` (:func:`confined_output`), while an ``output`` given here is the caller's own
-    choice. Arguments are JSON values (this is an rq job function).
+    ``<results_root>/<job_id>.parquet``; the record's output, a producer's choice, must be a
+    destination producers may name (:func:`batchinfer.protocol.destinations.check_output`), and a file
+    already there is replaced only by this job's own re-export; an ``output`` given here is the
+    caller's own choice, written as given. Arguments are JSON values (this is an rq job function).
+    ``chunk_rows`` (entries per XRANGE) and ``run_bytes`` (rows held before a sorted run is
+    spilled) bound the memory the export holds, with :data:`batchinfer.jobs.output.ROW_GROUP_BYTES`;
+    the file does not depend on them.
     """
     settings = Settings.from_env(prefix=prefix)
     r = _connection(redis_url, settings)
@@ -222,15 +277,17 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
             raise RuntimeError(f"job {job_id} is {record.status}: not every request has its result yet")
         fmt = check_format(fmt or record.output_format or "parquet")
         requested = record.output
-        if output is None and requested:  # the submitter's choice, read from Redis: confine it
-            requested = confined_output(requested, settings.results_root)
+        if output is None and requested:  # the submitter's choice, read from Redis: check it again
+            requested = check_output(requested, settings.results_root, settings.output_uri_prefixes)
         dest = resolve(output or requested or f"{job_id}{EXTENSIONS[fmt]}", settings.results_root)
+        # never replace a file this job did not write: only its own earlier export (the record names it)
+        replace = output is not None or (record.exported_at is not None and record.output == dest.location)
         with tempfile.TemporaryDirectory(prefix="batchinfer-export-") as spill:
-            rows = sorted_rows(r, keys.results(job_id), spill, record.total)
-            location = write_rows(rows, dest, fmt, vector=rows.vector)
+            rows = sorted_rows(r, keys.results(job_id), spill, chunk_rows=chunk_rows, run_bytes=run_bytes)
+            location = write_rows(rows, dest, fmt, vector=rows.vector, replace=replace)
         final = scripts.register(r, "mark_exported")(
             keys=[keys.job(job_id), keys.cancelled, keys.results(job_id), keys.published(job_id),
-                  keys.attempts(job_id)],
+                  keys.attempts(job_id), keys.admitted(job_id)],
             args=[location, now_ms(), settings.results_ttl_seconds, job_id])
         log.info("job %s exported to %s (%s)", job_id, location, as_text(final),
                  extra={"job_id": job_id})
@@ -243,22 +300,3 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
                                                       args=[message, now_ms(), "1" if last else "0"])
         log.error("job %s: %s%s", job_id, message, "" if last else " (will retry)", extra={"job_id": job_id})
         raise
-
-
-def confined_output(output: str, results_root: str) -> str:
-    """``output`` when it is a URI or a path inside ``results_root`` (relative paths are taken below it).
-
-    A job's output comes from whoever submitted the job, so a plain path may not leave the exporter's
-    results folder (``..``, absolute paths elsewhere, symlinks out); a URI (``file://``, ``s3://``, ...)
-    is the explicit way to write elsewhere. Raises ValueError naming the folder.
-    """
-    if not isinstance(output, str) or not output.strip():
-        raise ValueError(f"output must be a path or URI, got {output!r}")
-    if "://" in output:
-        return output
-    root = os.path.realpath(results_root)
-    path = os.path.realpath(os.path.join(root, output))  # an absolute output replaces root here
-    if os.path.commonpath([root, path]) != root:
-        raise ValueError(f"output {output!r} is outside the results folder {root} (BATCHINFER_RESULTS_ROOT): "
-                         "give a path below it, or a URI (file:///..., s3://...) to write elsewhere")
-    return output

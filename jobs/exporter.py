@@ -103,7 +103,8 @@ def main(settings: Settings, *, name: str | None = None, burst: bool = False) ->
 
 
 def _serve_health(settings: Settings):
-    """`/metrics` (process metrics), `/healthz`, `/readyz` (Redis reachable) on `--metrics-port`."""
+    """`/metrics` (process metrics), `/healthz`, `/readyz` (Redis reachable) on `--metrics-port`
+    (and `--metrics-host`)."""
     if settings.metrics_port is None:
         return None
     from prometheus_client import CollectorRegistry, ProcessCollector
@@ -115,7 +116,7 @@ def _serve_health(settings: Settings):
     readiness = Readiness()
     # its own connection with a timeout: a hung Redis must not hang the probe
     readiness.add_probe("redis", connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5).ping)
-    return serve(settings.metrics_port, registry, readiness)
+    return serve(settings.metrics_port, registry, readiness, settings.metrics_host)
 
 
 def _run(settings: Settings, name: str, burst: bool) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -77,6 +77,7 @@ _JSON_COLUMNS = ("sampling_params", "metadata", "pooling_params")
 _OUTPUT_KEYS = ("index", "text", "token_ids", "finish_reason", "cumulative_logprob", "structured",
                 "structured_complete")
 _TOKEN_KEYS = ("token_id", "token", "logprob")
+_FIRST_BATCH_ROWS = 8  # rows of unknown size converted at once; later batches are sized from them
 
 
 def result_schema(vector: pa.DataType | None = None) -> pa.Schema:
@@ -185,6 +186,49 @@ def arrow_table(rows: Iterable[Mapping[str, Any]], vector: pa.DataType | None | 
     for name, array in zip(VECTOR_FIELDS, vector_arrays(rows, vector), strict=True):
         table = table.append_column(schema.field(name), array)
     return table
+
+
+def arrow_row_groups(rows: Iterable[Mapping[str, Any]], vector: pa.DataType | None, *, row_group_rows: int,
+                     row_group_bytes: int, batch_rows: int) -> Iterator[pa.Table]:
+    """Rows as tables of ``result_schema(vector)`` to write one Parquet row group each, in order.
+
+    A table is yielded once it holds ``row_group_rows`` rows or ``row_group_bytes`` of Arrow data.
+    Rows are converted (:func:`arrow_table`) in batches of at most ``batch_rows`` rows and about
+    ``row_group_bytes / 8`` (sized from the rows converted so far; the first batch is small), so
+    memory holds one row group in Arrow's columnar form plus one batch of row dicts, whatever the
+    number and the size of the rows.
+    """
+    if batch_rows < 1 or row_group_rows < 1:
+        raise ValueError(f"batch_rows and row_group_rows must be >= 1, got {batch_rows}, {row_group_rows}")
+    pending: list[pa.Table] = []
+    held = nbytes = 0  # rows and Arrow bytes in pending
+    done_rows = done_bytes = 0  # every row converted so far: the rows' mean size
+    limit = min(batch_rows, _FIRST_BATCH_ROWS)
+    batch: list[Mapping[str, Any]] = []
+
+    def convert() -> Iterator[pa.Table]:
+        nonlocal pending, held, nbytes, done_rows, done_bytes, limit
+        table = arrow_table(batch, vector)
+        batch.clear()
+        pending.append(table)
+        held += table.num_rows
+        nbytes += table.nbytes
+        done_rows += table.num_rows
+        done_bytes += table.nbytes
+        limit = max(1, min(batch_rows, row_group_bytes // 8 * done_rows // max(done_bytes, 1)))
+        if held >= row_group_rows or nbytes >= row_group_bytes:
+            yield pa.concat_tables(pending)
+            pending, held, nbytes = [], 0, 0
+
+    for row in rows:
+        batch.append(row)
+        # never past a row group's row count: groups are cut where whole-group chunks cut them
+        if len(batch) >= min(limit, row_group_rows - held):
+            yield from convert()
+    if batch:
+        yield from convert()
+    if pending:
+        yield pa.concat_tables(pending)
 
 
 def protocol_row(rec: Mapping[str, Any]) -> dict[str, Any]:

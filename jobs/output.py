@@ -2,9 +2,11 @@
 
 A destination is a pyarrow filesystem URI (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ...), an
 absolute local path, or a relative path, which is taken below ``results_root`` and may not leave
-it (job records come from Redis, so a relative ``../..`` must not reach the exporter's disk).
+it. Which destinations a *producer* may name for a job is :mod:`batchinfer.protocol.destinations`'
+rule; what is resolved here is already someone's choice (the operator's, or a user's own file).
 Files are written to a hidden temporary name next to the destination and renamed into place only
-once complete, so a reader never sees a partial file.
+once complete, so a reader never sees a partial file; with ``replace=False`` a file already there
+is never replaced.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchinfer.jobs.formats import (
-    arrow_table,
+    arrow_row_groups,
     check_format,
     jsonl_line,
     openai_line,
@@ -31,7 +33,9 @@ from batchinfer.jobs.formats import (
 )
 from batchinfer.jobs.vectors import vector_type_of
 
-ROW_GROUP_ROWS = 64 * 1024  # rows per Parquet row group (and per conversion chunk)
+ROW_GROUP_ROWS = 64 * 1024  # rows per Parquet row group at most
+ROW_GROUP_BYTES = 32 << 20  # Arrow data per row group at most (rows with long outputs make smaller groups)
+BATCH_ROWS = 1024  # rows converted from dicts to Arrow at once
 _TEXT_BUFFER = 1 << 20
 
 
@@ -66,8 +70,11 @@ def resolve(path_or_uri: str, results_root: str = ".") -> Destination:
 
 
 @contextlib.contextmanager
-def atomic_output(dest: Destination) -> Iterator[Any]:
-    """An output stream on a temporary name that becomes ``dest`` only if the block succeeds."""
+def atomic_output(dest: Destination, *, replace: bool = True) -> Iterator[Any]:
+    """An output stream on a temporary name that becomes ``dest`` only if the block succeeds.
+
+    ``replace=False``: a file already at ``dest`` is never replaced (:func:`place_new`).
+    """
     parent, name = _split(dest.path)
     if parent:
         dest.fs.create_dir(parent, recursive=True)
@@ -77,13 +84,64 @@ def atomic_output(dest: Destination) -> Iterator[Any]:
     try:
         yield stream
         stream.close()
-        dest.fs.move(tmp, dest.path)  # rename(2) on local disks: atomic
+        if replace:
+            dest.fs.move(tmp, dest.path)  # rename(2) on local disks: atomic
+        else:
+            place_new(dest, tmp)
     except BaseException:
         with contextlib.suppress(Exception):
             stream.close()
         with contextlib.suppress(Exception):
             dest.fs.delete_file(tmp)
         raise
+
+
+def place_new(dest: Destination, tmp: str) -> None:
+    """Move the complete file ``tmp`` to ``dest`` unless a file is there; ``FileExistsError`` if one is.
+
+    A file that holds exactly ``tmp``'s bytes is kept and ``tmp`` dropped: that is an earlier run of
+    the same write (an export whose job record could not be updated after its rename, retried), and
+    keeping it changes nothing. On a local disk the final step is a hard link, which fails rather
+    than replace a file that appeared meanwhile; elsewhere (object stores) it is a check, then the move.
+    """
+    if isinstance(dest.fs, pafs.LocalFileSystem):
+        try:
+            os.link(tmp, dest.path)
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links on this filesystem: check, then rename
+            if _kind(dest.fs, dest.path) == pafs.FileType.NotFound:
+                dest.fs.move(tmp, dest.path)
+                return
+        else:
+            os.unlink(tmp)
+            return
+    elif _kind(dest.fs, dest.path) == pafs.FileType.NotFound:
+        dest.fs.move(tmp, dest.path)
+        return
+    if _same_bytes(dest.fs, tmp, dest.path):
+        dest.fs.delete_file(tmp)
+        return
+    raise FileExistsError(f"output {dest.location} already exists and was not written by this job: "
+                          "it is not replaced (remove it, or name another output)")
+
+
+def _kind(fs: pafs.FileSystem, path: str) -> pafs.FileType:
+    return fs.get_file_info(path).type
+
+
+def _same_bytes(fs: pafs.FileSystem, a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` are files with the same bytes (read a chunk at a time)."""
+    info_a, info_b = fs.get_file_info([a, b])
+    if info_a.type != pafs.FileType.File or info_b.type != pafs.FileType.File or info_a.size != info_b.size:
+        return False
+    with fs.open_input_stream(a) as fa, fs.open_input_stream(b) as fb:
+        while True:
+            chunk = fa.read(_TEXT_BUFFER)
+            if chunk != fb.read(_TEXT_BUFFER):
+                return False
+            if not chunk:
+                return True
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -96,21 +154,25 @@ def _split(path: str) -> tuple[str, str]:
 
 def write_rows(rows: Iterable[Any], path_or_uri: str | Destination, fmt: str = "parquet", *,
                results_root: str = ".", row_group_rows: int = ROW_GROUP_ROWS,
-               vector: pa.DataType | None | str = "auto") -> str:
+               vector: pa.DataType | None | str = "auto", replace: bool = True) -> str:
     """Write result rows, in the order given, to a file; returns its location.
 
-    ``rows`` are dicts, ``ResultRow`` objects or their JSON. Memory stays bounded by one row group,
-    whatever the number of rows. ``fmt``: ``parquet`` (``result_schema(vector)``), ``jsonl`` (the
-    rows' JSON) or ``openai`` (OpenAI batch output lines).
+    ``rows`` are dicts, ``ResultRow`` objects or their JSON. Memory stays bounded by one row group
+    (:data:`ROW_GROUP_ROWS` rows, :data:`ROW_GROUP_BYTES` of Arrow data) converted
+    :data:`BATCH_ROWS` rows at a time, whatever the number of rows. ``fmt``: ``parquet``
+    (``result_schema(vector)``), ``jsonl`` (the rows' JSON) or ``openai`` (OpenAI batch output lines).
 
     ``vector``: the Parquet ``embedding`` column's type (None: no embedding columns), which must be
     fixed before the first row group is written. ``"auto"`` takes it from the first row group's
     rows: exact for files of one row group; a later row that does not fit it raises, so a caller
     streaming more rows passes the type it learnt from all of them (the export does).
+
+    ``replace=False``: an existing file at the destination is not replaced (``FileExistsError``),
+    unless it already holds exactly these bytes (:func:`place_new`).
     """
     check_format(fmt)
     dest = path_or_uri if isinstance(path_or_uri, Destination) else resolve(path_or_uri, results_root)
-    with atomic_output(dest) as stream:
+    with atomic_output(dest, replace=replace) as stream:
         if fmt == "parquet":
             _write_parquet(rows, stream, row_group_rows, vector)
         else:
@@ -119,28 +181,24 @@ def write_rows(rows: Iterable[Any], path_or_uri: str | Destination, fmt: str = "
     return dest.location
 
 
-def _chunks(rows: Iterable[Any], size: int) -> Iterator[list[dict]]:
-    chunk: list[dict] = []
-    for r in rows:
-        chunk.append(row_dict(r))
-        if len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+def _with_vector_type(rows: Iterator[dict[str, Any]],
+                      row_group_rows: int) -> tuple[pa.DataType | None, Iterator[dict[str, Any]]]:
+    """``vector="auto"``: the type of the first row group's rows, and every row (those held again)."""
+    first = list(itertools.islice(rows, row_group_rows))
+    return vector_type_of(first), itertools.chain(first, rows)
 
 
 def _write_parquet(rows: Iterable[Any], stream: Any, row_group_rows: int,
                    vector: pa.DataType | None | str) -> None:
-    chunks = _chunks(rows, row_group_rows)
-    first = next(chunks, [])
-    if vector == "auto":
-        vector = vector_type_of(first)
+    dicts: Iterator[dict[str, Any]] = (row_dict(r) for r in rows)
+    if vector == "auto":  # holds the first row group's dicts; the export passes its type instead
+        vector, dicts = _with_vector_type(dicts, row_group_rows)
     elif isinstance(vector, str):
         raise ValueError(f"vector must be a pyarrow type, None or 'auto', got {vector!r}")
     with pq.ParquetWriter(stream, result_schema(vector), compression="zstd") as writer:
-        for chunk in itertools.chain([first] if first else [], chunks):
-            writer.write_table(arrow_table(chunk, vector), row_group_size=row_group_rows)
+        for group in arrow_row_groups(dicts, vector, row_group_rows=row_group_rows,
+                                      row_group_bytes=ROW_GROUP_BYTES, batch_rows=BATCH_ROWS):
+            writer.write_table(group, row_group_size=row_group_rows)
 
 
 def _write_lines(lines: Iterable[str], stream: Any) -> None:

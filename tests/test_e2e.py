@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def model_stack(redis_session, tiny_llama, tmp_path_factory):
     """Scheduler + one tiny-Llama worker + exporter, shared by the tests of this module."""
-    stack = Stack(redis_session.url, tmp_path_factory.mktemp("model-stack"))
+    allowed = {"BATCHINFER_OUTPUT_URI_PREFIXES": tmp_path_factory.getbasetemp().as_uri()}  # file:// outputs
+    stack = Stack(redis_session.url, tmp_path_factory.mktemp("model-stack"), env=allowed)
     stack.start("scheduler", "scheduler")
     stack.worker("worker", tiny_llama)
     stack.start("exporter", "exporter")
@@ -295,7 +296,7 @@ def test_run_stops_everything_on_ctrl_c(tiny_llama, tmp_path):
     while not any(line.startswith("job ") for line in seen):
         assert proc.poll() is None and time.monotonic() < deadline, "".join(seen)
         time.sleep(0.1)
-    socket_line = next(line for line in seen if line.startswith("embedded Redis on unix://"))
+    socket_line = next(line for line in seen if line.startswith("redis: embedded redis-server on unix://"))
     socket_path = socket_line.split("unix://", 1)[1].strip()
     assert _processes_mentioning(socket_path), "the daemons and Redis should be running now"
     proc.send_signal(signal.SIGINT)

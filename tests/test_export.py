@@ -194,13 +194,15 @@ def test_default_output_goes_below_results_root(redis_server, tmp_path, monkeypa
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, 60), max_size=200), st.integers(1, 9), st.integers(1, 13))
-def test_idx_sorter_orders_and_dedupes_with_spills(tmp_path_factory, idxs, bucket_rows, buffer_rows):
+@given(st.lists(st.integers(0, 60), max_size=200), st.integers(1, 1500), st.integers(2, 5))
+def test_idx_sorter_orders_and_dedupes_with_spills(tmp_path_factory, idxs, run_bytes, max_runs):
+    # run_bytes 1..1500: runs of 1 to ~11 rows; max_runs 2..5: merges of several levels
     spill = str(tmp_path_factory.mktemp("spill"))
-    sorter = IdxSorter(spill, bucket_rows=bucket_rows, buffer_rows=buffer_rows)
+    sorter = IdxSorter(spill, run_bytes=run_bytes, max_runs=max_runs)
     for n, i in enumerate(idxs):
         sorter.add(i, f"{i}:{n}".encode())
     out = [raw.decode() for raw in sorter]
+    assert os.listdir(spill) == []  # every run file deleted
     first = {}
     for n, i in enumerate(idxs):
         first.setdefault(i, f"{i}:{n}")
@@ -208,13 +210,14 @@ def test_idx_sorter_orders_and_dedupes_with_spills(tmp_path_factory, idxs, bucke
     assert sorter.duplicates == len(idxs) - len(first)
 
 
-def test_rq_export_runs_and_retries_through_the_exporter_worker(redis_server, tmp_path):
+def test_rq_export_runs_and_retries_through_the_exporter_worker(redis_server, tmp_path, monkeypatch):
     from rq import Queue
     from rq.registry import ScheduledJobRegistry
     from rq.serializers import JSONSerializer
 
     from batchinfer.jobs.exporter import build_worker
 
+    monkeypatch.setenv("BATCHINFER_OUTPUT_URI_PREFIXES", tmp_path.as_uri())  # the file:// outputs
     r = redis_server.client()
     s = Settings(prefix=PREFIX)
     ok = _job(r, 5, output=(tmp_path / "ok.parquet").as_uri(), job_id="jok")
@@ -232,13 +235,14 @@ def test_rq_export_runs_and_retries_through_the_exporter_worker(redis_server, tm
     assert queue.count == 0 and len(ScheduledJobRegistry(queue=queue).get_job_ids()) == 1
 
 
-def test_an_export_is_queued_and_run_once_however_often_it_is_enqueued(redis_server, tmp_path):
+def test_an_export_is_queued_and_run_once_however_often_it_is_enqueued(redis_server, tmp_path, monkeypatch):
     from rq import Queue
     from rq.job import Job, JobStatus
     from rq.serializers import JSONSerializer
 
     from batchinfer.jobs.exporter import build_worker
 
+    monkeypatch.setenv("BATCHINFER_OUTPUT_URI_PREFIXES", tmp_path.as_uri())  # the file:// outputs
     r = redis_server.client()
     s = Settings(prefix=PREFIX)
     job = _job(r, 3, output=(tmp_path / "once.parquet").as_uri(), job_id="jonce")
@@ -319,13 +323,14 @@ def test_nightly_schedule_is_idempotent_and_runs_under_the_rq_scheduler(redis_se
     assert table.column("request_id").to_pylist() == ["d7"]
 
 
-def test_exporter_main_books_the_nightly_run_and_exports_in_burst_mode(redis_server, tmp_path):
+def test_exporter_main_books_the_nightly_run_and_exports_in_burst_mode(redis_server, tmp_path, monkeypatch):
     from rq import Queue
     from rq.registry import ScheduledJobRegistry
     from rq.serializers import JSONSerializer
 
     from batchinfer.jobs import exporter
 
+    monkeypatch.setenv("BATCHINFER_OUTPUT_URI_PREFIXES", tmp_path.as_uri())  # the file:// outputs
     r = redis_server.client()
     s = Settings(redis_url=redis_server.url, prefix=PREFIX)
     job = _job(r, 3, output=(tmp_path / "burst.parquet").as_uri(), job_id="jburst")

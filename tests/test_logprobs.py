@@ -193,7 +193,7 @@ def test_logprobs_through_a_worker_in_jsonl_openai_and_parquet(redis_session, ti
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
 
-    stack = Stack(redis_session.url, tmp_path)
+    stack = Stack(redis_session.url, tmp_path, env={"BATCHINFER_OUTPUT_URI_PREFIXES": tmp_path.as_uri()})
     try:
         stack.start("scheduler", "scheduler")
         stack.worker("worker", tiny_llama)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchinfer.keys import Keys
+from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.protocol.rows import ResultRow
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
@@ -138,6 +140,36 @@ def test_publish_survives_script_flush(redis_server):
     assert pub.publish(row("f", 0)).published
     r.script_flush()  # as after a Redis restart: EVALSHA misses, the script is loaded again
     assert pub.publish(row("f", 1)).published
+
+
+def test_a_row_of_a_job_with_no_record_is_dropped_and_counted(r, caplog):
+    """As after a Redis restart without persistence: the job's record is gone while its requests are
+    still in flight. Their rows write nothing (no orphan results stream with no TTL), are counted,
+    and one warning names the job."""
+    make_job(r, "gone", "in_progress")
+    metrics = SchedulerMetrics()
+    pub = Publisher(r, KEYS, metrics=metrics)
+    assert pub.publish(row("gone", 0)).published
+    r.delete(KEYS.job("gone"), KEYS.results("gone"), KEYS.published("gone"))  # what the restart lost
+    before = set(r.keys("*"))
+    with caplog.at_level(logging.WARNING, logger="batchinfer.store.publish"):
+        outcome = pub.publish(row("gone", 1), reply_to="{t}:reply:gone")
+        assert (outcome.published, outcome.finalizing, outcome.dropped) == (False, False, True)
+        assert set(r.keys("*")) == before  # no results stream, guard, record or reply stream
+        assert not r.exists(KEYS.results("gone"))
+        assert metrics.registry.get_sample_value("batchinfer_rows_dropped_total", {"reason": "no_job"}) == 1
+        again = pub.publish_many([(row("gone", 2, "failed"), None), (row("gone", 1), None)])
+        assert [o.dropped for o in again] == [True, True]
+    assert set(r.keys("*")) == before
+    assert metrics.registry.get_sample_value("batchinfer_rows_dropped_total", {"reason": "no_job"}) == 3
+    warnings = [m for m in caplog.messages if "gone" in m]
+    assert len(warnings) == 1 and "no record" in warnings[0]  # once per job, not once per row
+    # a live job's rows in the same call are published as ever; direct requests need no job record
+    make_job(r, "live", "in_progress")
+    direct = row(None, None, request_id="9-0")
+    mixed = pub.publish_many([(row("live", 0), None), (row("gone", 3), None), (direct, None)])
+    assert [(o.published, o.dropped) for o in mixed] == [(True, False), (False, True), (True, False)]
+    assert r.xlen(KEYS.results("live")) == 1 and r.xlen(KEYS.results("direct")) == 1
 
 
 def test_registry_models_and_workers(r):

@@ -73,10 +73,10 @@ def test_held_entry_keeps_its_fields_and_a_full_holding_area_rejects(redis_serve
     assert sched.intake.sweep_held() == 0 and r.xrange(held_key(KEYS)) == [(held_id, fields)]
 
     r.xadd(KEYS.requests, IntakeEntry(body=json.dumps({"prompt": "ho", "model": "later"}),
-                                      reply_to="{rt}:reply").to_fields())
+                                      reply_to="{rt}:reply:x").to_fields())
     sched.run_once()
     assert r.xlen(held_key(KEYS)) == 1  # the area is full: the second entry is answered at once
-    ((_, reply),) = r.xrange("{rt}:reply")
+    ((_, reply),) = r.xrange("{rt}:reply:x")
     row = ResultRow.from_json(reply[b"row"])
     assert (row.error_code, row.error_message) == (
         "unknown_model", "model 'later' is not served by any worker (and the holding area for unknown "

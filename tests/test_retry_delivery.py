@@ -17,6 +17,7 @@ from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.protocol.entries import IntakeEntry
 from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.scheduler.daemon import SchedulerDaemon
+from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
 from batchinfer.workers.service.daemon import WorkerDaemon
@@ -190,8 +191,9 @@ def test_results_direct_keeps_rows_for_the_retention(redis_server):
 
     for i in range(10):
         assert pub.publish(direct(i)).published
+    JobStore(r, KEYS).create("j", model="echo")  # a job's row needs its record (else it is dropped)
     job = ResultRow(job_id="j", idx=0, request_id="j:0", status="completed")
-    pub.publish(job)
+    assert pub.publish(job).published
     # MINID is now - retention: one retention past the last row's id, the old rows are older than it
     # and row 10 (its id taken after that "now") is not
     last_id = int(r.xinfo_stream(KEYS.results("direct"))["last-generated-id"].split(b"-")[0])

@@ -30,7 +30,9 @@ def test_defaults_match_vllm():
         ({"min_tokens": -1}, "min_tokens must be >= 0"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be <= max_tokens (4), got 5"),
         ({"temperature": -0.1}, "temperature must be >= 0"),
-        ({"temperature": float("nan")}, "temperature must be >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),  # JSON's 1e400
+        ({"repetition_penalty": 10**400}, "repetition_penalty must be a finite number"),
         ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
         ({"temperature": False}, "temperature must be a number"),
         ({"top_k": -2}, "top_k must be >= -1, got -2"),

@@ -120,7 +120,7 @@ def test_unknown_model_is_held_then_served_or_rejected(env):
     sched = make_scheduler(r, hold=0.3, wall=wall)
     r.xadd(KEYS.requests, IntakeEntry(body=json.dumps({"prompt": "hi", "model": "later"})).to_fields())
     r.xadd(KEYS.requests, IntakeEntry(body=json.dumps({"prompt": "hi", "model": "never"}),
-                                      reply_to="{t}:reply").to_fields())
+                                      reply_to="{t}:reply:x").to_fields())
     sched.run_once()
     assert r.xlen(held_key(KEYS)) == 2 and r.xlen(KEYS.results("direct")) == 0
     registry.register_model("later", registry.get_model("tiny").files, CAP)
@@ -129,11 +129,11 @@ def test_unknown_model_is_held_then_served_or_rejected(env):
     assert sched.intake.sweep_held() == 1  # "later" is served now; "never" is within its hold
     sched.dispatcher.step()
     assert len(batches(r, "later")) == 1
-    assert r.xlen(held_key(KEYS)) == 1 and not r.exists("{t}:reply")
+    assert r.xlen(held_key(KEYS)) == 1 and not r.exists("{t}:reply:x")
     wall.advance(0.35)  # past the 0.3 s hold
     assert sched.intake.sweep_held() == 1
     assert r.xlen(held_key(KEYS)) == 0
-    (_, reply), = r.xrange("{t}:reply")
+    (_, reply), = r.xrange("{t}:reply:x")
     assert ResultRow.from_json(reply[b"row"]).error_code == "unknown_model"
 
 

@@ -139,7 +139,7 @@ def _finalize(r, job: str) -> None:
                                                  output_text="ok", line=1))
 
 
-def test_outputs_stay_in_the_results_root_unless_a_uri_is_given(redis_server, tmp_path, monkeypatch):
+def test_outputs_stay_in_the_results_root_or_an_allowed_uri(redis_server, tmp_path, monkeypatch):
     root, outside = tmp_path / "results", tmp_path / "elsewhere"
     root.mkdir()
     outside.mkdir()
@@ -167,9 +167,13 @@ def test_outputs_stay_in_the_results_root_unless_a_uri_is_given(redis_server, tm
         record = client.status(job)
         assert record.status != JobStatus.COMPLETED and "outside the results folder" in record.errors[-1]
     assert list(outside.iterdir()) == []
-    # a path inside the root, and a URI anywhere, are written
+    # a path inside the root, and a URI under an allowed prefix (none by default), are written
     inside = client.submit(f, model="m", output="team/out.parquet")
     uri = (outside / "u.parquet").as_uri()
+    with pytest.raises(ValueError, match="not an allowed destination"):
+        client.submit(f, model="m", output=uri)
+    monkeypatch.setenv("BATCHINFER_OUTPUT_URI_PREFIXES", outside.as_uri())
+    settings.output_uri_prefixes = outside.as_uri()
     anywhere = client.submit(f, model="m", output=uri)
     for job in (inside, anywhere):
         _finalize(r, job)

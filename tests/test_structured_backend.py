@@ -542,3 +542,15 @@ def test_apply_bitmask_cuda_matches_cpu(mask_on_gpu):
     apply_bitmask(got, words.cuda() if mask_on_gpu else words, rows)
     torch.testing.assert_close(got.cpu(), want)
     assert torch.isinf(got[[4, 0, 2], 49152:]).all() and not torch.isinf(got[[1, 3]]).any()
+
+
+def test_first_allowed_is_the_lowest_allowed_token_eos_aside():
+    from batchinfer.workers.structured.bitmask import first_allowed
+
+    mask = torch.zeros(2, 3, dtype=torch.int32)  # 96 bit positions over a 70-token vocabulary
+    assert first_allowed(mask[0], 70) is None
+    mask[0, 1] = (1 << 3) | (1 << 9)  # tokens 35 and 41
+    assert first_allowed(mask[0], 70) == 35 and first_allowed(mask[0], 70, exclude=[35]) == 41
+    assert first_allowed(mask[0], 70, exclude=[35, 41]) is None
+    mask[1, 2] = -(2**31)  # bit 31 of word 2: token 95, past the vocabulary
+    assert first_allowed(mask[1], 70) is None and first_allowed(mask[1], 96) == 95

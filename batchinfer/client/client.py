@@ -27,7 +27,7 @@ from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, JobOp, pa
 from batchinfer.protocol.rows import ResultRow
 from batchinfer.redis_conn import as_text, connect
 from batchinfer.store import replies
-from batchinfer.store.jobcontrol import append_job_error, open_job
+from batchinfer.store.jobcontrol import append_job_error, check_open, open_job
 from batchinfer.store.jobstore import JobField, JobRecord, JobStatus, JobStore, new_job_id
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry, WorkerInfo
@@ -89,7 +89,8 @@ class Client:
         or an iterable of records (dicts or JSON strings). ``model`` applies to every line; lines
         naming another model are answered by it and counted (the record's ``models_overridden``
         and ``overridden_models``). ``output`` is where the exporter writes the results (default
-        ``<results_root>/<job>.parquet``): a URI, or a path that stays inside ``results_root``.
+        ``<results_root>/<job>.parquet``): a path that stays inside ``results_root``, or a URI under
+        one of ``output_uri_prefixes`` (:mod:`batchinfer.protocol.destinations`; ``ValueError`` otherwise).
         ``input_column``: for Parquet and DataFrames, the column read as each row's embeddings
         ``input`` (e.g. ``"text"``). ``on_progress(n)`` is called with the number of requests sent
         so far after each chunk.
@@ -109,17 +110,14 @@ class Client:
             raise ValueError(f"job id {job_id!r} is invalid (letters, digits, '.', '_', '-'; at most 128)")
         op = JobOp.open(job_id, model=model, completion_window=window, priority=priority, output=output,
                         output_format=output_format, metadata=metadata, input_name=input_name(source))
-        if output is not None:
-            from batchinfer.jobs.export import confined_output
-
-            confined_output(output, self.settings.results_root)  # refused now rather than at export
+        check_open(op, self.settings)  # an output producers may not name: refused before anything is read
         lines = open_input(source, max_line_bytes=self.settings.max_line_bytes, fmt=input_format,
                            input_column=input_column)
         first = next(lines, None)  # an empty or unreadable input fails here, before a job exists
         if first is None:
             raise InputError(f"{input_name(source)}: no requests (the input is empty)")
         # the record first, with the script the scheduler runs for `op open`: status reads it at once
-        if not open_job(self.redis, self.keys, op):
+        if not open_job(self.redis, self.keys, op, self.settings):
             raise ValueError(f"job {job_id} already exists")
         try:
             total = self._send(op, itertools.chain([first], lines), on_progress)

@@ -1,5 +1,9 @@
 """The one small HTTP server of each daemon (``--metrics-port``): ``/metrics``, ``/healthz``, ``/readyz``.
 
+It listens on ``127.0.0.1`` unless told otherwise (``--metrics-host`` / ``BATCHINFER_METRICS_HOST``):
+it has no authentication, and ``/metrics`` names models, workers and queue sizes, so reaching it
+from other machines is the operator's explicit choice (``0.0.0.0``, or one interface's address).
+
 - ``/metrics``: the daemon's Prometheus registry (text format, or OpenMetrics when asked for);
 - ``/healthz``: 200 while the process is alive and its loop is not stuck (liveness);
 - ``/readyz``: 200 when every readiness condition holds (model loaded, Redis reachable), else 503;
@@ -11,8 +15,11 @@ comes from a :class:`Readiness` the loop marks, and from probes run per request.
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import json
 import logging
+import socket
 import sys
 import threading
 import time
@@ -27,6 +34,7 @@ from prometheus_client.exposition import choose_encoder
 
 log = logging.getLogger(__name__)
 TEXT = "text/plain; charset=utf-8"
+DEFAULT_HOST = "127.0.0.1"  # loopback only: the endpoints have no authentication
 
 
 class Readiness:
@@ -123,20 +131,25 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], registry: CollectorRegistry, readiness: Readiness):
         self.registry = registry
         self.readiness = readiness
+        if ":" in address[0]:  # an IPv6 address, e.g. "::" or "::1"
+            self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
 
 
 class HealthServer:
     """Serves a registry and a readiness on ``host:port`` from a background thread.
 
+    ``host`` defaults to loopback (``127.0.0.1``); ``0.0.0.0`` (or ``::``) listens on every interface.
     ``port=0`` picks a free port (see :attr:`port`). Use as a context manager or call
     :meth:`start` / :meth:`stop`.
     """
 
     def __init__(self, port: int, registry: CollectorRegistry | None = None,
-                 readiness: Readiness | None = None, host: str = "0.0.0.0"):
+                 readiness: Readiness | None = None, host: str = DEFAULT_HOST):
         if not 0 <= port <= 65535:
             raise ValueError(f"metrics port must be within 0..65535, got {port}")
+        if not host or host != host.strip():
+            raise ValueError(f"metrics host must be an address or host name, got {host!r}")
         self.registry = registry if registry is not None else CollectorRegistry()
         self.readiness = readiness if readiness is not None else Readiness()
         self.host, self._port = host, port
@@ -148,9 +161,21 @@ class HealthServer:
         return self._server.server_address[1] if self._server else self._port
 
     @property
+    def bound_host(self) -> str:
+        """The address the socket is bound to (the host asked for, before ``start``)."""
+        return str(self._server.server_address[0]) if self._server else self.host
+
+    @property
+    def bound(self) -> str:
+        """The address the socket is bound to, as ``host:port`` (``[::1]:port`` for IPv6)."""
+        host = self.bound_host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}"
+        """A URL to reach the server from this machine (loopback when it listens on every interface)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def start(self) -> HealthServer:
         try:
@@ -158,13 +183,20 @@ class HealthServer:
         except OSError as exc:
             from batchinfer.ops.startup import PortInUseError
 
-            raise PortInUseError(f"metrics port {self._port} on {self.host}: cannot listen ({exc.strerror}); "
-                                 "pick a free port with --metrics-port (or BATCHINFER_METRICS_PORT)") from exc
+            why = exc.strerror or str(exc)
+            if exc.errno == errno.EADDRINUSE:
+                hint = "pick a free port with --metrics-port (or BATCHINFER_METRICS_PORT)"
+            else:  # a name that does not resolve, an address this machine does not have
+                hint = "give an address of this machine with --metrics-host (or BATCHINFER_METRICS_HOST)"
+            raise PortInUseError(f"metrics port {self._port} on {self.host}: cannot listen ({why}); "
+                                 f"{hint}") from exc
         # A short poll interval makes stop() quick; it costs ten idle wake-ups a second.
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,),
                                         name="batchinfer-http", daemon=True)
         self._thread.start()
-        log.info("serving /metrics, /healthz, /readyz on %s", self.url)
+        loopback = ipaddress.ip_address(self.bound_host).is_loopback
+        log.info("serving /metrics, /healthz, /readyz on http://%s%s", self.bound,
+                 "" if loopback else " (no authentication: anyone who can reach this address may read it)")
         return self
 
     def stop(self) -> None:
@@ -184,8 +216,9 @@ class HealthServer:
 
 
 def serve(port: int | None, registry: CollectorRegistry, readiness: Readiness,
-          host: str = "0.0.0.0") -> HealthServer | None:
-    """Start a :class:`HealthServer` when ``port`` is set (``--metrics-port``); None otherwise."""
+          host: str = DEFAULT_HOST) -> HealthServer | None:
+    """Start a :class:`HealthServer` on ``host:port`` when ``port`` is set (``--metrics-port``,
+    ``--metrics-host``); None otherwise."""
     if port is None:
         return None
     return HealthServer(port, registry, readiness, host).start()

@@ -87,6 +87,9 @@ SPECS: dict[str, Spec] = {
         C, "Requests moved to the dead-letter stream after too many worker crashes.", M),
     "batchinfer_reply_to_wrong_type_total": Spec(
         C, "Rows not written to a reply_to stream: the key holds another type (the row is still published)."),
+    "batchinfer_rows_dropped_total": Spec(
+        C, "Result rows not written at all, by reason (no_job: the job has no record, e.g. lost by a "
+           "Redis restart without persistence).", ("reason",)),
     # scheduler
     "batchinfer_requests_received_total": Spec(
         C, "Request entries the scheduler read from the intake stream (job op entries not counted)."),
@@ -150,6 +153,7 @@ class _DaemonMetrics:
         self.failed = _metric(r, "batchinfer_requests_failed_total")
         self.dead_lettered = _metric(r, "batchinfer_requests_dead_lettered_total")
         self.reply_wrong_type = _metric(r, "batchinfer_reply_to_wrong_type_total")
+        self.rows_dropped = _metric(r, "batchinfer_rows_dropped_total")
 
     def row_published(self, row: Row) -> None:
         """Count a result row this process published (call only when the publish says it wrote it)."""
@@ -162,6 +166,10 @@ class _DaemonMetrics:
     def reply_skipped(self, count: int = 1) -> None:
         """``count`` reply streams were skipped by a publication: the key is not a stream."""
         self.reply_wrong_type.inc(count)
+
+    def row_dropped(self, reason: str, count: int = 1) -> None:
+        """``count`` result rows were not written, for ``reason`` (``no_job``: the job has no record)."""
+        self.rows_dropped.labels(reason=reason).inc(count)
 
     def request_dead_lettered(self, model: str | None, count: int = 1) -> None:
         """``count`` requests of ``model`` went to the dead-letter stream."""

@@ -39,6 +39,14 @@ STRUCTURED_OPTION_FIELDS = ("guided_decoding_backend", "guided_whitespace_patter
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 MAX_CUSTOM_ID_CHARS = 512
+# Bounds of an entry's own fields (producers are untrusted: every size they send has a bound).
+# idx and line must fit int64 (Parquet) and a JSON number a JavaScript producer reads exactly; a
+# job's idx is further bounded by BATCHINFER_MAX_REQUESTS_PER_JOB at the scheduler.
+MAX_ENTRY_INT = 2**53 - 1
+MAX_KEY_FIELD_CHARS = 512  # reply_to and client_request_id become parts of Redis key names
+MAX_HOLD_SECONDS = 30 * 86400  # a request waits at most this long for its model
+MAX_WINDOW_SECONDS = 366 * 86400  # completion_window
+MAX_PRIORITY = 2**31  # |priority| of a job or a request
 ENTRY_FIELDS = ("v", "body", "job", "idx", "line", "reply_to", "client_request_id", "hold_seconds")
 # Job control entries (`op`): what each takes besides v, op, job and reply_to.
 OP_FIELDS = {"open": ("model", "completion_window", "priority", "output", "output_format", "metadata",
@@ -166,8 +174,9 @@ class IntakeEntry:
         idx = line_no = hold = None
         if "idx" in fields_:
             idx = _int_or_none(fields_["idx"])
-            if idx is None or idx < 0:
-                raise fail(f"idx must be a non-negative integer, got {fields_['idx']!r}", "idx")
+            if idx is None or not 0 <= idx <= MAX_ENTRY_INT:
+                raise fail(f"idx must be a non-negative integer (at most {MAX_ENTRY_INT}), got "
+                           f"{_clip(fields_['idx'])}", "idx")
             if job is None:
                 raise fail("an entry with 'idx' needs 'job' (the job it belongs to); a direct request has "
                            "neither", "job")
@@ -175,13 +184,18 @@ class IntakeEntry:
             raise fail("an entry with a job id needs 'idx' (its index in the job)", "idx")
         if "line" in fields_:
             line_no = _int_or_none(fields_["line"])
-            if line_no is None or line_no < 1:
-                raise fail(f"line must be a positive integer, got {fields_['line']!r}", "line")
+            if line_no is None or not 1 <= line_no <= MAX_ENTRY_INT:
+                raise fail(f"line must be a positive integer (at most {MAX_ENTRY_INT}), got "
+                           f"{_clip(fields_['line'])}", "line")
         if "hold_seconds" in fields_:
             hold = _seconds_or_none(fields_["hold_seconds"])
-            if hold is None:
-                raise fail(f"hold_seconds must be a non-negative number of seconds, got "
-                           f"{fields_['hold_seconds']!r}", "hold_seconds")
+            if hold is None or hold > MAX_HOLD_SECONDS:
+                raise fail(f"hold_seconds must be a non-negative number of seconds (at most "
+                           f"{MAX_HOLD_SECONDS}), got {_clip(fields_['hold_seconds'])}", "hold_seconds")
+        for name in ("reply_to", "client_request_id"):
+            if len(fields_.get(name, "")) > MAX_KEY_FIELD_CHARS:
+                raise fail(f"{name} is {len(fields_[name])} characters, more than {MAX_KEY_FIELD_CHARS}",
+                           name)
         return cls(body=fields_["body"], job_id=job, idx=idx, line=line_no,
                    reply_to=fields_.get("reply_to") or None,
                    client_request_id=fields_.get("client_request_id") or None, hold_seconds=hold)
@@ -281,9 +295,11 @@ def _op_params(op: str, given: Mapping[str, str], context: dict[str, Any]) -> di
                 raise bad(name, str(e)) from None
         elif name in ("priority", "total"):
             value = _int_or_none(text)
-            if value is None or (name == "total" and value < 0):
-                kind = "a non-negative integer" if name == "total" else "an integer"
-                raise bad(name, f"must be {kind}, got {text!r}")
+            low, high = (0, MAX_ENTRY_INT) if name == "total" else (-MAX_PRIORITY, MAX_PRIORITY)
+            if value is None or not low <= value <= high:
+                kind = (f"a non-negative integer (at most {high})" if name == "total"
+                        else f"an integer in [{low}, {high}]")
+                raise bad(name, f"must be {kind}, got {_clip(text)}")
             out[name] = value
         elif name == "output_format":
             if text not in OUTPUT_FORMATS:
@@ -316,10 +332,13 @@ def parse_duration(value: str | int) -> int:
     else:
         m = _DURATION.match(str(value))
         if not m:
-            raise ValueError(f"completion window {value!r}: use a number with s, m, h or d (e.g. 24h)")
+            raise ValueError(f"completion window {_clip(value)}: use a number with s, m, h or d (e.g. 24h)")
         seconds = int(m.group(1)) * _UNITS[m.group(2)]
     if seconds <= 0:
-        raise ValueError(f"completion window must be positive, got {value!r}")
+        raise ValueError(f"completion window must be positive, got {_clip(value)}")
+    if seconds > MAX_WINDOW_SECONDS:
+        raise ValueError(f"completion window must be at most {MAX_WINDOW_SECONDS} s (366 days), got "
+                         f"{_clip(value)}")
     return seconds
 
 
@@ -330,10 +349,18 @@ def valid_job_id(job_id: str) -> bool:
 
 
 def _int_or_none(text: str) -> int | None:
+    if len(text) > 40:  # int() of a huge digit string is slow (and no bound admits it)
+        return None
     try:
         return int(text)
     except (TypeError, ValueError):
         return None
+
+
+def _clip(value: Any, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error messages quote what a producer sent."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(str(value))} characters)"
 
 
 def _seconds_or_none(text: str) -> float | None:

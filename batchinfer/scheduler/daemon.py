@@ -7,7 +7,9 @@ The loop only loops; each concern is one object (docs/scheduler.md):
   (``op open|close|cancel``) through :class:`batchinfer.scheduler.jobops.JobOps`;
 - :class:`batchinfer.scheduler.dispatch.Dispatcher` — backpressure and packing into batches;
 - :class:`batchinfer.scheduler.leases.Leases` — expired batch leases: re-dispatch or dead-letter;
-- :class:`batchinfer.scheduler.accounting.Accounting` — job expiry and the export safety net.
+- :class:`batchinfer.scheduler.accounting.Accounting` — job expiry and the export safety net;
+- :class:`batchinfer.scheduler.accounting.Settler` — rows for what cancelled / expired jobs left where no
+  live worker holds it (held requests, unclaimed batches).
 
 Everything the scheduler knows lives in Redis; its memory holds caches and one pass's window.
 """
@@ -26,7 +28,7 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.redis_conn import Backoff
-from batchinfer.scheduler.accounting import Accounting
+from batchinfer.scheduler.accounting import Accounting, Settler
 from batchinfer.scheduler.dispatch import Dispatcher
 from batchinfer.scheduler.intake import Admission, Intake
 from batchinfer.scheduler.leases import Leases
@@ -75,6 +77,7 @@ class SchedulerDaemon:
         self.dispatcher = Dispatcher(r, keys, registry, models, staging, jobs, self.sink, metrics)
         self.leases = Leases(r, keys, settings, registry, jobs, self.sink, consumer=name)
         self.accounting = Accounting(r, keys, settings, jobs, self.sink, clock=wall_clock)
+        self.settler = Settler(r, keys, registry, jobs, self.sink, self.intake)
         self.timers = {"leases": Periodic(max(0.05, settings.lease_seconds / 4), clock),
                        "held": Periodic(2.0, clock), "accounting": Periodic(1.0, clock)}
         self._ready = False
@@ -97,7 +100,7 @@ class SchedulerDaemon:
             self._held_releasing = released > 0
             work += released
         if self.timers["accounting"].due():
-            work += self.accounting.step()
+            work += self.accounting.step() + self.settler.step()  # expire, then settle what no worker holds
         return work
 
     def _reset(self) -> None:
@@ -150,7 +153,7 @@ def main(settings: Settings) -> int:
     metrics = SchedulerMetrics(redis_client=scrape, keys=Keys(settings.prefix))
     readiness = Readiness(stall_after=STALL_AFTER_S)
     readiness.add_probe("redis", r.ping)
-    server = serve(settings.metrics_port, metrics.registry, readiness)
+    server = serve(settings.metrics_port, metrics.registry, readiness, settings.metrics_host)
     try:
         SchedulerDaemon(r, settings, metrics=metrics).run(stop, tick=readiness.tick)
     finally:

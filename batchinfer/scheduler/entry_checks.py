@@ -17,11 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypedDict, cast
 
+from batchinfer.keys import Keys
 from batchinfer.protocol.bodies import RequestSpec, leading_custom_id
-from batchinfer.protocol.entries import RequestError, valid_job_id
+from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
 from batchinfer.protocol.rows import BatchRequest, ResultRow, request_id_for
 from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, checked_token_ids
-from batchinfer.workers.text.tokenizer import Tokenizer
+from batchinfer.workers.text.tokenizer import PromptTooLong, Tokenizer
 
 DEFAULT_WINDOW_S = 24 * 3600  # how long a job without expires_at waits for an unknown model
 
@@ -106,6 +107,49 @@ def error_row(e: RequestError, base: RowBase) -> ResultRow:
     row["line"] = e.line or base["line"]
     row["custom_id"] = base.get("custom_id") or e.context.get("custom_id")
     return ResultRow.error(e.code, message, **row)
+
+
+def check_entry(entry: IntakeEntry, keys: Keys, max_requests: int) -> None:
+    """The routing fields a producer sent, against this deployment: ``reply_to`` inside the reply
+    namespace (a row, and its stream's expiry, never reach another key) and ``idx`` below the job's
+    request limit (admissions are a bitmap: a far idx would cost Redis memory for nothing).
+    Raises the entry's ``protocol_error`` (its context routes the row to the job)."""
+    context: dict[str, Any] = {"job": entry.job_id, "idx": entry.idx, "line": entry.line}
+    if entry.reply_to is not None and not keys.is_reply(entry.reply_to):
+        raise RequestError("protocol_error", f"reply_to {entry.reply_to!r} is not a reply stream: it must "
+                           f"be a key under {keys.reply('')!r} (docs/protocol.md)", field="reply_to",
+                           line=entry.line, context=context)
+    context["reply_to"] = entry.reply_to
+    if entry.idx is not None and entry.idx >= max_requests:
+        context["idx"] = None  # not counted in the job: the row is a direct one
+        raise RequestError("protocol_error", f"idx {entry.idx} is out of range: a job holds at most "
+                           f"{max_requests} requests (idx 0..{max_requests - 1}, "
+                           "BATCHINFER_MAX_REQUESTS_PER_JOB); this entry was not run", field="idx",
+                           line=entry.line, context=context)
+
+
+def reply_stream(keys: Keys, reply_to: object) -> str | None:
+    """``reply_to`` when it names a key of the reply namespace, else None: no row (nor the expiry a
+    row sets) is ever written to a key a producer named outside it."""
+    return reply_to if isinstance(reply_to, str) and keys.is_reply(reply_to) else None
+
+
+def routable(e: RequestError, keys: Keys, max_requests: int) -> RequestError:
+    """``e`` with only the parts of its context a row may be routed by: a ``reply_to`` in the reply
+    namespace, an ``idx`` below the job's request limit (the row is counted in the job: its bit is
+    set)."""
+    e.context["reply_to"] = reply_stream(keys, e.context.get("reply_to"))
+    idx = e.context.get("idx")
+    if not isinstance(idx, int) or not 0 <= idx < max_requests:
+        e.context["idx"] = None
+    return e
+
+
+def check_sequences(spec: RequestSpec, max_n: int) -> None:
+    """``n`` within the deployment's bound: one request's sequences hold a worker as ``n`` requests do."""
+    n = spec.sampling_params.n
+    if n > max_n:
+        raise RequestError("invalid_request", f"n must be <= {max_n} (BATCHINFER_MAX_N), got {n}", field="n")
 
 
 def check_size(body: str, limit: int) -> None:
@@ -200,6 +244,31 @@ def adapter_of(models: ModelCache, line_model: str, job_model: str) -> bool:
     return head in (job_model, job.info.name)
 
 
+def unknown_line_model(models: ModelCache, line_model: str | None, view: JobView | None) -> str | None:
+    """The ``unknown_model`` message of a line naming a model its job's model does not answer to,
+    when adapters are served for the job's model; else None (the job's model answers the line).
+
+    With adapters a line's model picks one, so a name that is neither the job's model, an alias
+    of it nor one of its served adapters (a typo of an adapter, say) is not answered by the base;
+    without adapters, the job's model answers every line (hosted names in OpenAI files).
+    ``<job model>:NAME`` not served is left to :func:`unknown_adapter`.
+    """
+    job_model = view.model if view else None
+    if not job_model or not line_model or line_model == job_model:
+        return None
+    job = models.get(job_model)
+    if job is None or job.info.adapter is not None or adapter_of(models, line_model, job_model):
+        return None
+    line = models.get(line_model)
+    if line is not None and line.info.name == job.info.name:  # an alias of the job's model
+        return None
+    names = models.adapters(job.info.name)
+    if not names:
+        return None
+    return (f"model {line_model!r} is not served for the job's model {job_model!r}: neither it, an alias "
+            f"of it nor one of its adapters; served adapters: {', '.join(names)}")
+
+
 def unknown_adapter(models: ModelCache, model: str) -> str | None:
     """The ``unknown_model`` message of ``model`` = ``X:Y`` (not served itself) when X names a served
     model, so Y asks for an adapter of it that is not served; None for any other unknown name.
@@ -227,27 +296,42 @@ def hold_deadline(view: JobView | None, now: int, hold_seconds: float | None, di
     return window_end if hold_seconds is None else min(window_end, now + int(hold_seconds * 1000))
 
 
-def prompt_tokens(spec: RequestSpec, tokenizer: Tokenizer) -> list[int]:
+def prompt_limit(max_model_len: int, max_prompt_tokens: int | None) -> int:
+    """The most prompt tokens a request for this model may have (:func:`check_length`'s bounds)."""
+    limit = max_model_len - 1
+    return limit if max_prompt_tokens is None else min(limit, max_prompt_tokens)
+
+
+def prompt_tokens(spec: RequestSpec, tokenizer: Tokenizer, limit: int | None = None) -> list[int]:
     """A generation request's prompt as token ids: given ones checked against the vocabulary,
-    ``messages`` through the chat template, a ``prompt`` encoded."""
+    ``messages`` through the chat template, a ``prompt`` encoded.
+
+    With ``limit``, a text that certainly has more tokens is refused (``prompt_too_long``) before it
+    is tokenised whole (``Tokenizer.encode_within``): a 10 MB prompt costs a length check, not
+    half a minute of the scheduler's only thread."""
     if spec.prompt_token_ids is not None:
         return checked_token_ids(spec.prompt_token_ids, tokenizer, "prompt_token_ids")
-    ids: list[int]
+    text: str
+    field = "messages" if spec.messages is not None else "prompt"
     if spec.messages is not None:
         try:
-            rendered = tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True, tokenize=True)
-            ids = cast("list[int]", rendered)  # tokenize=True: ids, not text
+            text = cast("str", tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True))
         except Exception as e:  # noqa: BLE001 - the template is the model's code: its failure is ours
             why = e if isinstance(e, ValueError) else repr(e)  # e.g. OverflowError of a too-big range()
             raise RequestError("invalid_request", f"cannot render the chat template: {why}",
                                field="messages") from None
     else:
         assert spec.prompt is not None  # a RequestSpec holds exactly one of the three
-        try:
-            ids = tokenizer.encode(spec.prompt)
-        except (TypeError, ValueError) as e:  # the tokenizers library refuses some strings
-            raise RequestError("invalid_request", f"the prompt cannot be tokenised: {e}",
-                               field="prompt") from None
+        text = spec.prompt
+    try:
+        # the template writes its own special tokens; a plain prompt gets the tokenizer's
+        ids = tokenizer.encode_within(text, limit, add_special_tokens=spec.messages is None)
+    except PromptTooLong as e:
+        raise RequestError("prompt_too_long", f"the prompt has {e}, more than the limit of {limit} "
+                           "(the model's context, or BATCHINFER_MAX_PROMPT_TOKENS); it was not tokenised "
+                           "whole", field=field) from None
+    except (TypeError, ValueError) as e:  # the tokenizers library refuses some strings
+        raise RequestError("invalid_request", f"the prompt cannot be tokenised: {e}", field=field) from None
     if not ids:
         raise RequestError("invalid_request", "the prompt encodes to no tokens", field="prompt")
     return list(ids)

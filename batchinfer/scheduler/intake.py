@@ -31,7 +31,7 @@ from batchinfer.clock import WALL_MS, WallClock
 from batchinfer.config import Settings
 from batchinfer.keys import SCHEDULER_GROUP, Keys
 from batchinfer.protocol.bodies import RequestSpec, leading_custom_id, parse_body
-from batchinfer.protocol.entries import IntakeEntry, RequestError
+from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
 from batchinfer.protocol.rows import BatchRequest, ResultRow, request_id_for
 from batchinfer.redis_conn import ensure_group, read_group
 from batchinfer.scheduler.embed_intake import check_task, embed_fields
@@ -43,17 +43,23 @@ from batchinfer.scheduler.entry_checks import (
     Reject,
     RowBase,
     Stage,
+    check_entry,
     check_length,
+    check_sequences,
     check_size,
     ended_row,
     entry_ms,
     error_row,
     hold_deadline,
     malformed,
+    prompt_limit,
     prompt_tokens,
     refusal,
+    reply_stream,
+    routable,
     run_model,
     unknown_adapter,
+    unknown_line_model,
 )
 from batchinfer.scheduler.jobops import JobOps
 from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, RowSink, ServedModel
@@ -68,7 +74,9 @@ from batchinfer.workers.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 IDEMPOTENCY_TTL_S = 24 * 3600
+MAX_INTAKE_DELIVERIES = 5  # reads of one intake entry (after failures) before it is answered unrun
 MAX_OVERRIDDEN_NAMES = 8  # distinct overridden line models a job record names
+_Entry = tuple[bytes, Fields | None]  # a stream entry read back: id and fields (None: deleted)
 
 
 @dataclass
@@ -111,8 +119,10 @@ class Admission:
         """
         try:
             entry = IntakeEntry.from_fields(fields)
+            check_entry(entry, self.keys, self.settings.max_requests_per_job)
         except RequestError as e:
-            return malformed(entry_id, e, self.jobs, taken)
+            return malformed(entry_id, routable(e, self.keys, self.settings.max_requests_per_job), self.jobs,
+                             taken)
         request_id = request_id_for(entry.job_id, entry.idx, entry_id)
         base: RowBase = {"job_id": entry.job_id, "idx": entry.idx, "request_id": request_id,
                          "line": entry.line, "created_at": entry_ms(entry_id)}
@@ -125,13 +135,17 @@ class Admission:
         if view and view.model:
             base["model"] = view.model  # error rows name the job's model until the body names one
         if (ended := ended_row(view, **base)) is not None:
-            return Reject(ended, entry.reply_to)
+            return Reject(self._identified(ended, entry), entry.reply_to)
         try:
             check_size(entry.body, self.settings.max_line_bytes)
             spec = parse_body(entry.body, line=entry.line, max_tokens_limit=self.settings.max_tokens_limit)
+            check_sequences(spec, self.settings.max_n)
         except RequestError as e:
             return Reject(error_row(e.at_line(entry.line), base), entry.reply_to)
         base["custom_id"], base["metadata"], base["url"] = spec.custom_id, spec.metadata, spec.url
+        if spec.model and (why := unknown_line_model(self.models, spec.model, view)) is not None:
+            base["model"] = spec.model  # the row names what the line asked for: not the job's model
+            return Reject(ResultRow.error("unknown_model", why, **base), entry.reply_to)
         model, overridden = run_model(self.models, spec.model, view, first_read=held_until is None)
         if not model:
             return Reject(ResultRow.error("invalid_request", "no model: give 'model' in the body or the job",
@@ -147,6 +161,20 @@ class Admission:
         # staged under the canonical name: the tokens are that model's, whichever alias was asked for
         # (an adapter's, BASE:NAME, has its base's tokenizer and runs with lora NAME)
         return Stage(served.info.name, spec.priority or (view.priority if view else 0), request, overridden)
+
+    def _identified(self, row: ResultRow, entry: IntakeEntry) -> ResultRow:
+        """``row`` (a ``cancelled`` / ``expired`` row, built before the body was read) with the
+        body's ``custom_id``, ``metadata`` and ``url``, as the request's row would have had them: a
+        producer matches rows by ``custom_id``. An invalid body keeps what its error names."""
+        try:
+            check_size(entry.body, self.settings.max_line_bytes)
+            spec = parse_body(entry.body, line=entry.line, max_tokens_limit=self.settings.max_tokens_limit)
+        except RequestError as e:
+            found = e.context.get("custom_id") or leading_custom_id(entry.body)
+            row.custom_id = found if isinstance(found, str) else None
+            return row
+        row.custom_id, row.metadata, row.url = spec.custom_id, dict(spec.metadata), spec.url
+        return row
 
     def _unserved(self, entry: IntakeEntry, base: RowBase, view: JobView | None, held_until: int | None,
                   overridden: str | None) -> Hold | Reject:
@@ -173,7 +201,8 @@ class Admission:
         if spec.task == "embed":
             embed = embed_fields(spec, served, self.settings.max_prompt_tokens)
         else:
-            token_ids = prompt_tokens(spec, served.tokenizer)
+            limit = prompt_limit(served.info.max_model_len, self.settings.max_prompt_tokens)
+            token_ids = prompt_tokens(spec, served.tokenizer, limit)
             check_length(len(token_ids), spec, served.info.max_model_len, self.settings.max_prompt_tokens)
             self.structured.check(spec, served)
         sampling = {} if embed else params_dict(spec.sampling_params)
@@ -215,17 +244,25 @@ class Intake:
         ensure_group(self.redis, self.keys.requests, SCHEDULER_GROUP)
 
     def step(self, block_ms: int | None = None) -> int:
-        """Read and settle one chunk of entries (own pending ones first); returns how many were read."""
-        entries: list[tuple[bytes, Fields | None]] = []
-        if not self.recovered:
+        """Read and settle one chunk of entries (own pending ones first); returns how many were read.
+
+        Own pending entries exist only after a failure (a crash, or a pass that raised): they are
+        settled one at a time, so that an entry that fails its pass is found and the others go on,
+        and one read ``MAX_INTAKE_DELIVERIES`` times is answered without being admitted again: no
+        entry is retried forever, and none holds up the entries behind it."""
+        entries: list[_Entry] = []
+        recovering = not self.recovered
+        if recovering:
             entries = self._read("0", None)
             self.recovered = len(entries) < self.chunk  # the last chunk of own pending entries
+            entries = self._answer_poisoned(entries)
         if not entries:
+            recovering = False
             entries = self._read(">", block_ms)
         if not entries:
             return 0
         # Job ops apply in stream order: the request entries before one are settled first.
-        run: list[tuple[bytes, Fields | None]] = []
+        run: list[_Entry] = []
         ops = 0
         for eid, f in entries:
             if f and b"op" in f:
@@ -237,6 +274,8 @@ class Intake:
                 pipe.xack(self.keys.requests, SCHEDULER_GROUP, eid)
                 pipe.xdel(self.keys.requests, eid)
                 pipe.execute()
+            elif recovering:
+                self._take_in_alone(eid, f)
             else:
                 run.append((eid, f))
         self._take_in(run)
@@ -244,7 +283,7 @@ class Intake:
             self.sink.metrics.intake_read(len(entries) - ops)  # requests; job ops are not requests
         return len(entries)
 
-    def _take_in(self, run: list[tuple[bytes, Fields | None]]) -> None:
+    def _take_in(self, run: list[_Entry]) -> None:
         """Admit and settle a run of request entries."""
         if not run:
             return
@@ -260,17 +299,68 @@ class Intake:
             decided.append((eid.decode(), outcome, f))
         self._settle(decided, [eid.decode() for eid, _ in run], source=self.keys.requests)
 
+    def _take_in_alone(self, eid: bytes, f: Fields | None) -> None:
+        """Settle one own pending entry; one that fails stays pending (its delivery count grows at
+        every re-read) and the pending entries are read again on the next step."""
+        try:
+            self._take_in([(eid, f)])
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception:  # noqa: BLE001 - found the entry that fails a pass: the others go on
+            log.exception("intake entry %s failed its settle alone; it is re-read and, after %d reads, "
+                          "answered without admission", eid.decode(), MAX_INTAKE_DELIVERIES)
+            self.recovered = False
+
+    def _answer_poisoned(self, entries: list[_Entry]) -> list[_Entry]:
+        """The own pending ``entries`` left to settle: those now read more than ``MAX_INTAKE_DELIVERIES``
+        times get an ``internal_error`` row (``results:direct``, a line in their job's errors) and
+        are acked, whatever they hold."""
+        if not entries:
+            return entries
+        reads = replies.delivery_counts(self.redis.xpending_range(
+            self.keys.requests, SCHEDULER_GROUP, min=entries[0][0], max=entries[-1][0], count=len(entries),
+            consumername=self.consumer))
+        keep: list[_Entry] = []
+        for eid, f in entries:
+            if reads.get(eid, 0) <= MAX_INTAKE_DELIVERIES:
+                keep.append((eid, f))
+                continue
+            entry_id = eid.decode()
+            job = _job_idx(f or {}, self.admission.settings.max_requests_per_job)
+            where = f" (job {job[0]!r}, idx {job[1]})" if job else ""
+            message = (f"this entry was read {reads[eid]} times and never settled (the scheduler failed on "
+                       f"it each time); it was not run{where}")
+            log.error("intake entry %s: %s", entry_id, message)
+            row = ResultRow.error("internal_error", message, job_id=None, request_id=entry_id,
+                                  created_at=entry_ms(entry_id))
+            try:
+                self._publish(entry_id, Reject(row, None))
+                if job:
+                    self.ops.job_error(job[0], f"entry {entry_id}: {message}")
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise
+            except Exception:  # noqa: BLE001 - acked all the same: it must not come back
+                log.exception("intake entry %s: its internal_error row could not be written", entry_id)
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xack(self.keys.requests, SCHEDULER_GROUP, eid)
+            pipe.xdel(self.keys.requests, eid)
+            pipe.execute()
+        return keep
+
     def _taken(self, fields: list[Fields]) -> set[tuple[str, int]]:
-        """The ``(job, idx)`` of these entries already taken in (a GETBIT each, in one round trip)."""
-        pairs = list(dict.fromkeys(p for p in map(_job_idx, fields) if p is not None))
+        """The ``(job, idx)`` of these entries already taken in (a GETBIT each, in one round trip).
+        Only pairs that pass the entry checks are looked up; any other is checked later, alone."""
+        limit = self.admission.settings.max_requests_per_job
+        pairs = list(dict.fromkeys(p for p in (_job_idx(f, limit) for f in fields) if p is not None))
         if not pairs:
             return set()
         pipe = self.redis.pipeline(transaction=False)
         for job, idx in pairs:
             pipe.getbit(self.keys.admitted(job), idx)
-        return {p for p, bit in zip(pairs, pipe.execute(), strict=True) if bit}
+        bits = pipe.execute(raise_on_error=False)  # e.g. WRONGTYPE: that pair is not taken; admit decides
+        return {p for p, bit in zip(pairs, bits, strict=True) if bit is True or bit == 1}
 
-    def _read(self, start: str, block_ms: int | None) -> list[tuple[bytes, Fields | None]]:
+    def _read(self, start: str, block_ms: int | None) -> list[_Entry]:
         """One chunk of entries from ``start`` (``"0"``: own pending ones, which may have lost their
         fields; ``">"``: new ones)."""
         reply = read_group(self.redis, self.keys.requests, SCHEDULER_GROUP, self.consumer, start,
@@ -283,6 +373,13 @@ class Intake:
         held = held_key(self.keys)
         entries = replies.entries(self.redis.xrange(held, min=self.held_cursor, count=count))
         self.held_cursor = "-" if len(entries) < count else "(" + entries[-1][0].decode()
+        return self.redecide_held(entries)
+
+    def redecide_held(self, entries: list[replies.Entry]) -> int:
+        """Re-decide these held entries (as read from ``{p}:held``); returns how many left it. The
+        sweep's path, also taken for the held requests of a cancelled or expired job at once
+        (``batchinfer.scheduler.accounting.Settler``)."""
+        held = held_key(self.keys)
         decided: list[tuple[str, Outcome, Fields]] = []
         done: list[str] = []
         released: list[tuple[str | None, str]] = []
@@ -311,7 +408,8 @@ class Intake:
             log.exception("intake entry %s could not be handled", entry_id)
             try:
                 entry = IntakeEntry.from_fields(fields)
-                job, idx, reply_to = entry.job_id, entry.idx, entry.reply_to
+                job, idx = entry.job_id, entry.idx
+                reply_to = reply_stream(self.keys, entry.reply_to)
             except RequestError:
                 job = idx = reply_to = None
             row = ResultRow.error("internal_error", f"the scheduler failed on this entry: {e!r}", job_id=job,
@@ -427,15 +525,17 @@ class Intake:
             self.ops.job_error(outcome.job_id, f"entry {entry_id}: {outcome.job_error}")
 
 
-def _job_idx(fields: Fields) -> tuple[str, int] | None:
-    """The ``(job, idx)`` a raw entry names, when both read as such (else None: it is checked later)."""
+def _job_idx(fields: Fields, max_requests: int) -> tuple[str, int] | None:
+    """The ``(job, idx)`` a raw entry names, when both are valid: a job id, an idx in
+    ``[0, max_requests)`` (else None: the entry checks answer it). Nothing unchecked reaches Redis."""
     job, idx = fields.get(b"job"), fields.get(b"idx")
-    if not job or idx is None:
+    if not job or idx is None or len(idx) > 20:
         return None
     try:
-        return job.decode(), int(idx)
+        job_id, i = job.decode(), int(idx)
     except (UnicodeDecodeError, ValueError):
         return None
+    return (job_id, i) if valid_job_id(job_id) and 0 <= i < max_requests else None
 
 
 def _counted_in(outcome: Outcome) -> tuple[str, int] | None:

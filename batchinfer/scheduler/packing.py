@@ -7,7 +7,8 @@ Two phases per call:
    job that (re)appears starts level with the least-served active job, so it neither jumps the
    queue with stale credit nor waits behind a million-request job's history. Within a job,
    arrival order. Each pick is placed first fit into ``max_batches`` bins, each bin within
-   ``kv_tokens`` (sum of prompt + max_tokens) and ``max_num_seqs``; a job whose next request
+   ``kv_tokens`` (sum of prompt + n * max_tokens) and ``max_num_seqs`` (sum of n: a request's
+   ``n`` sequences cost its job's fair share as ``n`` requests would); a job whose next request
    fits nowhere sits out the rest of the call. A request larger than ``kv_tokens`` gets a bin of
    its own.
 2. *Arrangement* — the selected requests are sorted by priority, then by their first KV block of
@@ -53,11 +54,13 @@ class Candidate:
     max_tokens: int
     arrival: int  # ms since the epoch, or any increasing sequence number
     prefix: tuple[int, ...] = field(default=(), compare=False)  # the first PREFIX_SORT_TOKENS tokens
+    seqs: int = 1  # sequences it runs (its n): each holds a slot of max_num_seqs and its own output
 
     @property
     def cost(self) -> int:
-        """KV tokens the request may occupy in a worker: prompt + max_tokens."""
-        return self.prompt_tokens + self.max_tokens
+        """KV tokens the request may occupy in a worker: the prompt (shared by its sequences through
+        the prefix cache) + max_tokens for each sequence."""
+        return self.prompt_tokens + self.seqs * self.max_tokens
 
 
 class Packer:
@@ -102,7 +105,7 @@ class Packer:
                 head = queues[job][0]
                 slot = next((i for i, b in enumerate(bins) if fits(b, tokens[i], head, budget)), None)
                 if slot is None:
-                    if all(len(b) >= budget.max_num_seqs or t >= budget.kv_tokens
+                    if all(seqs_of(b) >= budget.max_num_seqs or t >= budget.kv_tokens
                            for b, t in zip(bins, tokens, strict=True)):
                         return [b for b in bins if b]  # every bin is full
                     del queues[job]  # its head does not fit this time; the others may
@@ -116,11 +119,16 @@ class Packer:
         return [b for b in bins if b]
 
 
+def seqs_of(batch: Sequence[Candidate]) -> int:
+    """Sequences ``batch`` runs: a request with ``n`` > 1 counts ``n`` times against ``max_num_seqs``."""
+    return sum(c.seqs for c in batch)
+
+
 def fits(batch: Sequence[Candidate], tokens: int, c: Candidate, budget: Budget) -> bool:
     """Whether ``c`` may join ``batch`` (holding ``tokens``); an empty batch takes anything."""
     if not batch:
         return True
-    return len(batch) < budget.max_num_seqs and tokens + c.cost <= budget.kv_tokens
+    return seqs_of(batch) + c.seqs <= budget.max_num_seqs and tokens + c.cost <= budget.kv_tokens
 
 
 def group_key(c: Candidate) -> tuple:

@@ -94,12 +94,13 @@ class Staged:
                              prompt_tokens=sum(len(ids) for ids in inputs),
                              arrival=self.body.get("created_at") or 0)
         tokens = self.body["prompt_token_ids"]
-        max_tokens = (self.body.get("sampling_params") or {}).get("max_tokens")
+        params = self.body.get("sampling_params") or {}
+        max_tokens = params.get("max_tokens")
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(tokens))
         return Candidate(key=key, job=job, priority=self.priority, prompt_tokens=len(tokens),
                          max_tokens=int(max_tokens), arrival=self.body.get("created_at") or 0,
-                         prefix=tuple(tokens[:PREFIX_SORT_TOKENS]))
+                         prefix=tuple(tokens[:PREFIX_SORT_TOKENS]), seqs=int(params.get("n") or 1))
 
 
 class Staging:

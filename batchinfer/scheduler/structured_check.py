@@ -2,16 +2,22 @@
 
 A generation request with ``structured_outputs`` (from ``response_format``, ``structured_outputs`` or
 ``guided_*``: :mod:`batchinfer.protocol.structured_bodies`) is checked against the limits
-(``BATCHINFER_STRUCTURED_*``) and compiled with the default grammar backend (llguidance) built for
-its model's tokenizer, so that an invalid or unsupported schema, a regex that does not compile, or a
-spec over a limit is an ``invalid_request`` row naming the problem and the line, and never reaches a
-worker. One backend per model (and tokenizer; a model's adapters share it); the backend's LRU
-caches compiled specs, so a job whose rows share one schema compiles it once. A compile is bounded by
-``structured_compile_timeout_s``, so a hostile spec holds the intake for at most that long.
+(``BATCHINFER_STRUCTURED_*``), compiled with the default grammar backend (llguidance) built for
+its model's tokenizer, and run through its first tokens (``GrammarBackend.probe``: the forced token,
+else the lowest allowed one, as a worker's matcher would see them), so that an invalid or unsupported
+schema, a regex that does not compile, a spec over a limit, or one that compiles but fails as soon as
+it decodes (a Lark rule of 3,000 alternatives over the parser's 2,000 items a row, `(x{1000}){1000}`
+out of lexer fuel) is an ``invalid_request`` row naming the body's field and the line, and never
+reaches a worker. One backend per model (and tokenizer; a model's adapters share it); the backend's
+LRU caches compiled and probed specs, so a job whose rows share one schema compiles and probes it
+once. A compile is bounded by ``structured_compile_timeout_s`` and a probe's steps by the lexer fuel
+(``structured_lexer_fuel``), so a hostile spec holds the intake briefly.
 
-Workers compile again (their own backend, which may be xgrammar, and their own limits): a spec that
-passes here and fails there is still an ``invalid_request`` row, from the worker. So when llguidance
-cannot read a model's tokenizer, that model's requests are checked against the limits only (logged).
+Workers compile again with the same limits (``batchinfer worker`` reads ``BATCHINFER_STRUCTURED_*``
+too) and their own backend, which may be xgrammar: a spec that passes here and fails there, or that
+fails later in its decode, is still an ``invalid_request`` row, from the worker, and never retried.
+So when llguidance cannot read a model's tokenizer, that model's requests are checked against the
+limits only (logged).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from batchinfer.config import Settings
 from batchinfer.ops.startup import StartupError
 from batchinfer.protocol.entries import RequestError
 from batchinfer.workers.structured.backend import DEFAULT_BACKEND, GrammarBackend
-from batchinfer.workers.structured_params import StructuredLimits
+from batchinfer.workers.structured_params import StructuredLimits, limits_from_settings
 
 if TYPE_CHECKING:
     from batchinfer.protocol.bodies import RequestSpec
@@ -36,16 +42,16 @@ MAX_BACKENDS = 64  # models (tokenizers) whose backend is kept
 _LIMIT_SETTINGS = (("bytes; the limit", "BATCHINFER_STRUCTURED_MAX_SPEC_BYTES"),
                    ("choices; the limit", "BATCHINFER_STRUCTURED_MAX_CHOICES"),
                    ("nests deeper than", "BATCHINFER_STRUCTURED_MAX_DEPTH"),
-                   ("compiling took longer", "BATCHINFER_STRUCTURED_COMPILE_TIMEOUT_S"))
+                   ("compiling took longer", "BATCHINFER_STRUCTURED_COMPILE_TIMEOUT_S"),
+                   # llguidance's words for a lexer out of fuel (StructuredLimits.lexer_fuel)
+                   ("too many expressions", "BATCHINFER_STRUCTURED_LEXER_FUEL"),
+                   ("lexer configuration (grammar) too big", "BATCHINFER_STRUCTURED_LEXER_FUEL"))
 
 
 def structured_limits(settings: Settings) -> StructuredLimits:
     """The limits ``settings`` give; ``StartupError`` naming a bad value."""
     try:
-        return StructuredLimits(max_spec_bytes=settings.structured_max_spec_bytes,
-                                max_depth=settings.structured_max_depth,
-                                max_choices=settings.structured_max_choices,
-                                compile_timeout_s=settings.structured_compile_timeout_s)
+        return limits_from_settings(settings)
     except ValueError as e:
         raise StartupError(f"structured-output limits (BATCHINFER_STRUCTURED_*): {e}") from None
 

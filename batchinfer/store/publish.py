@@ -10,11 +10,18 @@ The same script keeps a copy of the row of a request sent with a ``client_reques
 delivers it to the reply streams of its retries (:class:`Redelivery`, run by the intake on a
 duplicate), trims ``results:direct`` to its retention, and skips a ``reply_to`` key that is not a
 stream (the row is still published; the skip is logged and counted) instead of failing.
+
+A row of a job that has no record (deleted, or lost by a Redis restart without persistence) is
+dropped: nothing is written, so no orphan results stream without a TTL or an export to end it is
+ever created. The outcome says so (``dropped``), the drop is counted and logged once per job, and
+callers treat the request as settled, so the batch is acknowledged rather than run again forever.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,12 +42,16 @@ log = logging.getLogger(__name__)
 DIRECT_GUARD_TTL = 7 * 24 * 3600  # seconds a direct request's guard outlives its publication
 DIRECT_RETENTION = 7 * 24 * 3600  # seconds results:direct keeps a row (the Settings default)
 NOSCRIPT_RETRIES = 3  # script reloads publish_many tries (each follows a flush of the script cache)
+DROPPED_JOBS_REMEMBERED = 1024  # jobs whose dropped rows were logged already (one warning per job)
+NO_JOB = "no_job"  # reason label of a row dropped because its job has no record
 
 
 class ReplyMetrics(Protocol):
     """What the publisher reports to a daemon's metrics (``batchinfer.ops.metrics``)."""
 
     def reply_skipped(self, count: int = 1) -> None: ...
+
+    def row_dropped(self, reason: str, count: int = 1) -> None: ...
 
 
 class Row(Protocol):
@@ -58,11 +69,13 @@ class Row(Protocol):
 class PublishOutcome:
     """``published``: this call wrote the row; ``finalizing``: it also made the job final;
     ``skipped``: reply streams (the row's ``reply_to``, a retry's) left unwritten because the key
-    holds another type than a stream."""
+    holds another type than a stream; ``dropped``: nothing was written because the row's job has no
+    record (the request is settled all the same: there is nothing left to publish it to)."""
 
     published: bool
     finalizing: bool
     skipped: tuple[str, ...] = ()
+    dropped: bool = False
 
 
 class Publisher:
@@ -78,8 +91,10 @@ class Publisher:
         self.keys = keys
         self.direct_guard_ttl = int(direct_guard_ttl)
         self.direct_retention_ms = int(direct_retention_s) * 1000
-        self.metrics = metrics  # a daemon's: counts reply streams skipped for their type
+        self.metrics = metrics  # a daemon's: counts reply streams skipped for their type, rows dropped
         self.clock = clock
+        self._dropped_jobs: OrderedDict[str, None] = OrderedDict()  # warned of already (bounded)
+        self._dropped_lock = threading.Lock()
         # redis-py Script objects use EVALSHA and reload on NOSCRIPT (e.g. after a Redis restart)
         self._publish = scripts.register(redis_client, "publish")
         self._finish = scripts.register(redis_client, "finish_submission")
@@ -102,6 +117,9 @@ class Publisher:
         return keys, [idx, row.to_json(), counter, now, self.direct_guard_ttl, now - self.direct_retention_ms]
 
     def _outcome(self, row: Row, reply: list) -> PublishOutcome:
+        if reply[3]:
+            self._dropped(row)
+            return PublishOutcome(False, False, dropped=True)
         skipped = tuple(as_text(s) for s in reply[2])
         if skipped:
             # the producer's mistake, not ours: one line, no traceback; the row is in its results stream
@@ -112,13 +130,32 @@ class Publisher:
                 self.metrics.reply_skipped(len(skipped))
         return PublishOutcome(bool(reply[0]), bool(reply[1]), skipped)
 
+    def _dropped(self, row: Row) -> None:
+        """Count a row dropped for its job's missing record; warn once per job (a vanished job may
+        have thousands of rows still in flight), remembering the last few jobs only."""
+        if self.metrics is not None:
+            self.metrics.row_dropped(NO_JOB)
+        job = str(row.job_id)
+        with self._dropped_lock:
+            if job in self._dropped_jobs:
+                self._dropped_jobs.move_to_end(job)
+                return
+            self._dropped_jobs[job] = None
+            if len(self._dropped_jobs) > DROPPED_JOBS_REMEMBERED:
+                self._dropped_jobs.popitem(last=False)
+        log.warning("job %s has no record (deleted, or lost by a Redis restart without persistence): "
+                    "dropping its rows, starting with request %s (counted in "
+                    "batchinfer_rows_dropped_total{reason=\"no_job\"}; further drops of this job not logged)",
+                    job, row.request_id)
+
     def publish(self, row: Row, reply_to: str | None = None) -> PublishOutcome:
         """Publish ``row`` unless the same request already has one (one atomic Lua call).
 
         The row bumps the job's counter of its status (``completed``, ``failed``, ``cancelled`` or
         ``expired``). ``reply_to``, when given, receives a copy unless the key exists and is not a
-        stream (see :class:`PublishOutcome`). On Redis Cluster a ``reply_to`` stream must carry the
-        same hash tag as the prefix.
+        stream (see :class:`PublishOutcome`). A row of a job with no record writes nothing at all
+        (``dropped``). On Redis Cluster a ``reply_to`` stream must carry the same hash tag as the
+        prefix.
         """
         keys, args = self._call(row, reply_to)
         return self._outcome(row, self._publish(keys=keys, args=args))

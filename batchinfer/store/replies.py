@@ -67,3 +67,8 @@ def members(reply: object) -> list[bytes]:
 def hash_fields(reply: object) -> Fields:
     """An HGETALL reply: field -> value (``{}`` for a missing key)."""
     return cast("Fields", reply)
+
+
+def delivery_counts(reply: object) -> dict[bytes, int]:
+    """An XPENDING (extended form) reply: entry id -> times it was delivered."""
+    return {p["message_id"]: int(p["times_delivered"]) for p in cast("list[dict[str, Any]]", reply or [])}

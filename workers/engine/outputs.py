@@ -62,8 +62,11 @@ class RequestOutput:
     prompt: str | None = None
     finished: bool = False
     # Set when the engine finished this request as aborted because it failed (e.g. an exception
-    # while processing it); the worker daemon publishes it as an ``engine_error`` row.
+    # while processing it); the worker daemon publishes it as an ``engine_error`` row (after its
+    # retries), or with ``error_code`` as that code's row at once: "invalid_request" when the
+    # request's own grammar failed mid-decode (a parser or lexer limit: retrying cannot help).
     error: str | None = None
+    error_code: str | None = None
 
 
 class FirstToken(NamedTuple):

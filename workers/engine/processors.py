@@ -26,6 +26,7 @@ from batchinfer.workers.engine.sampler import SamplingRow, make_generator
 from batchinfer.workers.engine.sequence import Request, Sequence
 from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.structured.backend import StructuredOutputError
 from batchinfer.workers.text.detokenizer import IncrementalDetokenizer, append_tokens
 from batchinfer.workers.text.stopping import check_stop, is_stop_token
 
@@ -146,6 +147,12 @@ class OutputProcessor:
                 continue
             try:
                 self._append_token(seq, token, lp, texts.get(j))
+            except StructuredOutputError as e:  # the request's own grammar: its invalid_request row
+                log.info("request %s: its output constraint failed after %d tokens; ending it: %s",
+                         req.request_id, len(seq.output_token_ids), e)
+                req.error = f"structured_outputs: the constraint failed while decoding: {e}"
+                req.error_code = "invalid_request"
+                self.finish_request(req, "abort")
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
                 log.exception("request %s failed in postprocessing; aborting it", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"
@@ -249,7 +256,7 @@ class OutputProcessor:
             for s in req.seqs
         ]
         return RequestOutput(req.request_id, req.prompt_token_ids, outputs, req.num_cached_tokens,
-                             req.prompt, finished, error=req.error)
+                             req.prompt, finished, error=req.error, error_code=req.error_code)
 
 
 def _text(seq: Sequence) -> str:

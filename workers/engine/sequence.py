@@ -121,6 +121,9 @@ class Request:
         self.seqs = [Sequence(first_seq_id + i, self, i, self.prompt_token_ids, arrival_time)
                      for i in range(params.n)]
         self.error: str | None = None  # set when postprocessing failed and the request was aborted
+        # the result row's code for ``error``: "invalid_request" when the request's own output
+        # constraint failed (its row, never a retry); None: the engine's fault (engine_error, retried)
+        self.error_code: str | None = None
         self.lora: str | None = None  # the adapter its sequences run with (None: the base model)
 
     @property

@@ -1,6 +1,7 @@
 """The engine's side of the worker: held requests in, steps, finished outputs out as rows.
 
-Faults stay local: a request the engine refuses gets an ``invalid_request`` row; a request the
+Faults stay local: a request the engine refuses, or whose own output constraint fails while it
+decodes (``RequestOutput.error_code``), gets an ``invalid_request`` row; a request the
 engine fails on goes back to the batch stream for another try (:meth:`Feeder.engine_failed`), and
 gets its ``engine_error`` row (and a dead letter) once it has failed ``max_attempts`` times; a step
 that raises without naming its request is bisected (:class:`~batchinfer.workers.service.inflight.Quarantine`)
@@ -184,6 +185,11 @@ class Feeder:
         held = self.book.resolve(out.request_id)
         if held is None:
             return  # aborted by us
+        if out.error and getattr(out, "error_code", None) == "invalid_request":
+            # the request's own spec failed mid-decode (a grammar over a parser or lexer limit):
+            # the same on any worker, so its row now, never a retry or a dead letter
+            self.end(held, "failed", "invalid_request", str(out.error))
+            return
         if out.error or (isinstance(out, PooledRequestOutput) and out.data is None):
             self.engine_failed(held, str(out.error or "the engine returned no vectors"))
             return

@@ -144,6 +144,14 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
     from batchinfer.redis_conn import connect
 
     options = dict(engine_options or {})
+    if not echo:  # the scheduler's structured-output limits, so that what it accepts runs here
+        from batchinfer.workers.structured_params import limits_from_settings
+
+        try:
+            options["structured_limits"] = limits_from_settings(settings, options.get("structured_limits"))
+        except (ValueError, TypeError) as e:
+            raise StartupError(f"structured-output limits (BATCHINFER_STRUCTURED_*, --engine-option "
+                               f"structured_limits): {e}") from e
     engine = build_engine(model_dir, device, echo, options, echo_class)
     files = read_tokenizer_files(model_dir) if model_dir else engine.tokenizer_files()
     from batchinfer.workers.service.worker_config import WorkerConfig
@@ -173,7 +181,7 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
     readiness.add_probe("redis", r.ping)
     daemon = WorkerDaemon(r, settings, engine, config, tokenizer_files=files, hard_stop=hard, metrics=metrics,
                           readiness=readiness)
-    server = serve_http(settings.metrics_port, metrics.registry, readiness)
+    server = serve_http(settings.metrics_port, metrics.registry, readiness, settings.metrics_host)
     try:
         return daemon.run(stop)
     finally:

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from batchinfer.workers.text.tokenizer import Tokenizer
 
 DEFAULT_BACKEND = "llguidance"
+# Tokens a validation runs a fresh matcher through (``GrammarBackend.probe``): specs that compile but
+# fail on their first token (a parser row over its item limit, a lexer out of fuel) fail there.
+PROBE_STEPS = 4
 
 
 class StructuredOutputError(ValueError):
@@ -89,7 +92,9 @@ class GrammarBackend(ABC):
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._probed: OrderedDict[str, None] = OrderedDict()  # keys whose probe passed (an LRU)
         self.num_compiles = 0  # cache misses, for metrics and tests
+        self.num_probes = 0
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``params`` (cached); ``StructuredOutputError`` when it cannot be."""
@@ -118,8 +123,56 @@ class GrammarBackend(ABC):
         return compiled
 
     def validate(self, params: StructuredOutputsParams) -> None:
-        """``StructuredOutputError`` when ``params`` cannot be served (what the scheduler checks)."""
-        self.compile(params)
+        """``StructuredOutputError`` when ``params`` cannot be served (what the scheduler checks): its
+        limits, its compile, then its first tokens (:meth:`probe`; once per spec, cached as compiles)."""
+        compiled = self.compile(params)
+        key = params.key()
+        with self._lock:
+            if key in self._probed:
+                self._probed.move_to_end(key)
+                return
+        self.probe(params.kind, compiled)
+        with self._lock:
+            self._probed[key] = None
+            while len(self._probed) > self._cache_size:
+                self._probed.popitem(last=False)
+
+    def probe(self, kind: str, compiled: Any, steps: int = PROBE_STEPS) -> None:
+        """Run a fresh matcher of ``compiled`` through its first ``steps`` tokens as an engine would:
+        the forced token where the text is forced, else the lowest allowed token of the mask (EOS
+        aside). ``StructuredOutputError`` ``"<kind>: it fails on its first tokens: <why>"`` when the
+        matcher fails: a grammar that compiles but that no worker could decode (a parser row over
+        its item limit, a lexer out of fuel) is refused before it is dispatched."""
+        from batchinfer.workers.structured.bitmask import first_allowed
+
+        with self._lock:
+            self.num_probes += 1
+        why: str | None = None
+        try:
+            matcher = self.matcher(compiled)
+            bitmask = self.allocate_bitmask(1)
+            for _ in range(steps):
+                forced = matcher.forced_tokens()
+                if matcher.error is None and not forced:
+                    self.fill_bitmask([(matcher, 0)], bitmask)
+                if matcher.error is not None:
+                    break
+                eos = self.eos_token_ids
+                token = forced[0] if forced else first_allowed(bitmask[0], self.vocab_size, eos)
+                if token is None:
+                    return  # only EOS may come: the output can end here
+                if not matcher.accept(token):
+                    why = matcher.error or f"its own allowed token {token} was rejected"
+                    break
+                if matcher.error is not None or matcher.is_terminated:
+                    break
+            why = why or matcher.error
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - as in compile: a library failure costs this spec
+            why = f"the {self.name} grammar library failed: {type(e).__name__}: {e}"
+        if why is not None:
+            raise StructuredOutputError(f"{kind}: it fails on its first tokens: {why}")
 
     @abstractmethod
     def _compile(self, params: StructuredOutputsParams) -> Any:

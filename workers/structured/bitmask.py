@@ -7,6 +7,8 @@ are masked too.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
@@ -68,3 +70,14 @@ def _banned_cpu(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if width < vocab_size:
         banned = np.pad(banned, ((0, 0), (0, vocab_size - width)), constant_values=True)
     return torch.from_numpy(banned[:, :vocab_size])
+
+
+def first_allowed(row: torch.Tensor, vocab_size: int, exclude: Iterable[int] = ()) -> int | None:
+    """The lowest token a bitmask row (int32 ``[W]`` on the CPU) allows, ``exclude`` aside (EOS);
+    None when it allows none. In numpy: no torch thread pool is woken for one row."""
+    allowed = np.unpackbits(row.contiguous().numpy().view(np.uint8), bitorder="little")[:vocab_size]
+    skip = [t for t in exclude if 0 <= t < len(allowed)]
+    if skip:
+        allowed[skip] = 0
+    hits = np.flatnonzero(allowed)
+    return int(hits[0]) if len(hits) else None

@@ -87,6 +87,10 @@ class LLGuidanceBackend(GrammarBackend):
         self.ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                                                    eos_token=eos, slices=_slices())
         self.executor = llguidance.LLExecutor(self.num_threads)
+        # The lexer's fuel from our limits; llguidance's per-step bounds (step_lexer_fuel 200k,
+        # step_max_items 50k, max_items_in_row 2000) stay its defaults. A matcher over a limit
+        # enters its error state: a compile error, or the request's invalid_request mid-decode.
+        self.parser_limits = llguidance.LLParserLimits(initial_lexer_fuel=self.limits.lexer_fuel)
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
     def grammar_text(self, params: StructuredOutputsParams) -> str:
@@ -118,7 +122,8 @@ class LLGuidanceBackend(GrammarBackend):
         grammar = self.grammar_text(params)
         # The constructor compiles (with the GIL dropped); a worker thread lets a slow compile be
         # abandoned at the time limit. llguidance's own fuel limits end it soon after.
-        future = self._compiler.submit(llguidance.LLMatcher, self.ll_tokenizer, grammar, log_level=0)
+        future = self._compiler.submit(llguidance.LLMatcher, self.ll_tokenizer, grammar, log_level=0,
+                                       limits=self.parser_limits)
         try:
             template = future.result(timeout=self.limits.compile_timeout_s)
         except concurrent.futures.TimeoutError:

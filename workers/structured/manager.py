@@ -16,6 +16,11 @@ one-token mask, so greedy outputs are the same either way.
 
 ``accept`` advances a completion's matcher by one token and turns grammar termination into
 ``finish_reason "stop"``; ``complete`` says whether a completion's text is a full match.
+
+Every grammar failure while decoding (a token the matcher rejects, a parser or lexer limit hit, a
+mask or forced-token computation that raised) reaches the engine as ``StructuredOutputError`` from
+``accept`` or ``jump_forward``: the engine ends that request alone with ``error_code
+"invalid_request"`` (the worker's row for it, never a retry), and the batch goes on.
 """
 
 from __future__ import annotations
@@ -205,7 +210,11 @@ class StructuredOutputManager:
         # not depend on jump_forward.
         matcher = _matcher(seq)
         while not seq.is_finished:
-            forced = matcher.forced_tokens()
+            try:
+                forced = matcher.forced_tokens()
+            except Exception as e:  # noqa: BLE001 - the request's grammar failed: its own error, not the engine's
+                raise StructuredOutputError(f"the grammar's forced tokens could not be computed: "
+                                            f"{type(e).__name__}: {e}") from e
             if not forced:
                 seq.forced_tokens = []  # known: the next sampling step needs no forced-state check
                 return

@@ -4,7 +4,8 @@
 --
 -- KEYS[1] job hash
 -- KEYS[2] cancelled set {p}:cancelled
--- KEYS[3] results stream, KEYS[4] guard bitmap, KEYS[5] attempts hash (all get the TTL)
+-- KEYS[3] results stream, KEYS[4] guard bitmap, KEYS[5] attempts hash, KEYS[6] admissions bitmap
+--         (all get the TTL: nothing of an exported job stays in Redis for good)
 -- ARGV[1] output location
 -- ARGV[2] now (ms since the epoch)
 -- ARGV[3] TTL (seconds) of the job's results stream, guard and attempts
@@ -22,5 +23,5 @@ redis.call('HSET', KEYS[1], 'output', ARGV[1], 'exported_at', ARGV[2])
 if final ~= st then redis.call('HSET', KEYS[1], 'status', final, final .. '_at', ARGV[2]) end
 redis.call('HDEL', KEYS[1], 'export_error')
 redis.call('SREM', KEYS[2], ARGV[4])
-for i = 3, 5 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
+for i = 3, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
 return final

@@ -12,15 +12,19 @@
 -- ARGV[4] now (ms since the epoch)
 -- ARGV[5] TTL (seconds) of a direct request's guard, and of a reply stream after its last row
 -- ARGV[6] retention of results:direct: entries older than this id (ms) are trimmed (MINID ~)
--- Returns {published, finalizing, skipped}: two 0/1 integers, and the reply streams (reply_to or
--- a retry's) that were not written because the key is not a stream.
+-- Returns {published, finalizing, skipped, dropped}: 0/1 integers, and the reply streams (reply_to
+-- or a retry's) that were not written because the key is not a stream. dropped = 1: a job's row
+-- whose job has no record (deleted, or lost by a Redis restart without persistence): nothing was
+-- written, so no orphan results stream (with no TTL, no export to end it) is ever created.
 local idx = tonumber(ARGV[1])
 if idx < 0 then
   if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[5]) then
-    return {0, 0, {}}
+    return {0, 0, {}, 0}
   end
+elseif redis.call('EXISTS', KEYS[3]) == 0 then
+  return {0, 0, {}, 1}
 elseif redis.call('SETBIT', KEYS[1], idx, 1) == 1 then
-  return {0, 0, {}}
+  return {0, 0, {}, 0}
 end
 if idx < 0 then
   -- results:direct has no export that ends it: time-based retention, trimmed as rows arrive
@@ -50,9 +54,8 @@ if redis.call('EXISTS', KEYS[4]) == 1 then
   end
   redis.call('HSET', KEYS[4], 'row', ARGV[2])
 end
-if idx < 0 or redis.call('EXISTS', KEYS[3]) == 0 then
-  -- direct requests, and jobs nobody created, have no counters to keep
-  return {1, 0, skipped}
+if idx < 0 then
+  return {1, 0, skipped, 0}  -- direct requests have no counters to keep
 end
 redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
-return {1, maybe_finalize(KEYS[3], ARGV[4]), skipped}
+return {1, maybe_finalize(KEYS[3], ARGV[4]), skipped, 0}

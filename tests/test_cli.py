@@ -45,12 +45,12 @@ def invoke(args: list[str], *more: str, code: int = 0):
 def test_submit_prints_the_job_id(env, tmp_path):
     args, client = env
     out = invoke(args, "submit", str(prompts(tmp_path)), "--model", "tiny", "--priority", "3",
-                 "--metadata", "team=a", "--metadata", "run=b=c", "--completion-window", "1h").output
+                 "--metadata", "team=a", "--metadata", "run=b=c", "--completion-window", "1h").stdout
     job = out.strip()
     record = client.status(job)
     assert (record.model, record.priority, record.total, record.completion_window) == ("tiny", 3, 3, 3600)
     assert record.metadata == {"team": "a", "run": "b=c"}
-    as_json = json.loads(invoke(args, "submit", str(prompts(tmp_path)), "--json").output)
+    as_json = json.loads(invoke(args, "submit", str(prompts(tmp_path)), "--json").stdout)
     assert client.status(as_json["job_id"]).total == 3
 
 
@@ -64,7 +64,7 @@ def test_status_human_and_json(env, tmp_path):
         assert data["id"] == job and data["status"] == "in_progress"
         assert data["request_counts"] == {"total": 3, "completed": 0, "failed": 0, "cancelled": 0,
                                           "expired": 0, "held": 0}
-        assert data["held"] == {"requests": 0, "model": "tiny", "served": [], "by_model": {}}
+        assert data["held"] == {"requests": 0, "model": "tiny", "models": [], "served": [], "by_model": {}}
         assert data["created_at"] and data["output"] is None
 
 
@@ -248,7 +248,7 @@ def test_demo_gguf_says_how_to_install_the_package(monkeypatch):
 
 def test_top_once_prints_one_frame_and_json(env, tmp_path):
     args, client = env
-    job = invoke(args, "submit", str(prompts(tmp_path, 4)), "--model", "tiny").output.strip()
+    job = invoke(args, "submit", str(prompts(tmp_path, 4)), "--model", "tiny").stdout.strip()
     snapshot = json.loads(invoke(args, "top", "--once", "--json").output)
     (view,) = [j for j in snapshot["jobs"] if j["id"] == job]
     assert (view["total"], view["done"]) == (4, 0)
@@ -263,7 +263,7 @@ def test_submit_input_column_sends_a_parquet_text_column_as_embedding_inputs(env
     args, client = env
     f = tmp_path / "corpus.parquet"
     pq.write_table(pa.table({"custom_id": ["d1", "d2"], "text": ["first doc", "second doc"]}), f)
-    job = invoke(args, "submit", str(f), "--model", "minilm", "--input-column", "text").output.strip()
+    job = invoke(args, "submit", str(f), "--model", "minilm", "--input-column", "text").stdout.strip()
     assert client.status(job).total == 2
     bodies = [json.loads(fields[b"body"]) for _, fields in client.redis.xrange(client.keys.requests)
               if b"body" in fields]

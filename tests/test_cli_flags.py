@@ -154,8 +154,8 @@ def test_status_jobs_and_top_show_held_requests(queue, tmp_path):
     assert line in invoke(*base, "status", job).output
     data = json.loads(invoke(*base, "status", job, "--json").output)
     assert data["request_counts"]["held"] == 3
-    assert data["held"] == {"requests": 3, "model": "SmolLM2", "served": ["hf", "qwen"],
-                            "by_model": {"SmolLM2": 3}}
+    assert data["held"] == {"requests": 3, "model": "SmolLM2", "models": ["SmolLM2"],
+                            "served": ["hf", "qwen"], "by_model": {"SmolLM2": 3}}
     jobs = invoke(*base, "jobs").output
     assert "held 3" in jobs and line in jobs
     top = invoke(*base, "top", "--once").output

@@ -193,13 +193,40 @@ def test_a_line_naming_an_adapter_of_the_jobs_model_keeps_it(env):
     (adapter_batch,) = batches(r, "base:sql")
     assert [(q.idx, q.model, q.lora) for q in adapter_batch] == [(0, "sql", "sql"), (1, "base:sql", "sql"),
                                                                   (2, "short:sql", "sql")]
-    (base_batch,) = batches(r, "base")  # another name is still overridden by the job's model
-    assert [(q.idx, q.model, q.lora) for q in base_batch] == [(3, "short", None), (4, "short", None)]
-    (bad,) = rows(r, KEYS.results("j"))  # an adapter of the job's model nobody serves: its row at once
+    (base_batch,) = batches(r, "base")  # a line without a model runs on the job's
+    assert [(q.idx, q.model, q.lora) for q in base_batch] == [(4, "short", None)]
+    # with adapters served, another name is no longer answered by the base (issue 28): its row at once,
+    # as is an adapter of the job's model nobody serves
+    other, bad = rows(r, KEYS.results("j"))
+    assert (other.idx, other.model, other.error_code) == (3, "gpt-4o-mini", "unknown_model")
     assert (bad.idx, bad.error_code) == (5, "unknown_model")
     assert "served adapters: chat, sql" in bad.error_message
     record = JobStore(r, KEYS).get("j")
-    assert record is not None and record.models_overridden == 1
+    assert record is not None and record.models_overridden == 0
+
+
+def test_with_adapters_served_a_line_naming_no_adapter_is_unknown_not_the_base(env):
+    # `run --lora sql=DIR` and a line naming `sqll`: answered by the base before (issue 28)
+    r, registry = env
+    registry.register_model("other", FILES, CAP)
+    heartbeat(registry, "w1", "base", ["sql", "chat"])
+    JobStore(r, KEYS).create("j", model="base")
+    for idx, line_model in enumerate(("sqll", "other", "short", "base", "chat")):
+        send(r, line_model, job_id="j", idx=idx, line=idx + 1)
+    run_until_idle(make_scheduler(r))
+    got = rows(r, KEYS.results("j"))
+    assert [(row.idx, row.model, row.error_code) for row in got] == [(0, "sqll", "unknown_model"),
+                                                                    (1, "other", "unknown_model")]
+    assert got[0].error_message == ("model 'sqll' is not served for the job's model 'base': neither it, an "
+                                    "alias of it nor one of its adapters; served adapters: chat, sql")
+    assert [(q.idx, q.lora) for q in batches(r, "base")[0]] == [(2, None), (3, None)]  # alias, base
+    assert [(q.idx, q.lora) for q in batches(r, "base:chat")[0]] == [(4, "chat")]
+    # without adapters the job's model answers every line (hosted names in OpenAI files)
+    heartbeat(registry, "w2", "other", [])
+    JobStore(r, KEYS).create("k", model="other")
+    send(r, "gpt-4o-mini", job_id="k", idx=0, line=1)
+    run_until_idle(make_scheduler(r))
+    assert rows(r, KEYS.results("k")) == [] and [q.model for q in batches(r, "other")[0]] == ["other"]
 
 
 def test_an_unknown_adapter_of_a_served_model_is_answered_at_once(env):

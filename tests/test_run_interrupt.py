@@ -1,5 +1,6 @@
-"""`batchinfer run` stopped by Ctrl-C or --timeout: it says so at once, is done in seconds, keeps
-its logs and writes the results so far (unless --no-partial). Real subprocesses, real SIGINT."""
+"""`batchinfer run` stopped by Ctrl-C or --timeout: it says so at once, cancels its job, is done in
+seconds, keeps its logs and writes a row for every line, the unfinished ones `cancelled` (unless
+--no-partial). Real subprocesses, real SIGINT."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_ctrl_c_stops_quickly_and_writes_the_partial_results(tiny_llama, tmp_pat
     out = tmp_path / "out.parquet"
     run = Run(tmp_path, str(long_input(tmp_path)), "-o", str(out), "--model", str(tiny_llama))
     proc, seen = run.proc, run.seen
-    url = wait_for(seen, proc, "embedded Redis on ").split(" on ", 1)[1].strip()
+    url = wait_for(seen, proc, "redis: embedded redis-server on ").split(" on ", 1)[1].strip()
     job = wait_for(seen, proc, "job ").split()[1]
     results = Keys(Settings.from_env(run.env).prefix).results(job)
     with connect(url) as r:  # the run's own Redis: wait for some rows in
@@ -93,8 +94,11 @@ def test_ctrl_c_stops_quickly_and_writes_the_partial_results(tiny_llama, tmp_pat
     assert code == 130, text
     assert time.monotonic() - sent < STOP_WITHIN_S
     rows = pq.read_table(out).to_pylist()
-    assert 0 < len(rows) == reported_rows(text) < LINES  # rows were in before the Ctrl-C
-    assert all(r["custom_id"] for r in rows) and len({r["custom_id"] for r in rows}) == len(rows)
+    assert len(rows) == reported_rows(text) == LINES, text  # a row for every line, as `cancel` gives
+    assert sorted(r["idx"] for r in rows) == list(range(LINES))
+    statuses = {r["status"] for r in rows}
+    assert "completed" in statuses and "cancelled" in statuses, statuses  # rows were in before the Ctrl-C
+    assert f"cancelled job {job}" in text, text
     logs = Path(wait_for(seen, proc, "logs kept in ").split("logs kept in ", 1)[1].strip())
     assert logs.is_dir() and (logs / "worker-0.log").is_file()
 
@@ -106,9 +110,11 @@ def test_timeout_writes_partial_results_and_no_partial_does_not(tiny_llama, tmp_
     code, text = run.wait(timeout=START_TIMEOUT_S + STOP_WITHIN_S)
     assert code == 6, text
     assert "after 5 s; stopping..." in text, text
-    # however many rows 5 s gave (none, on a slow box), the file holds exactly those the line reports
+    # however many rows 5 s gave (none, on a slow box), the job was cancelled: a row for every line
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(lines) == reported_rows(text) < LINES and all(x["custom_id"] for x in lines)
+    assert len(lines) == reported_rows(text) == LINES, text
+    assert sorted(x["idx"] for x in lines) == list(range(LINES))
+    assert {x["status"] for x in lines} <= {"completed", "cancelled"} and "cancelled job " in text
     other = tmp_path / "none.parquet"
     run = Run(tmp_path, str(long_input(tmp_path)), "-o", str(other), "--model", str(tiny_llama),
               "--timeout", "3", "--no-partial")

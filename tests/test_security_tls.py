@@ -33,6 +33,11 @@ CLI = python_module("batchinfer.cli")
 PREFIX = "{sec}"
 DAEMON_PW = "Dmn-pw-7f1c9e2a"  # distinctive, so that a leak anywhere is found by a plain search
 PRODUCER_PW = "Prd-pw-51d0aa3b"
+# docs/reliability.md's producer user (Redis 7: %R~ = read-only keys): its own namespace "svc-" of job
+# ids and reply streams; it sends entries, polls its jobs, reads their results and its replies.
+PRODUCER_ACL = (f"user producer on >{PRODUCER_PW} resetkeys ~{PREFIX}:requests ~{PREFIX}:reply:svc-* "
+                f"%R~{PREFIX}:job:svc-* %R~{PREFIX}:results:svc-* resetchannels -@all +xadd +xread +xrange "
+                "+xrevrange +xlen +hmget +hget +hgetall +del +ping +info +client|setname")
 
 
 # -- a TLS redis-server with ACL users -----------------------------------------------------------------
@@ -125,8 +130,7 @@ class TlsRedis:
         acl = folder / "users.acl"
         acl.write_text("user default off\n"
                        f"user batchinfer on >{DAEMON_PW} ~* &* +@all\n"
-                       f"user producer on >{PRODUCER_PW} resetkeys ~{PREFIX}:requests ~{PREFIX}:reply:* "
-                       "resetchannels -@all +xadd +xread +del +ping +client|setname\n")
+                       f"{PRODUCER_ACL}\n")
         self.log = folder / "redis.log"
         args = ["--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1", "--tls-cert-file", cert,
                 "--tls-key-file", key, "--tls-ca-cert-file", self.ca, "--tls-auth-clients", "no",
@@ -189,8 +193,19 @@ def test_tls_only_and_acl_users(tls):
         once(f"redis://batchinfer:{DAEMON_PW}@127.0.0.1:{tls.port}/0").ping()
     producer, keys = tls.client("producer", PRODUCER_PW), Keys(PREFIX)
     assert producer.xadd(keys.requests, {"v": "1", "body": "{}"})
-    for forbidden in (lambda: producer.hset(keys.job("j"), "status", "completed"),
+    _assert_producer_limits(producer, keys)
+
+
+def _assert_producer_limits(producer: redis.Redis, keys: Keys, job: str = "svc-j") -> None:
+    """What the producer user must not do: write job records (its own too), results (forged rows),
+    batch streams; read other producers' jobs and results, ``results:direct``; FLUSHALL, CONFIG."""
+    for forbidden in (lambda: producer.hset(keys.job(job), "status", "completed"),
+                      lambda: producer.hset(keys.job("j"), "status", "completed"),
+                      lambda: producer.delete(keys.job(job)),
+                      lambda: producer.xadd(keys.results(job), {"row": "{}"}),
                       lambda: producer.xadd(keys.batches("m"), {"v": "1", "requests": "[]"}),
+                      lambda: producer.hmget(keys.job("other"), "status"),
+                      lambda: producer.xrange(keys.results("other")),
                       lambda: producer.xrange(keys.results("direct")), lambda: producer.flushall(),
                       lambda: producer.config_get("*")):
         with pytest.raises(redis.exceptions.NoPermissionError):
@@ -308,3 +323,44 @@ def test_tls_acl_end_to_end_with_limits_and_no_secret_in_any_output(tls, tmp_pat
     for secret in (DAEMON_PW, PRODUCER_PW):
         assert secret not in everything, f"a password leaked:\n{everything}"
     assert "batchinfer:***@" in everything  # the URL is shown, redacted (exporter start, CLI errors)
+
+
+@pytest.mark.slow
+def test_the_documented_producer_user_runs_a_job_end_to_end(tls, tmp_path):
+    """docs/reliability.md's ``producer`` ACL user, with a scheduler, an echo worker and the exporter
+    running as the daemons' user: the INFO of a client's ready check, ``op open`` / entries /
+    ``op close`` (acknowledged on its reply stream), polling the job hash to ``completed``, reading
+    the job's results; and still none of what ``_assert_producer_limits`` forbids."""
+    env = {**os.environ, "BATCHINFER_REDIS_URL": tls.url("batchinfer", DAEMON_PW),
+           "BATCHINFER_REDIS_CA_FILE": str(tls.ca), "BATCHINFER_PREFIX": PREFIX,
+           "BATCHINFER_RESULTS_ROOT": str(tmp_path / "results"), "BATCHINFER_HEARTBEAT_SECONDS": "0.5",
+           "PYTHONUNBUFFERED": "1"}
+    daemons = Daemons(tmp_path, env)
+    for name, args in (("scheduler", ()), ("worker", ("--echo", "--name", "acl-w1")), ("exporter", ())):
+        daemons.start(name, name, *args)
+    try:
+        wait_for(lambda: Registry(tls.client("batchinfer", DAEMON_PW), Keys(PREFIX)).live_workers("echo"),
+                 "the worker", alive=daemons.check_alive)
+        producer, keys = tls.client("producer", PRODUCER_PW), Keys(PREFIX)
+        assert "redis_version" in producer.info()  # ioredis's ready check
+        job, reply = "svc-job-1", keys.reply("svc-ops")
+        producer.xadd(keys.requests, {"v": "1", "op": "open", "job": job, "model": "echo", "reply_to": reply})
+        for i in range(2):
+            body = json.dumps({"custom_id": f"c{i}", "prompt": f"hello {i}", "max_tokens": 3})
+            producer.xadd(keys.requests, {"v": "1", "job": job, "idx": str(i), "body": body})
+        producer.xadd(keys.requests, {"v": "1", "op": "close", "job": job, "total": "2", "reply_to": reply})
+        wait_for(lambda: producer.hmget(keys.job(job), "status")[0] == b"completed", "the job completed",
+                 alive=daemons.check_alive)
+        status, total, completed = producer.hmget(keys.job(job), "status", "total", "completed")
+        assert (total, completed) == (b"2", b"2")
+        assert producer.xlen(keys.results(job)) == 2
+        rows = [json.loads(f[b"row"]) for _, f in producer.xrange(keys.results(job))]
+        assert sorted((row["custom_id"], row["status"]) for row in rows) == [("c0", "completed"),
+                                                                             ("c1", "completed")]
+        [(_, acks)] = producer.xread({reply: "0"}, block=10_000)
+        assert [json.loads(f[b"row"])["op"] for _, f in acks] == ["open", "close"]
+        assert producer.delete(reply) == 1
+        _assert_producer_limits(producer, keys, job)
+    finally:
+        codes = daemons.stop()
+    assert codes == {"scheduler": 0, "worker": 0, "exporter": 0}, daemons.logs()

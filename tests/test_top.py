@@ -5,13 +5,14 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 from rich.console import Console
 
 from batchinfer.cli.top import Snapshot, render_to_text, run_top, snapshot_from_redis, snapshot_to_dict
 from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
 from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.protocol.entries import IntakeEntry
-from batchinfer.protocol.rows import ResultRow
+from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.queue_state import JobView, QueueState, StreamState, WorkerView
@@ -128,3 +129,16 @@ def test_snapshot_as_json_has_rates_and_etas():
     assert (big["done"], big["rate"], big["eta_seconds"]) == (400, 2.0, 300.0)
     assert data["workers"][0]["load"] == 0.75 and data["workers"][1]["load"] is None
     assert data["queues"]["intake"]["lag_seconds"] == 90.0 and data["queues"]["deadletter"] == 7
+
+
+def test_no_eta_while_no_live_worker_serves_the_jobs_model(redis_server):
+    r, keys = redis_server.client(), Keys("{eta}")
+    job_id = seed(r, keys)
+    r.hset(keys.job(job_id), "in_progress_at", now_ms() - 10_000)  # 2 answered in 10 s: 0.2 req/s
+    [job] = snapshot_to_dict(snapshot_from_redis(r, keys))["jobs"]
+    assert job["served"] is True and job["eta_seconds"] == pytest.approx(10.0, rel=0.2)
+    Registry(r, keys).unregister_worker("worker-1")  # its only worker is gone
+    snap = snapshot_from_redis(r, keys)
+    [job] = snapshot_to_dict(snap)["jobs"]
+    assert job["served"] is False and job["eta_seconds"] is None and job["rate"] is not None
+    assert "no worker" in row_of(render_to_text(snap, width=160), job_id)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from test_top import NOW, known_snapshot
 
-from batchinfer.cli.top import Snapshot, render_to_text
+from batchinfer.cli.top import Snapshot, render_to_text, serving
 from batchinfer.store.queue_state import JobView
 
 JOB_A = "job_0193a3b4c5d6_a1b2c3d4e5f6"  # the length new_job_id() makes
@@ -20,6 +20,7 @@ def realistic() -> Snapshot:
     snap.jobs = [dataclasses.replace(snap.jobs[0], id=JOB_A, model="SmolLM2-135M-Instruct"),
                  dataclasses.replace(snap.jobs[1], id=JOB_B, held=3)]
     snap.held, snap.served = {"SmolLM2": 3}, ["hf", "qwen"]
+    snap.workers = [dataclasses.replace(snap.workers[0], model="SmolLM2-135M-Instruct"), snap.workers[1]]
     return snap
 
 
@@ -51,3 +52,20 @@ def test_no_eta_without_a_bound_and_no_rate_spike_after_a_cancel():
     assert cancelled.eta_seconds(NOW) is None
     submitting = dataclasses.replace(running, total=None)
     assert submitting.eta_seconds(NOW) is None
+
+
+def test_no_eta_while_no_live_worker_serves_the_model():
+    # issue 28: a job nothing could run showed "4m27s" left
+    snap = realistic()
+    running = snap.jobs[0]
+    assert serving(snap, running) and running.eta_seconds(NOW, served=True) == 300.0
+    assert running.eta_seconds(NOW, served=False) is None
+    snap.workers, snap.served = [], []  # no live worker at all
+    assert not serving(snap, running)
+    assert serving(dataclasses.replace(snap, served=["SmolLM2-135M-Instruct"]), running)  # an alias of one
+    assert not serving(snap, dataclasses.replace(running, model=""))  # a job naming no model: any worker
+    for width in (80, 160):
+        text = render_to_text(snap, width=width)
+        row = next(line for line in text.splitlines() if JOB_A in line)
+        assert "no worker" in row and "5m00s" not in row and "2.0" in row  # the rate so far stays
+        assert all(len(line) <= width for line in text.splitlines())

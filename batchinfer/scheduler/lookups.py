@@ -132,6 +132,7 @@ class ModelCache:
         self.registry, self.refresh = registry, refresh
         self._models: dict[str, tuple[float, ServedModel | None]] = {}
         self._tokenizers: dict[str, Tokenizer] = {}  # by the sha256 of the tokenizer files alone
+        self._adapters: dict[str, tuple[float, list[str]]] = {}  # base -> (read at, its adapter names)
 
     def get(self, name: str) -> ServedModel | None:
         """The served model ``name`` names, or None when no worker registered it or an alias of that
@@ -152,6 +153,19 @@ class ModelCache:
             self._models.clear()
         self._models[name] = (now, served)
         return served
+
+    def adapters(self, base: str) -> list[str]:
+        """The adapter names registered for canonical model ``base`` (re-read each refresh: asked for
+        every line of a job whose lines name another model)."""
+        now = time.monotonic()
+        hit = self._adapters.get(base)
+        if hit and now - hit[0] < self.refresh:
+            return hit[1]
+        if len(self._adapters) > 1024:
+            self._adapters.clear()
+        names = self.registry.adapters_of(base)
+        self._adapters[base] = (now, names)
+        return names
 
     def _load(self, name: str) -> ServedModel | None:
         info = self.registry.get_model(name)

@@ -160,9 +160,15 @@ def read_status(redis_client: redis.Redis, keys: Keys, job_id: str) -> JobStatus
     return parse_status(redis_client.hget(keys.job(job_id), JobField.STATUS))
 
 
+_last_id_ms = 0  # the ms of this process's last job id
+
+
 def new_job_id() -> str:
-    """A fresh job id, sortable by creation time: ``job_<ms hex>_<random hex>``."""
-    return f"job_{now_ms():012x}_{secrets.token_hex(6)}"
+    """A fresh job id, sortable by creation time: ``job_<ms hex>_<random hex>``. Within a process the
+    ms part strictly increases (two jobs submitted in one millisecond still list in their order)."""
+    global _last_id_ms
+    _last_id_ms = max(now_ms(), _last_id_ms + 1)
+    return f"job_{_last_id_ms:012x}_{secrets.token_hex(6)}"
 
 
 @dataclass
@@ -369,8 +375,10 @@ class JobStore:
 
         Returns the job's status after the call (unchanged when it had already ended, or is
         ``finalizing``: every request has its row, so nothing is left to cancel), ``None``
-        for an unknown job. The scheduler turns pending requests into ``cancelled`` rows, workers
-        abort running ones, and the job ends ``cancelled``.
+        for an unknown job. The scheduler turns pending requests into ``cancelled`` rows within a
+        second, worker or not (staged and held ones, and batches no live worker holds:
+        ``batchinfer.scheduler.accounting.Settler``), workers abort the ones they hold, and the job
+        ends ``cancelled``.
         """
         result = self._cancel(keys=[self.keys.job(job_id), self.keys.cancelled], args=[job_id, now_ms()])
         if result is None:

@@ -95,6 +95,17 @@ def held_models(r: redis.Redis, keys: Keys) -> dict[str, int]:
     return {m: n for m, n in sorted(counts.items()) if n > 0}
 
 
+def held_models_of(r: redis.Redis, keys: Keys, job_id: str, cap: int = LAG_COUNT_CAP) -> list[str]:
+    """The models one job's held requests wait for (``held_model`` of its ``{p}:held`` entries), in
+    the order held: ``status`` names them for a job without a model. Reads at most ``cap`` entries
+    of the holding area, oldest first."""
+    job, models = job_id.encode(), dict[str, None]()  # in the order held
+    for _, fields in replies.entries(r.xrange(keys.held, count=cap)):
+        if fields.get(b"job") == job and b"held_model" in fields:
+            models[as_text(fields[b"held_model"], "replace")] = None
+    return list(models)
+
+
 def served_models(r: redis.Redis, keys: Keys) -> list[str]:
     """The names live workers answer to now: their models, their adapters' models (``BASE:NAME``)
     and the aliases of both (``{p}:model_aliases``: ``--served-model-name``, adapter short
@@ -216,12 +227,14 @@ class JobView:
             return None
         return self.answered / elapsed
 
-    def eta_seconds(self, now: int) -> float | None:
+    def eta_seconds(self, now: int, served: bool = True) -> float | None:
         """Seconds left at the average rate so far; None when there is no bounded estimate: the total
-        is unknown (still submitting), requests are held for a model no worker serves, the job
-        is not running (cancelling, finalizing), or no request was answered yet."""
+        is unknown (still submitting), requests are held for a model no worker serves, no live
+        worker serves the job's model (``served`` False: nothing runs what is left), the job is not
+        running (cancelling, finalizing), or no request was answered yet."""
         rate = self.rate(now)
-        if rate is None or self.total is None or self.held > 0 or self.status != JobStatus.IN_PROGRESS.value:
+        if (rate is None or not served or self.total is None or self.held > 0
+                or self.status != JobStatus.IN_PROGRESS.value):
             return None
         return max(0, self.total - self.done) / rate
 

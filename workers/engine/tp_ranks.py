@@ -92,8 +92,9 @@ def wanted_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
 class RankProcesses:
     """Rank 0's handle on ranks 1..N-1: the group, rank 0's shard, the step channel, the processes.
 
-    Built by :meth:`start`; ``close`` (idempotent; also at garbage collection and at interpreter
-    exit) shuts the ranks down.
+    Built by :meth:`start`; ``close`` (idempotent) shuts the ranks down and leaves the group. One
+    dropped unclosed has its ranks killed and the group left when it is collected (``del llm``:
+    the process may then start another TP engine), its ranks killed at interpreter exit.
     """
 
     def __init__(self, config: EngineConfig, tp: TPGroup, model: Decoder, channel: StepChannel,
@@ -109,9 +110,11 @@ class RankProcesses:
         self.ready = False
         self.failed: str | None = None  # why a step failed: the ranks are out of step for good
         self.closed = False
-        # Dropped without close(): killed when collected, or at exit. Not through finalize's own
-        # exit hook, which may run after multiprocessing's, which would wait for the ranks forever.
-        self._finalizer = weakref.finalize(self, _reap, procs)
+        # Dropped without close() (``del llm``): the ranks are killed and the group left when this
+        # is collected, so that the process can start another TP engine. At exit only killed: not
+        # through finalize's own exit hook, which may run after multiprocessing's, which would
+        # wait for the ranks forever.
+        self._finalizer = weakref.finalize(self, _release, procs, conns, tp)
         self._finalizer.atexit = False
         self._at_exit = functools.partial(_reap, procs)
         atexit.register(self._at_exit)
@@ -259,10 +262,7 @@ class RankProcesses:
         for rank, proc in enumerate(self.procs, start=1):
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
             self._drain(rank)  # the step-input latency a rank reports as it leaves
-        self._finalizer()  # SIGKILL to whatever is left, then reap
-        for conn in self.conns:
-            conn.close()
-        self.tp.close()
+        self._finalizer()  # SIGKILL to whatever is left, reap, leave the group
 
     def step_input_latency(self) -> dict[int, dict[str, float]]:
         """Per rank, as measured there: steps received and the mean / max microseconds from rank 0's
@@ -343,6 +343,15 @@ def _describe(rank: int, proc: Any, message: str | None) -> str:
     else:
         how = f"exited with code {code}"
     return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}" + (f": {message}" if message else "")
+
+
+def _release(procs: list[Any], conns: list[Connection], tp: TPGroup) -> None:
+    """SIGKILL and reap the ranks still running, close their pipes and leave the group: what
+    ``close`` ends with, and all that is done when a ``RankProcesses`` is collected unclosed."""
+    _reap(procs)
+    for conn in conns:
+        conn.close()
+    tp.close()
 
 
 def _reap(procs: list[Any]) -> None:

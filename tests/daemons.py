@@ -181,6 +181,16 @@ class Stack:
         return "\n".join(parts)
 
 
+def serve_tiny(r: Any, keys: Any, tokenizer_files: dict[str, bytes], capacity: dict[str, int],
+               ttl: float = 600) -> Registry:
+    """Register model ``tiny`` (its tokenizer files, ``capacity``) and a live worker ``w1`` serving it,
+    as a scheduler sees them: what the scheduler tests need instead of a running worker."""
+    registry = Registry(r, keys)
+    registry.register_model("tiny", tokenizer_files, capacity)
+    registry.heartbeat_worker("w1", {"model": "tiny", "capacity": capacity}, ttl=ttl)
+    return registry
+
+
 def wait_for(cond: Callable[[], Any], what: str, timeout: float = 60.0,
              alive: Callable[[], Any] | None = None, *, poll: float = 0.05,
              details: Callable[[], str] | None = None) -> Any:

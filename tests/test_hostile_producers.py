@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from daemons import serve_tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,6 @@ from batchinfer.scheduler.intake import MAX_INTAKE_DELIVERIES
 from batchinfer.scheduler.packing import Budget, Candidate, Packer
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
-from batchinfer.store.registry import Registry
 from batchinfer.workers.text.tokenizer import PromptTooLong, Tokenizer
 from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
@@ -40,9 +40,7 @@ def files(tiny_llama):
 def r(redis_module, files):
     r = redis_module.client()
     r.flushdb()
-    registry = Registry(r, KEYS)
-    registry.register_model("tiny", files, CAP)
-    registry.heartbeat_worker("w1", {"model": "tiny", "capacity": CAP}, ttl=600)
+    serve_tiny(r, KEYS, files, CAP)
     return r
 
 
@@ -312,9 +310,7 @@ PROTECTED = ["{h}:requests", "{h}:deadletter", "{h}:results:victim", "{h}:job:vi
 def test_fuzz_intake_always_advances_answers_once_and_stays_in_its_namespace(redis_module, files, entries):
     r = redis_module.client()
     r.flushdb()
-    registry = Registry(r, KEYS)
-    registry.register_model("tiny", files, CAP)
-    registry.heartbeat_worker("w1", {"model": "tiny", "capacity": CAP}, ttl=600)
+    serve_tiny(r, KEYS, files, CAP)
     JobStore(r, KEYS).create("j", model="tiny")
     JobStore(r, KEYS).create("victim", model="tiny")
     r.xadd(KEYS.results("victim"), {"row": "x"})

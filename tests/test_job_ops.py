@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from daemons import serve_tiny
 
 from batchinfer.client.client import Client
 from batchinfer.config import Settings
@@ -14,7 +15,6 @@ from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStatus, JobStore
 from batchinfer.store.publish import Publisher
-from batchinfer.store.registry import Registry
 from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 KEYS = Keys("{o}")
@@ -25,9 +25,7 @@ BODY = json.dumps({"prompt": "hello", "max_tokens": 2})
 @pytest.fixture
 def r(redis_server, tiny_llama):
     r = redis_server.client()
-    registry = Registry(r, KEYS)
-    registry.register_model("tiny", read_tokenizer_files(tiny_llama), CAP)
-    registry.heartbeat_worker("w1", {"model": "tiny", "capacity": CAP}, ttl=60)
+    serve_tiny(r, KEYS, read_tokenizer_files(tiny_llama), CAP, ttl=60)
     return r
 
 

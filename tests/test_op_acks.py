@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from daemons import serve_tiny
 
 from batchinfer.config import Settings
 from batchinfer.keys import DIRECT, Keys
 from batchinfer.protocol.rows import ResultRow
 from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStore
-from batchinfer.store.registry import Registry
 from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 KEYS = Keys("{a}")
@@ -26,9 +26,7 @@ REPLY = "{a}:reply:producer"
 @pytest.fixture
 def r(redis_server, tiny_llama):
     r = redis_server.client()
-    registry = Registry(r, KEYS)
-    registry.register_model("tiny", read_tokenizer_files(tiny_llama), CAP)
-    registry.heartbeat_worker("w1", {"model": "tiny", "capacity": CAP}, ttl=60)
+    serve_tiny(r, KEYS, read_tokenizer_files(tiny_llama), CAP, ttl=60)
     return r
 
 

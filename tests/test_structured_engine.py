@@ -253,6 +253,14 @@ def test_a_matcher_failing_mid_generation_aborts_only_its_request(engine_factory
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
 
 
+def two_person_requests(engine):
+    """``engine`` with requests ``ok`` and ``victim``, both greedy and constrained to PERSON."""
+    for rid in ("ok", "victim"):
+        engine.add_request(rid, prompt=prompt(len(rid)), sampling_params=SamplingParams(
+            temperature=0.0, max_tokens=200, structured_outputs=PERSON))
+    return engine
+
+
 def test_a_matcher_raising_during_the_mask_fill_aborts_only_its_request(engine_factory):
     class Exploding:
         """A fault in one matcher on the helper thread (as a backend bug would be)."""
@@ -266,10 +274,7 @@ def test_a_matcher_raising_during_the_mask_fill_aborts_only_its_request(engine_f
         def __getattr__(self, name):
             return getattr(self.real, name)
 
-    engine = engine_factory()
-    for rid in ("ok", "victim"):
-        engine.add_request(rid, prompt=prompt(len(rid)), sampling_params=SamplingParams(
-            temperature=0.0, max_tokens=200, structured_outputs=PERSON))
+    engine = two_person_requests(engine_factory())
     engine.step()
     victim = engine.requests["victim"].seqs[0]
     victim.matcher, victim.forced_tokens = Exploding(victim.matcher), None
@@ -296,10 +301,7 @@ def test_a_jump_forward_that_raises_ends_only_its_request_as_invalid(engine_fact
         def __getattr__(self, name):
             return getattr(self.real, name)
 
-    engine = engine_factory()
-    for rid in ("ok", "victim"):
-        engine.add_request(rid, prompt=prompt(len(rid)), sampling_params=SamplingParams(
-            temperature=0.0, max_tokens=200, structured_outputs=PERSON))
+    engine = two_person_requests(engine_factory())
     victim = engine.requests["victim"].seqs[0]
     victim.matcher = Exploding(victim.matcher)
     done = run(engine)

@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from daemons import CLI, ThreadedWorker, wait_until, worker_daemon
+from daemons import CLI, ThreadedWorker, serve_tiny, wait_until, worker_daemon
 
 from batchinfer.cli.context import EXIT_STARTUP
 from batchinfer.config import Settings
@@ -25,7 +25,6 @@ from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStore
-from batchinfer.store.registry import Registry
 from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 PREFIX = "{sw}"
@@ -38,9 +37,7 @@ CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "
 def test_the_scheduler_intake_answers_specs_no_worker_can_decode_with_invalid_request(redis_server,
                                                                                         tiny_llama):
     r = redis_server.client()
-    registry = Registry(r, KEYS)
-    registry.register_model("tiny", read_tokenizer_files(tiny_llama), CAP)
-    registry.heartbeat_worker("w1", {"model": "tiny", "capacity": CAP}, ttl=600)
+    serve_tiny(r, KEYS, read_tokenizer_files(tiny_llama), CAP)
     JobStore(r, KEYS).create("j", model="tiny")
     bodies = [{"prompt": "hi", "guided_regex": DFA_HEAVY},
               {"prompt": "hi", "structured_outputs": {"grammar": LARK_3000}},

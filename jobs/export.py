@@ -1,4 +1,4 @@
-"""Export a job's results stream to Parquet / JSONL / OpenAI batch output (an rq job).
+"""Export a job's results stream to Parquet / JSONL / OpenAI or Anthropic batch lines (an rq job).
 
 ``export_job`` reads ``{bi}:results:<job>`` in chunks, orders the rows by ``idx`` with bounded
 memory (an external merge sort: sorted runs spilled to temporary files, see :class:`IdxSorter`;

@@ -1,26 +1,33 @@
-"""Result rows as output records: the typed Parquet schema, JSONL lines, OpenAI batch output lines.
+"""Result rows as output records: the typed Parquet schema, JSONL lines, and the formats' line writers.
 
 A result row arrives as the JSON object of docs/protocol.md (``row`` field of a results stream
 entry). Everything here is pure: dict in, Arrow table or text line out. Embedding rows carry
 their vectors as base64 float32 (``embeddings``); :mod:`batchinfer.jobs.vectors` turns them into
-the Parquet array columns and back.
+the Parquet array columns and back. The vendors' lines are their own modules:
+:mod:`batchinfer.jobs.openai_lines` and :mod:`batchinfer.jobs.anthropic_lines`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
 
+from batchinfer.jobs.anthropic_lines import anthropic_line
+from batchinfer.jobs.openai_lines import openai_line
 from batchinfer.jobs.vectors import VECTOR_FIELDS, decoded_vectors, vector_arrays, vector_type_of
 from batchinfer.protocol.rows import encode_vector
 
-FORMATS = ("parquet", "jsonl", "openai")
-EXTENSIONS = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl"}
+__all__ = ["EXTENSIONS", "FORMATS", "LINE_FORMATS", "LOGPROB_TYPE", "OUTPUT_TYPE", "RESULT_SCHEMA",
+           "TOKEN_LOGPROB_TYPE", "TOOL_CALL_TYPE", "RowGroups", "anthropic_line", "arrow_record",
+           "arrow_row_groups", "arrow_table", "check_format", "jsonl_line", "openai_line", "protocol_row",
+           "result_schema", "row_dict"]
+
+FORMATS = ("parquet", "jsonl", "openai", "anthropic")
+EXTENSIONS = {"parquet": ".parquet", "jsonl": ".jsonl", "openai": ".jsonl", "anthropic": ".jsonl"}
 
 _TS = pa.timestamp("ms", tz="UTC")
 #: One token with its logprob: a top_logprobs element (``bytes``: the token's bytes, see docs/results.md).
@@ -41,6 +48,13 @@ OUTPUT_TYPE = pa.struct([
     pa.field("cumulative_logprob", pa.float64()),
     pa.field("structured", pa.string()),  # the constraint's kind; null when unconstrained
     pa.field("structured_complete", pa.bool_()),  # whether the text completes it; null when unconstrained
+])
+
+#: One tool call, in OpenAI's shape (``arguments``: the JSON text of the arguments object).
+TOOL_CALL_TYPE = pa.struct([
+    pa.field("id", pa.string()),
+    pa.field("type", pa.string()),
+    pa.field("function", pa.struct([pa.field("name", pa.string()), pa.field("arguments", pa.string())])),
 ])
 
 #: The columns of every Parquet result file, in order. ``sampling_params`` and ``metadata`` are JSON
@@ -71,6 +85,8 @@ RESULT_SCHEMA = pa.schema((  # a tuple: pyarrow's stubs type a list of mixed fie
     # Structured outputs (of the first completion): the constraint's kind, whether the output completed it.
     pa.field("structured", pa.string()),
     pa.field("structured_complete", pa.bool_()),
+    # The first completion's tool calls; null when the request had no tools or made no call.
+    pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)),
 ))
 
 _JSON_COLUMNS = ("sampling_params", "metadata", "pooling_params")
@@ -135,7 +151,21 @@ def arrow_record(row: Mapping[str, Any], schema: pa.Schema = RESULT_SCHEMA) -> d
     if outs is not None:
         rec["outputs"] = [{**{k: o.get(k) for k in _OUTPUT_KEYS},
                            "logprobs": _arrow_logprobs(o.get("logprobs"))} for o in outs]
+    if "tool_calls" in rec:
+        rec["tool_calls"] = _arrow_calls(rec["tool_calls"])
     return rec
+
+
+def _arrow_calls(calls: Any) -> list[dict[str, Any]] | None:
+    """Tool calls for :data:`TOOL_CALL_TYPE`: its keys only (an empty list is no calls: null)."""
+    if not calls:
+        return None
+    out = []
+    for call in calls:
+        function = call.get("function") or {}
+        out.append({"id": call.get("id"), "type": call.get("type"),
+                    "function": {"name": function.get("name"), "arguments": function.get("arguments")}})
+    return out
 
 
 def _arrow_token(entry: Mapping[str, Any]) -> dict[str, Any]:
@@ -188,47 +218,74 @@ def arrow_table(rows: Iterable[Mapping[str, Any]], vector: pa.DataType | None | 
     return table
 
 
+class RowGroups:
+    """Rows in, tables of ``result_schema(vector)`` out, to write one Parquet row group each, in order.
+
+    :meth:`add` takes one row and returns the tables completed by it (usually none); :meth:`finish`
+    the rest. A table is complete once it holds ``row_group_rows`` rows or ``row_group_bytes`` of
+    Arrow data. Rows are converted (:func:`arrow_table`) in batches of at most ``batch_rows`` rows
+    and about ``row_group_bytes / 8`` (sized from the rows converted so far; the first batch is
+    small), so memory holds one row group in Arrow's columnar form plus one batch of row dicts,
+    whatever the number and the size of the rows. Rows are pushed, so one pass over a job's rows
+    can feed several files (the output file and the error file).
+    """
+
+    def __init__(self, vector: pa.DataType | None, *, row_group_rows: int, row_group_bytes: int,
+                 batch_rows: int):
+        if batch_rows < 1 or row_group_rows < 1:
+            raise ValueError(f"batch_rows and row_group_rows must be >= 1, got {batch_rows}, "
+                             f"{row_group_rows}")
+        self.vector = vector
+        self.row_group_rows, self.row_group_bytes = row_group_rows, row_group_bytes
+        self.batch_rows = batch_rows
+        self._pending: list[pa.Table] = []
+        self._held = self._nbytes = 0  # rows and Arrow bytes in pending
+        self._done_rows = self._done_bytes = 0  # every row converted so far: the rows' mean size
+        self._limit = min(batch_rows, _FIRST_BATCH_ROWS)
+        self._batch: list[Mapping[str, Any]] = []
+
+    def add(self, row: Mapping[str, Any]) -> list[pa.Table]:
+        """Take ``row``; the row groups it completes."""
+        self._batch.append(row)
+        # never past a row group's row count: groups are cut where whole-group chunks cut them
+        if len(self._batch) >= min(self._limit, self.row_group_rows - self._held):
+            return self._convert()
+        return []
+
+    def finish(self) -> list[pa.Table]:
+        """The last row groups (the rows held)."""
+        done = self._convert() if self._batch else []
+        if self._pending:
+            done.append(pa.concat_tables(self._pending))
+            self._pending, self._held, self._nbytes = [], 0, 0
+        return done
+
+    def _convert(self) -> list[pa.Table]:
+        table = arrow_table(self._batch, self.vector)
+        self._batch = []
+        self._pending.append(table)
+        self._held += table.num_rows
+        self._nbytes += table.nbytes
+        self._done_rows += table.num_rows
+        self._done_bytes += table.nbytes
+        self._limit = max(1, min(self.batch_rows,
+                                 self.row_group_bytes // 8 * self._done_rows // max(self._done_bytes, 1)))
+        if self._held >= self.row_group_rows or self._nbytes >= self.row_group_bytes:
+            group = pa.concat_tables(self._pending)
+            self._pending, self._held, self._nbytes = [], 0, 0
+            return [group]
+        return []
+
+
 def arrow_row_groups(rows: Iterable[Mapping[str, Any]], vector: pa.DataType | None, *, row_group_rows: int,
                      row_group_bytes: int, batch_rows: int) -> Iterator[pa.Table]:
-    """Rows as tables of ``result_schema(vector)`` to write one Parquet row group each, in order.
-
-    A table is yielded once it holds ``row_group_rows`` rows or ``row_group_bytes`` of Arrow data.
-    Rows are converted (:func:`arrow_table`) in batches of at most ``batch_rows`` rows and about
-    ``row_group_bytes / 8`` (sized from the rows converted so far; the first batch is small), so
-    memory holds one row group in Arrow's columnar form plus one batch of row dicts, whatever the
-    number and the size of the rows.
-    """
-    if batch_rows < 1 or row_group_rows < 1:
-        raise ValueError(f"batch_rows and row_group_rows must be >= 1, got {batch_rows}, {row_group_rows}")
-    pending: list[pa.Table] = []
-    held = nbytes = 0  # rows and Arrow bytes in pending
-    done_rows = done_bytes = 0  # every row converted so far: the rows' mean size
-    limit = min(batch_rows, _FIRST_BATCH_ROWS)
-    batch: list[Mapping[str, Any]] = []
-
-    def convert() -> Iterator[pa.Table]:
-        nonlocal pending, held, nbytes, done_rows, done_bytes, limit
-        table = arrow_table(batch, vector)
-        batch.clear()
-        pending.append(table)
-        held += table.num_rows
-        nbytes += table.nbytes
-        done_rows += table.num_rows
-        done_bytes += table.nbytes
-        limit = max(1, min(batch_rows, row_group_bytes // 8 * done_rows // max(done_bytes, 1)))
-        if held >= row_group_rows or nbytes >= row_group_bytes:
-            yield pa.concat_tables(pending)
-            pending, held, nbytes = [], 0, 0
-
+    """Rows as tables of ``result_schema(vector)`` to write one Parquet row group each, in order
+    (:class:`RowGroups`, pulled from an iterable)."""
+    groups = RowGroups(vector, row_group_rows=row_group_rows, row_group_bytes=row_group_bytes,
+                       batch_rows=batch_rows)
     for row in rows:
-        batch.append(row)
-        # never past a row group's row count: groups are cut where whole-group chunks cut them
-        if len(batch) >= min(limit, row_group_rows - held):
-            yield from convert()
-    if batch:
-        yield from convert()
-    if pending:
-        yield pa.concat_tables(pending)
+        yield from groups.add(row)
+    yield from groups.finish()
 
 
 def protocol_row(rec: Mapping[str, Any]) -> dict[str, Any]:
@@ -263,123 +320,6 @@ def jsonl_line(row: Mapping[str, Any]) -> str:
     return json.dumps(row, ensure_ascii=False, separators=(",", ":"))
 
 
-# OpenAI's codes for requests a batch never ran.
-# keyed by a row's status, which a foreign row may lack (None)
-_OPENAI_ERROR_CODES: dict[str | None, str] = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
-
-
-def openai_line(row: Mapping[str, Any]) -> str:
-    """One line of the OpenAI batch output format: ``id``, ``custom_id``, ``response``, ``error``.
-
-    Completed rows get ``response.status_code`` 200 and a ``chat.completion`` body (when the row's
-    ``url`` / ``endpoint`` says ``/v1/chat/completions``), an embeddings ``list`` body (a row with
-    vectors, or ``/v1/embeddings``) or a ``text_completion`` body, with usage.
-    Other rows get ``response: null`` and ``error`` {``code``, ``message``}.
-    """
-    request_id = row.get("request_id")
-    out: dict[str, Any] = {"id": f"batch_req_{request_id}", "custom_id": row.get("custom_id"),
-                           "response": None, "error": None}
-    status = row.get("status")
-    if status == "completed":
-        out["response"] = {"status_code": 200, "request_id": request_id, "body": _openai_body(row)}
-    else:
-        code = _OPENAI_ERROR_CODES.get(status) or row.get("error_code") or status
-        out["error"] = {"code": code, "message": _error_message(row), "line": row.get("line")}
-    return json.dumps(out, ensure_ascii=False, separators=(",", ":"))
-
-
-# Python's json position suffix, which counts lines and columns of the body text, not of the file.
-_JSON_POSITION = re.compile(r": line (\d+) column (\d+) \(char \d+\)")
-
-
-def _error_message(row: Mapping[str, Any]) -> str:
-    """A failed row's message as a person fixing the input file reads it: "line 7: invalid JSON:
-    Expecting ',' delimiter (column 44)" (the file's line from the row's ``line``; the body's own
-    line only when the body spans several)."""
-    status = row.get("status")
-    message = row.get("error_message") or f"request {status}"
-
-    def position(m: re.Match[str]) -> str:
-        body_line, column = m.group(1), m.group(2)
-        if body_line == "1":
-            return f" (column {column})"
-        return f" (line {body_line} of the body, column {column})"
-
-    message = _JSON_POSITION.sub(position, message)
-    line = row.get("line")
-    if status == "failed" and isinstance(line, int) and not message.startswith("line "):
-        message = f"line {line}: {message}"
-    return message
-
-
-def _openai_body(row: Mapping[str, Any]) -> dict[str, Any]:
-    if row.get("embeddings") is not None or (row.get("url") or row.get("endpoint")) == "/v1/embeddings":
-        return _openai_embeddings(row)
-    chat = (row.get("url") or row.get("endpoint")) == "/v1/chat/completions"
-    outputs = row.get("outputs") or [{"index": 0, "text": row.get("output_text") or "",
-                                      "finish_reason": row.get("finish_reason")}]
-    choices = []
-    for o in outputs:
-        choice: dict[str, Any] = {"index": o.get("index", 0)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": o.get("text") or ""}
-        else:
-            choice["text"] = o.get("text") or ""
-        choice["logprobs"] = _openai_logprobs(o.get("logprobs"), chat)
-        choice["finish_reason"] = o.get("finish_reason") or row.get("finish_reason")
-        choices.append(choice)
-    prompt, completion = row.get("prompt_tokens") or 0, row.get("completion_tokens") or 0
-    finished = row.get("finished_at")
-    return {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{row.get('request_id')}",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(finished // 1000) if isinstance(finished, (int, float)) else None,
-        "model": row.get("model"),
-        "choices": choices,
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                  "total_tokens": prompt + completion,
-                  "prompt_tokens_details": {"cached_tokens": row.get("cached_tokens") or 0}},
-    }
-
-
-def _openai_embeddings(row: Mapping[str, Any]) -> dict[str, Any]:
-    """OpenAI's embeddings response: one ``data`` item per input, floats, or the row's own base64
-    float32 text when the request asked ``encoding_format: "base64"`` (OpenAI's base64 is that)."""
-    params = row.get("pooling_params")
-    if isinstance(params, str):
-        params = json.loads(params)
-    as_text = isinstance(params, Mapping) and params.get("encoding_format") == "base64"
-    texts = row.get("embeddings") or []
-    vectors = texts if as_text else decoded_vectors(row) or []
-    prompt = row.get("prompt_tokens") or 0
-    return {"object": "list",
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
-            "model": row.get("model"), "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
-
-
-def _openai_logprobs(steps: Any, chat: bool) -> dict[str, Any] | None:
-    """A choice's ``logprobs`` in OpenAI's shape: chat ``{content: [...], refusal}``, completions
-    ``{tokens, token_logprobs, top_logprobs, text_offset}``; None when not asked for (or rows of the
-    earlier ``{"<token id>": logprob}`` form, which hold no token text)."""
-    if steps is None or not all(isinstance(s, Mapping) and "logprob" in s for s in steps):
-        return None
-    if chat:
-        def token(e: Mapping[str, Any]) -> dict[str, Any]:
-            return {"token": e.get("token"), "logprob": e.get("logprob"), "bytes": e.get("bytes")}
-
-        return {"content": [{**token(s), "top_logprobs": [token(t) for t in s.get("top_logprobs") or ()]}
-                            for s in steps], "refusal": None}
-    tokens = [s.get("token") or "" for s in steps]
-    offsets, at = [], 0
-    for t in tokens:  # offsets into the completion's text, as vLLM counts them (no echo of the prompt)
-        offsets.append(at)
-        at += len(t)
-    tops = []
-    for s in steps:
-        # OpenAI: the top `logprobs` tokens and always the sampled one (so up to logprobs + 1)
-        top: dict[str, float] = {}
-        for e in [*(s.get("top_logprobs") or ()), s]:
-            top.setdefault(e.get("token") or "", e.get("logprob"))
-        tops.append(top)
-    return {"tokens": tokens, "token_logprobs": [s.get("logprob") for s in steps], "top_logprobs": tops,
-            "text_offset": offsets}
+#: The text formats: each row's line.
+LINE_FORMATS: dict[str, Callable[[Mapping[str, Any]], str]] = {
+    "jsonl": jsonl_line, "openai": openai_line, "anthropic": anthropic_line}

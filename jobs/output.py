@@ -1,4 +1,4 @@
-"""Where result files go and how they get there: destinations, atomic writes, the three formats.
+"""Where result files go and how they get there: destinations, atomic writes, the formats.
 
 A destination is a pyarrow filesystem URI (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ...), an
 absolute local path, or a relative path, which is taken below ``results_root`` and may not leave
@@ -6,7 +6,7 @@ it. Which destinations a *producer* may name for a job is :mod:`batchinfer.proto
 rule; what is resolved here is already someone's choice (the operator's, or a user's own file).
 Files are written to a hidden temporary name next to the destination and renamed into place only
 once complete, so a reader never sees a partial file; with ``replace=False`` a file already there
-is never replaced.
+is never replaced. With an error file (OpenAI's two files), one pass over the rows writes both.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import os
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +23,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from batchinfer.jobs.formats import (
-    arrow_row_groups,
-    check_format,
-    jsonl_line,
-    openai_line,
-    result_schema,
-    row_dict,
-)
+from batchinfer.jobs.formats import LINE_FORMATS, RowGroups, check_format, result_schema, row_dict
 from batchinfer.jobs.vectors import vector_type_of
 
 ROW_GROUP_ROWS = 64 * 1024  # rows per Parquet row group at most
@@ -154,13 +147,20 @@ def _split(path: str) -> tuple[str, str]:
 
 def write_rows(rows: Iterable[Any], path_or_uri: str | Destination, fmt: str = "parquet", *,
                results_root: str = ".", row_group_rows: int = ROW_GROUP_ROWS,
-               vector: pa.DataType | None | str = "auto", replace: bool = True) -> str:
+               vector: pa.DataType | None | str = "auto", replace: bool = True,
+               errors: str | Destination | None = None) -> str:
     """Write result rows, in the order given, to a file; returns its location.
 
-    ``rows`` are dicts, ``ResultRow`` objects or their JSON. Memory stays bounded by one row group
+    ``rows`` are dicts, ``ResultRow`` objects or their JSON. Memory stays bounded by one row group per file
     (:data:`ROW_GROUP_ROWS` rows, :data:`ROW_GROUP_BYTES` of Arrow data) converted
     :data:`BATCH_ROWS` rows at a time, whatever the number of rows. ``fmt``: ``parquet``
-    (``result_schema(vector)``), ``jsonl`` (the rows' JSON) or ``openai`` (OpenAI batch output lines).
+    (``result_schema(vector)``), ``jsonl`` (the rows' JSON), ``openai`` (OpenAI batch output lines)
+    or ``anthropic`` (Anthropic Message Batches result lines).
+
+    ``errors``: a second file (same format, same Parquet schema) that gets every row that did not
+    complete (``failed``, ``cancelled``, ``expired``), the first file holding the completed ones
+    only: OpenAI's output and error files. Both are written in one pass, each atomically; an error
+    file with no rows is written all the same (empty, or a Parquet file of no rows).
 
     ``vector``: the Parquet ``embedding`` column's type (None: no embedding columns), which must be
     fixed before the first row group is written. ``"auto"`` takes it from the first row group's
@@ -172,13 +172,36 @@ def write_rows(rows: Iterable[Any], path_or_uri: str | Destination, fmt: str = "
     """
     check_format(fmt)
     dest = path_or_uri if isinstance(path_or_uri, Destination) else resolve(path_or_uri, results_root)
-    with atomic_output(dest, replace=replace) as stream:
-        if fmt == "parquet":
-            _write_parquet(rows, stream, row_group_rows, vector)
+    error_dest = errors if errors is None or isinstance(errors, Destination) else resolve(errors,
+                                                                                            results_root)
+    dicts: Iterator[dict[str, Any]] = (row_dict(r) for r in rows)
+    vector_type: pa.DataType | None = None
+    if fmt == "parquet":
+        if vector == "auto":  # holds the first row group's dicts; the export passes its type instead
+            vector_type, dicts = _with_vector_type(dicts, row_group_rows)
+        elif isinstance(vector, str):
+            raise ValueError(f"vector must be a pyarrow type, None or 'auto', got {vector!r}")
         else:
-            line = jsonl_line if fmt == "jsonl" else openai_line
-            _write_lines((line(row_dict(r)) for r in rows), stream)
+            vector_type = vector
+    with contextlib.ExitStack() as stack:  # closed in reverse: the error file is placed first
+        sinks = [_sink(fmt, stack.enter_context(atomic_output(d, replace=replace)), stack, row_group_rows,
+                       vector_type) for d in (dest, error_dest) if d is not None]
+        ok, failed = sinks[0], sinks[-1]
+        for row in dicts:
+            (ok if row.get("status") == "completed" else failed).add(row)
+        for sink in sinks:
+            sink.finish()
     return dest.location
+
+
+def _sink(fmt: str, stream: Any, stack: contextlib.ExitStack, row_group_rows: int,
+          vector: pa.DataType | None) -> _ParquetSink | _LineSink:
+    """A file's writer, its Parquet writer (if any) closed with ``stack`` before its stream."""
+    if fmt != "parquet":
+        return _LineSink(stream, LINE_FORMATS[fmt])
+    writer = stack.enter_context(pq.ParquetWriter(stream, result_schema(vector), compression="zstd"))
+    return _ParquetSink(writer, RowGroups(vector, row_group_rows=row_group_rows,
+                                          row_group_bytes=ROW_GROUP_BYTES, batch_rows=BATCH_ROWS))
 
 
 def _with_vector_type(rows: Iterator[dict[str, Any]],
@@ -188,28 +211,38 @@ def _with_vector_type(rows: Iterator[dict[str, Any]],
     return vector_type_of(first), itertools.chain(first, rows)
 
 
-def _write_parquet(rows: Iterable[Any], stream: Any, row_group_rows: int,
-                   vector: pa.DataType | None | str) -> None:
-    dicts: Iterator[dict[str, Any]] = (row_dict(r) for r in rows)
-    if vector == "auto":  # holds the first row group's dicts; the export passes its type instead
-        vector, dicts = _with_vector_type(dicts, row_group_rows)
-    elif isinstance(vector, str):
-        raise ValueError(f"vector must be a pyarrow type, None or 'auto', got {vector!r}")
-    with pq.ParquetWriter(stream, result_schema(vector), compression="zstd") as writer:
-        for group in arrow_row_groups(dicts, vector, row_group_rows=row_group_rows,
-                                      row_group_bytes=ROW_GROUP_BYTES, batch_rows=BATCH_ROWS):
-            writer.write_table(group, row_group_size=row_group_rows)
+class _ParquetSink:
+    """Rows into one Parquet file, a row group at a time."""
+
+    def __init__(self, writer: pq.ParquetWriter, groups: RowGroups):
+        self.writer, self.groups = writer, groups
+
+    def add(self, row: dict[str, Any]) -> None:
+        for table in self.groups.add(row):
+            self.writer.write_table(table, row_group_size=self.groups.row_group_rows)
+
+    def finish(self) -> None:
+        for table in self.groups.finish():
+            self.writer.write_table(table, row_group_size=self.groups.row_group_rows)
 
 
-def _write_lines(lines: Iterable[str], stream: Any) -> None:
-    buf: list[str] = []
-    size = 0
-    for text in lines:
-        buf.append(text)
-        buf.append("\n")
-        size += len(text) + 1
-        if size >= _TEXT_BUFFER:
-            stream.write("".join(buf).encode())
-            buf, size = [], 0
-    if buf:
-        stream.write("".join(buf).encode())
+class _LineSink:
+    """Rows into one text file, a line each, written in chunks of about :data:`_TEXT_BUFFER`."""
+
+    def __init__(self, stream: Any, line: Callable[[Mapping[str, Any]], str]):
+        self.stream, self.line = stream, line
+        self.buf: list[str] = []
+        self.size = 0
+
+    def add(self, row: dict[str, Any]) -> None:
+        text = self.line(row)
+        self.buf.append(text)
+        self.buf.append("\n")
+        self.size += len(text) + 1
+        if self.size >= _TEXT_BUFFER:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.buf:
+            self.stream.write("".join(self.buf).encode())
+        self.buf, self.size = [], 0

@@ -102,7 +102,7 @@ CASES: dict[str, dict[int, Bad]] = {
     "openai_url_stream.jsonl": {
         # an embeddings line is understood, and routed: the job's model generates, so an error row
         2: bad(IR, "model 'echo' is a generation model", "/v1/embeddings needs an embedding model"),
-        3: bad("unsupported_url", "url '/v1/responses' is not supported"),
+        3: bad("unsupported_url", "url '/v1/moderations' is not supported"),
         4: bad(IR, 'method must be "POST"', "GET"),
         5: bad(IR, "stream: true is not supported"), 6: bad(IR, "stream: true is not supported")},
     "non_utf8.jsonl": {

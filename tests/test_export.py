@@ -103,8 +103,9 @@ def test_jsonl_and_openai_formats(redis_server, tmp_path):
     assert ok["error"] is None and ok["response"]["status_code"] == 200
     body = ok["response"]["body"]
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "text 0"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    usage = body["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (5, 3, 8)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert out[2]["response"] is None and out[2]["error"]["code"] == "engine_error"
 
 
@@ -113,7 +114,8 @@ def test_chat_rows_become_chat_completions(tmp_path):
     path = write_rows([row], str(tmp_path / "o.jsonl"), "openai")
     body = json.loads(Path(path).read_text())["response"]["body"]
     assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "text 0"}
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "text 0", "refusal": None,
+                                             "annotations": []}
 
 
 def test_cancelled_and_expired_jobs_keep_their_outcome(redis_server, tmp_path):

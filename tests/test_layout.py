@@ -226,7 +226,9 @@ def test_the_library_loads_without_redis(tmp_path):
 # What the wire format may know of the library: the parameters a request carries, never the
 # engine's types (turning an engine output into a row is the worker service's: workers/service/rows.py).
 REQUEST_VOCABULARY = {"batchinfer.workers.sampling_params", "batchinfer.workers.pooling_params",
-                      "batchinfer.workers.structured_params", "batchinfer.workers.lora_request"}
+                      "batchinfer.workers.structured_params", "batchinfer.workers.lora_request",
+                      # a request's tools (ToolSpec, parse_tools): pure data, no torch
+                      "batchinfer.workers.tools", "batchinfer.workers.tools.spec"}
 
 
 def test_the_wire_format_knows_only_the_request_parameters_of_the_library():

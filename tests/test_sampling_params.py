@@ -54,6 +54,11 @@ def test_defaults_match_vllm():
         ({"skip_special_tokens": None}, "skip_special_tokens must be a boolean"),
         ({"logprobs": 21}, "logprobs must be in [0, 20], got 21"),
         ({"logprobs": -1}, "logprobs must be in [0, 20]"),
+        ({"logit_bias": {"x": 1}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"7": 101}}, "logit_bias[7] must be in [-100, 100], got 101.0"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids[0] must be a non-negative integer"),
+        ({"bad_words": ["a", None]}, "bad_words[1] must be a string, got None"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, message):
@@ -115,6 +120,9 @@ params_strategy = st.builds(
     ignore_eos=st.booleans(),
     logprobs=st.one_of(st.none(), st.integers(0, 20)),
     skip_special_tokens=st.booleans(),
+    logit_bias=st.one_of(st.none(), st.dictionaries(st.integers(0, 2**31), st.floats(-100, 100), max_size=4)),
+    allowed_token_ids=st.one_of(st.none(), st.lists(st.integers(0, 2**31), min_size=1, max_size=4)),
+    bad_words=st.one_of(st.none(), st.lists(st.text(min_size=1), max_size=4)),
 )
 
 

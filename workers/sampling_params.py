@@ -19,6 +19,11 @@ from batchinfer.workers.structured_params import StructuredOutputsParams
 # turn sampling into a numerically fragile argmax.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# logit_bias entries per request: OpenAI's API refuses more than 300 ("logit_bias may not have more
+# than 300 tokens"); bad_words shares the bound, which also bounds the sampler's per-step matching.
+MAX_LOGIT_BIAS = 300
+MAX_BAD_WORDS = 300
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: each bias in [-100, 100]
 # Seeds are fed to torch.Generator.manual_seed through a 64-bit mix; any 64-bit value is allowed.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 # What the engine hands back while a request runs (vLLM's RequestOutputKind): "cumulative", the
@@ -54,6 +59,14 @@ class SamplingParams:
     # Constrain the output to a JSON schema / regex / choice / grammar (vLLM's field); a dict is
     # converted. See batchinfer.workers.structured.
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the logits before every sampling stage (OpenAI's field): {token id: bias in
+    # [-100, 100]}; JSON's string keys ("50256") are read as ints. Normalised to dict[int, float].
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's field); a non-empty list.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated (vLLM's field): the engine bans each one's token sequences, tokenised
+    # as given and with a leading space.
+    bad_words: list[str] | None = None
     # "final_only": no RequestOutput until the request finishes (callers that read only final
     # outputs skip building one per step); see OUTPUT_KINDS.
     output_kind: str = "cumulative"
@@ -81,6 +94,14 @@ class SamplingParams:
             self._check_int("seed", minimum=_SEED_MIN, maximum=_SEED_MAX)
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_token_ids(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._normalise_token_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (null allows every token)")
+        if self.bad_words is not None:
+            self.bad_words = _normalise_bad_words(self.bad_words)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
@@ -137,14 +158,14 @@ class SamplingParams:
         return list(stop)
 
     @staticmethod
-    def _normalise_token_ids(ids: Any) -> list[int]:
+    def _normalise_token_ids(ids: Any, name: str = "stop_token_ids") -> list[int]:
         if ids is None:
             return []
         if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+            raise ValueError(f"{name} must be a list of integers, got {ids!r}")
         for i, t in enumerate(ids):
             if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids[{i}] must be a non-negative integer, got {t!r}")
+                raise ValueError(f"{name}[{i}] must be a non-negative integer, got {t!r}")
         return list(ids)
 
     # -- (de)serialisation ----------------------------------------------------------------------
@@ -184,4 +205,56 @@ class SamplingParams:
 
 
 SamplingParams.FIELDS = tuple(f.name for f in fields(SamplingParams))
-_NULLABLE = frozenset({"max_tokens", "seed", "stop", "stop_token_ids", "logprobs", "structured_outputs"})
+_NULLABLE = frozenset({"max_tokens", "seed", "stop", "stop_token_ids", "logprobs", "structured_outputs",
+                       "logit_bias", "allowed_token_ids", "bad_words"})
+
+
+def _token_key(key: Any) -> int:
+    """A logit_bias key as a token id: an int, or its decimal digits as a JSON object key gives them."""
+    if _is_int(key) and key >= 0:
+        return int(key)
+    # at most 18 digits: int() of a long digit string is slow, and no vocabulary is that large
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18:
+        return int(key)
+    raise ValueError(f"logit_bias keys must be token ids (non-negative integers, or their decimal "
+                     f"digits as a string), got {key!r}")
+
+
+def _normalise_logit_bias(bias: Any) -> dict[int, float]:
+    """{token id: bias} with int keys and float values in [-100, 100]; errors name the entry."""
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be an object mapping token ids to numbers, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+    out: dict[int, float] = {}
+    keys: dict[int, Any] = {}  # token id -> the key that named it
+    for key, value in bias.items():
+        token = _token_key(key)
+        if token in keys:
+            raise ValueError(f"logit_bias names token {token} twice (keys {keys[token]!r} and {key!r})")
+        keys[token] = key
+        where = f"logit_bias[{token}]"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where} must be a number, got {value!r}")
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range
+            raise ValueError(f"{where} must be in [-100, 100], got an integer of {len(str(value))} "
+                             "digits") from None
+        if not -LOGIT_BIAS_RANGE <= number <= LOGIT_BIAS_RANGE:  # NaN fails both comparisons
+            raise ValueError(f"{where} must be in [-100, 100], got {number}")
+        out[token] = number
+    return out
+
+
+def _normalise_bad_words(words: Any) -> list[str]:
+    if isinstance(words, str) or not isinstance(words, (list, tuple)):
+        raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words may have at most {MAX_BAD_WORDS} words, got {len(words)}")
+    for i, w in enumerate(words):
+        if not isinstance(w, str):
+            raise ValueError(f"bad_words[{i}] must be a string, got {w!r}")
+        if not w:
+            raise ValueError(f"bad_words[{i}] must not be empty")
+    return list(words)

@@ -17,6 +17,7 @@ import click
 
 from batchinfer.cli.context import global_options
 from batchinfer.config import Settings
+from batchinfer.workers.tools import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from batchinfer.cli.context import Ctx
@@ -217,14 +218,18 @@ def worker_model(model: str, served_model_names: tuple[str, ...],
               help="Grammar library that constrains structured outputs [llguidance].")
 @click.option("--no-jump-forward", is_flag=True,
               help="Sample every token a grammar forces instead of appending it without a step.")
+@click.option("--tool-call-parser", type=click.Choice(TOOL_PARSERS),
+              help="Format the model writes tool calls in, read for tool_choice 'auto' "
+                   "[the chat template's, when it makes one unambiguous].")
 @lora_flags
 @click.pass_obj
 def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names: tuple[str, ...],
            model_name: str | None, device: str | None, echo: bool, echo_class: str | None,
            metrics_port: int | None, metrics_host: str | None,
            engine_option: tuple[str, ...], structured_outputs_backend: str | None,
-           no_jump_forward: bool, tensor_parallel_size: int | None, lora: tuple[str, ...],
-           max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int | None) -> None:
+           no_jump_forward: bool, tool_call_parser: str | None, tensor_parallel_size: int | None,
+           lora: tuple[str, ...], max_loras: int | None, max_cpu_loras: int | None,
+           max_lora_rank: int | None) -> None:
     """Run a worker daemon: pull batches, run the engine, publish results.
 
     With ``--lora NAME=DIR`` it also serves each adapter, as model ``BASE:NAME`` (aliases ``NAME``
@@ -259,7 +264,8 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
         options["tensor_parallel_size"] = tensor_parallel_size
     options.update(lora_options(parse_lora_modules(lora), max_loras, max_cpu_loras, max_lora_rank, echo))
     run_daemon(main, ctx.settings, model_dir, name, device, echo, model_name=model_name,
-               served_model_names=served_model_names, engine_options=options, echo_class=echo_class)
+               served_model_names=served_model_names, engine_options=options, echo_class=echo_class,
+               tool_call_parser=tool_call_parser)
 
 
 @click.command()

@@ -28,6 +28,7 @@ from batchinfer.cli.context import (
 )
 from batchinfer.cli.daemons import (
     POSITIVE,
+    TOOL_PARSERS,
     default_device,
     exporter,
     lora_flags,
@@ -37,6 +38,7 @@ from batchinfer.cli.daemons import (
     scheduler,
     worker,
 )
+from batchinfer.protocol.entries import OUTPUT_FORMATS
 
 log = logging.getLogger("batchinfer.cli")
 
@@ -78,6 +80,21 @@ def progress_every(fn: Callable[..., None]) -> Callable[..., None]:
                         help="Without a terminal (CI, a pipe): a progress line this often (0: never).")(fn)
 
 
+def format_option(fn: Callable[..., None]) -> Callable[..., None]:
+    """``--format`` of a result file that ``results`` / ``run`` write (the name's extension by default)."""
+    return click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS)),
+                        help="[from OUTPUT's name: .parquet, .jsonl]; openai: OpenAI batch output lines; "
+                             "anthropic: Anthropic Message Batches result lines.")(fn)
+
+
+def error_file_option(fn: Callable[..., None]) -> Callable[..., None]:
+    """``--error-file PATH``: OpenAI's two files (successes in OUTPUT, the other rows here)."""
+    return click.option("--error-file", "error_file", metavar="PATH",
+                        help="Write the rows that did not complete (failed, cancelled, expired) here, in "
+                             "OUTPUT's format, and only the completed ones to OUTPUT (OpenAI's output and "
+                             "error files).")(fn)
+
+
 def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for pair in pairs:
@@ -96,7 +113,7 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--wait", "wait_", is_flag=True, help="Wait for the job to end (exit code says how).")
 @click.option("-o", "--output", help="Result file: a path inside the results root or a URI under "
                                      "BATCHINFER_OUTPUT_URI_PREFIXES [<results_root>/<job>.parquet].")
-@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
+@click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS)), default="parquet",
               show_default=True, help="Format of the result file.")
 @click.option("--priority", type=int, default=0, show_default=True, help="Higher is served first.")
 @click.option("--completion-window", default="24h", show_default=True,
@@ -313,28 +330,33 @@ def cancel(ctx: Ctx, job: str, json_flag: bool) -> None:
 @global_options
 @click.argument("job")
 @click.option("-o", "--output", required=True, help="File to write: path or pyarrow URI.")
-@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]),
-              help="[from OUTPUT's name: .parquet, .jsonl]; openai: OpenAI batch output lines.")
-@click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@format_option
+@error_file_option
+@click.option("--force", is_flag=True, help="Overwrite OUTPUT (and ERROR_FILE) if it exists.")
 @json_option
 @pass_ctx
 @handle_errors
-def results(ctx: Ctx, job: str, output: str, fmt: str | None, force: bool, json_flag: bool) -> None:
+def results(ctx: Ctx, job: str, output: str, fmt: str | None, error_file: str | None, force: bool,
+            json_flag: bool) -> None:
     """Write a job's results (in input order) to a file."""
-    from batchinfer.cli.outfile import output_format, refuse_overwrite
+    from batchinfer.cli.outfile import check_error_file, output_format, refuse_overwrite
     from batchinfer.store.jobstore import JobStatus
     from batchinfer.workers.progress import rows_progress
 
     fmt = output_format(output, fmt)
     refuse_overwrite(output, force)
+    check_error_file(error_file, output, fmt, force)
     client = ctx.client()
     record = client.status(job)
     with rows_progress("writing", record.total, quiet=ctx.quiet or ctx.json or json_flag) as bar:
-        location = client.write_results(job, output, fmt, on_row=bar.advance)
+        location = client.write_results(job, output, fmt, on_row=bar.advance, error_file=error_file)
     if not record.terminal and record.status is not JobStatus.FINALIZING and not ctx.quiet:
         click.echo(f"warning: job {job} is {record.status.value}: the file holds the results so far",
                    err=True)
-    emit(ctx, json_flag, {"job_id": job, "output": location, "format": fmt}, lambda: click.echo(location))
+    written = {"job_id": job, "output": location, "format": fmt}
+    if error_file is not None:
+        written["error_file"] = error_file
+    emit(ctx, json_flag, written, lambda: click.echo(location))
 
 
 @cli.command()
@@ -438,9 +460,9 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 @click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
               help="Name(s) the workers serve the model under, repeatable; the first is the job's model "
                    "[the model folder's name, the .gguf file's stem, demo or tiny].")
-@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "openai"]),
-              help="[from OUTPUT's name: .parquet, .jsonl]; openai: OpenAI batch output lines.")
-@click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@format_option
+@error_file_option
+@click.option("--force", is_flag=True, help="Overwrite OUTPUT (and ERROR_FILE) if it exists.")
 @click.option("--input-column", metavar="NAME",
               help="Parquet FILE: read this column as each row's embeddings 'input' (e.g. text).")
 @click.option("--device", help="[cuda:0 when available, else cpu]")
@@ -450,6 +472,9 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
                    "cuda:0 .. cuda:N-1) [1].")
 @click.option("--structured-outputs-backend", type=click.Choice(["llguidance", "xgrammar"]),
               help="Grammar library of the workers' structured outputs [llguidance].")
+@click.option("--tool-call-parser", type=click.Choice(TOOL_PARSERS),
+              help="Format the model writes tool calls in, read for tool_choice 'auto' "
+                   "[the chat template's, when it makes one unambiguous].")
 @click.option("--echo", is_flag=True, help="Echo engine instead of the model (no generation).")
 @click.option("--timeout", type=float, help="Give up after this many seconds (exit 6).")
 @click.option("--no-partial", is_flag=True,
@@ -461,8 +486,9 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 @pass_ctx
 @handle_errors
 def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[str, ...], fmt: str | None,
-        force: bool, input_column: str | None, device: str | None, num_workers: int,
-        tensor_parallel_size: int | None, structured_outputs_backend: str | None, echo: bool,
+        error_file: str | None, force: bool, input_column: str | None, device: str | None, num_workers: int,
+        tensor_parallel_size: int | None, structured_outputs_backend: str | None,
+        tool_call_parser: str | None, echo: bool,
         timeout: float | None, no_partial: bool, log_dir: str | None, lora: tuple[str, ...],
         max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int | None,
         progress_every: float, json_flag: bool) -> None:
@@ -477,13 +503,14 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
     as ``batchinfer worker`` does."""
     from pathlib import Path
 
-    from batchinfer.cli.outfile import exists, output_format, refuse_overwrite
+    from batchinfer.cli.outfile import check_error_file, exists, output_format, refuse_overwrite
     from batchinfer.cli.runner import RunOptions, check_input, run_all
     from batchinfer.protocol.destinations import check_output
 
     check_input(file)  # exit 7, as `submit`, before anything starts
     fmt = output_format(output, fmt)
     refuse_overwrite(output, force)  # before anything starts
+    check_error_file(error_file, output, fmt, force)
     # The daemons `run` starts are the caller's own: a local path is the explicit file:// URI, and
     # that one destination joins the allowed output URI prefixes of its client and its exporter.
     output = output if "://" in output else Path(output).resolve().as_uri()
@@ -504,6 +531,8 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
             device = "cuda"  # one GPU per rank, from cuda:0
     if structured_outputs_backend:
         worker_args += ["--structured-outputs-backend", structured_outputs_backend]
+    if tool_call_parser:
+        worker_args += ["--tool-call-parser", tool_call_parser]
     # the LoRA flags go to every worker as given, checked here first (before anything starts)
     modules = parse_lora_modules(lora)
     lora_options(modules, max_loras, max_cpu_loras, max_lora_rank, echo)
@@ -515,7 +544,7 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
     options = RunOptions(file=file, output=output, model=model, fmt=fmt, device=device or default_device(),
                          num_workers=num_workers, echo=echo, timeout=timeout, log_dir=log_dir,
                          served_model_names=served_model_names, partial=not no_partial,
-                         input_column=input_column, worker_args=tuple(worker_args))
+                         input_column=input_column, worker_args=tuple(worker_args), error_file=error_file)
     sys.exit(run_all(ctx, options, lambda client, job, check: _wait_and_report(
         ctx, client, job, timeout, json_flag, check, interval=progress_every, loading=True)))
 

@@ -1,10 +1,10 @@
 """Result files the CLI writes (``results -o``, ``run -o``): the format from the name, no overwrite.
 
 The format comes from the file name unless ``--format`` says it: ``.parquet`` / ``.pq`` is Parquet,
-``.jsonl`` / ``.ndjson`` the rows' JSON lines; OpenAI batch output lines (also JSONL)
-only with ``--format openai``. A name that says neither, or a compressed one (``.gz``: nothing
-here writes compressed files), is refused rather than guessed. An existing file is kept unless
-``--force``.
+``.jsonl`` / ``.ndjson`` the rows' JSON lines; OpenAI batch output lines and Anthropic result
+lines (also JSONL) only with ``--format openai`` / ``--format anthropic``. A name that says neither,
+or a compressed one (``.gz``: nothing here writes compressed files), is refused rather than guessed.
+An existing file is kept unless ``--force``. ``--error-file`` is written in the output's format.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def output_format(location: str, fmt: str | None, param_hint: str = "-o") -> str
     ext = os.path.splitext(name)[1]
     if ext not in _SUFFIXES:
         raise click.BadParameter(f"{location}: cannot tell the format from the name (.parquet, .jsonl); "
-                                 "pass --format parquet|jsonl|openai", param_hint=param_hint)
+                                 "pass --format parquet|jsonl|openai|anthropic", param_hint=param_hint)
     return _SUFFIXES[ext]
 
 
@@ -57,3 +57,27 @@ def refuse_overwrite(location: str, force: bool) -> None:
         from batchinfer.cli.context import EXIT_USAGE, fail
 
         fail(EXIT_USAGE, f"{location} exists: pass --force to overwrite it, or choose another -o")
+
+
+def check_error_file(error_file: str | None, output: str, fmt: str, force: bool) -> None:
+    """``--error-file``: not OUTPUT itself, not compressed, and not an existing file unless ``force``
+    (exit 2, before anything is written)."""
+    if error_file is None:
+        return
+    if _same_place(error_file, output):
+        raise click.BadParameter(f"{error_file}: the error file must not be OUTPUT itself",
+                                 param_hint="--error-file")
+    output_format(error_file, fmt, param_hint="--error-file")  # with fmt given: refuses compression only
+    if not force and exists(error_file):
+        from batchinfer.cli.context import EXIT_USAGE, fail
+
+        fail(EXIT_USAGE, f"{error_file} exists: pass --force to overwrite it, or choose another --error-file")
+
+
+def _same_place(a: str, b: str) -> bool:
+    def place(location: str) -> str:
+        if location.startswith("file://"):
+            location = location[len("file://"):]
+        return location if "://" in location else os.path.realpath(location)
+
+    return place(a) == place(b)

@@ -16,6 +16,9 @@ the scheduler answer what is left with ``cancelled`` rows, stop the daemons with
 (SIGTERM, a short grace, SIGTERM again, which stops a worker without draining, then SIGKILL),
 write the job's rows (one per line, the unfinished ones ``cancelled``) to the output file (as
 OpenAI does for cancelled and expired batches) unless ``--no-partial``, and keep the logs folder.
+With ``--error-file``, the rows that did not complete go to that file instead: the exporter writes
+every row to the output file, then ``run`` writes it again with the completed rows only and the
+others to the error file (OpenAI's two files), each atomically.
 The daemons and the embedded Redis run in their own sessions, so the terminal's Ctrl-C reaches
 ``run`` alone and Redis stays up long enough for the partial results to be read.
 """
@@ -73,6 +76,7 @@ class RunOptions:
     partial: bool = True  # on Ctrl-C / --timeout, write the rows so far to ``output``
     input_column: str | None = None  # Parquet: the column read as embeddings ``input``
     worker_args: tuple[str, ...] = ()  # more `batchinfer worker` flags (--tensor-parallel-size N, ...)
+    error_file: str | None = None  # --error-file: the rows that did not complete go there, not to ``output``
 
 
 def check_input(file: str) -> None:
@@ -217,7 +221,15 @@ def run_all(ctx: Ctx, opts: RunOptions,
             client = stack.enter_context(Client(settings=ctx.settings))
             job = _submit(client, opts, served[0])
             say(f"job {job}")
-            wait(client, job, daemons.check)
+            try:
+                wait(client, job, daemons.check)
+            except SystemExit:  # the job ended without completing: its file is split all the same
+                try:
+                    _split_errors(client, job, opts, say)
+                except Exception as e:  # the exit code says the job failed; say why the split did too
+                    click.echo(f"could not write the error file of job {job}: {e}", err=True)
+                raise
+            _split_errors(client, job, opts, say)
         except DaemonExited as e:
             return _daemon_exited(e, daemons, logs)
         except (KeyboardInterrupt, _Stopped, TimeoutError) as e:
@@ -309,6 +321,16 @@ def _submit(client: Any, opts: RunOptions, model: str) -> str:
                          input_column=opts.input_column)
 
 
+def _split_errors(client: Any, job: str, opts: RunOptions, say: Callable[[str], None]) -> None:
+    """``--error-file``: the job's exporter wrote every row to ``opts.output``; write it again with
+    the completed rows only, and the others to ``opts.error_file`` (both atomically, from the job's
+    rows, which stay in Redis after the export)."""
+    if opts.error_file is None:
+        return
+    client.write_results(job, opts.output, opts.fmt, error_file=opts.error_file)
+    say(f"error rows in {opts.error_file}")
+
+
 def _daemon_exited(e: DaemonExited, daemons: Daemons, logs: _Logs) -> int:
     """A daemon died before the job ended: say which, with the logs' tails (kept)."""
     from batchinfer.cli.context import EXIT_DAEMON
@@ -377,7 +399,8 @@ def _write_partial(client: Any, job: str, opts: RunOptions) -> None:
         count[0] += 1
 
     try:
-        location = client.write_results(job, opts.output, opts.fmt, on_row=counted)
+        location = client.write_results(job, opts.output, opts.fmt, on_row=counted,
+                                        error_file=opts.error_file)
     except (redis.RedisError, OSError, ValueError) as e:
         click.echo(f"could not write the partial results of job {job}: {e}", err=True)
         return

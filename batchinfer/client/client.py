@@ -258,11 +258,13 @@ class Client:
         return self.results_table(job_id).to_pandas(types_mapper=nullable.get)
 
     def write_results(self, job_id: str, path_or_uri: str, fmt: str = "parquet",
-                      on_row: Callable[[], None] | None = None) -> str:
+                      on_row: Callable[[], None] | None = None, error_file: str | None = None) -> str:
         """Write the job's results, in input order, to a path or pyarrow filesystem URI.
 
         Returns the location written. Memory stays bounded: rows are sorted through spill files.
-        ``on_row()`` is called for each row written (progress).
+        ``on_row()`` is called for each row written (progress). ``error_file``: the rows that did
+        not complete go to that file (same format) and ``path_or_uri`` holds the completed ones
+        (OpenAI's output and error files).
         """
         import tempfile
 
@@ -272,15 +274,17 @@ class Client:
         record = self.status(job_id)
         if "://" not in path_or_uri:
             path_or_uri = os.path.abspath(path_or_uri)  # the caller's cwd, not a results root
+        if error_file is not None and "://" not in error_file:
+            error_file = os.path.abspath(error_file)
         key = self.keys.results(job_id)
         if not self.redis.exists(key) and record.output and record.status == JobStatus.COMPLETED:
             from batchinfer.jobs.vectors import parquet_vector_type
 
             return write_rows(_counted(_rows_from_parquet(record.output), on_row), path_or_uri, fmt,
-                              vector=parquet_vector_type(record.output))
+                              vector=parquet_vector_type(record.output), errors=error_file)
         with tempfile.TemporaryDirectory(prefix="batchinfer-results-") as spill:
             rows = sorted_rows(self.redis, key, spill, record.total)
-            return write_rows(_counted(rows, on_row), path_or_uri, fmt, vector=rows.vector)
+            return write_rows(_counted(rows, on_row), path_or_uri, fmt, vector=rows.vector, errors=error_file)
 
     # -- direct requests -------------------------------------------------------------------------
 
@@ -381,32 +385,48 @@ class Client:
 
 
 def _direct_body(body: Mapping[str, Any] | str, model: str | None) -> str:
-    """A direct request's body as JSON text; ``model`` fills in a missing ``model`` field."""
-    if isinstance(body, Mapping):
-        if model is not None and "model" not in body:
-            body = {**body, "model": model}
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    if model is not None:
+    """A direct request's body as JSON text; ``model`` fills in a missing ``model`` field (of the
+    request itself: an OpenAI Batch line's ``body``, an Anthropic line's ``params``)."""
+    if model is None:
+        return body if isinstance(body, str) else json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    if isinstance(body, str):
         try:
             parsed = json.loads(body)
         except ValueError:
             return body  # sent as it is: the scheduler answers with an invalid_json row
-        if isinstance(parsed, dict) and "model" not in parsed:
-            parsed["model"] = model
-            return json.dumps(parsed, ensure_ascii=False, separators=(",", ":"))
-    return body
+        if not isinstance(parsed, dict):
+            return body
+    else:
+        parsed = dict(body)
+    request = _request_of(parsed)
+    if request is not None and "model" not in request:
+        request["model"] = model
+    return json.dumps(parsed, ensure_ascii=False, separators=(",", ":"))
+
+
+def _request_of(parsed: dict[str, Any]) -> dict[str, Any] | None:
+    """The object holding a line's request fields (``model`` among them), copied into ``parsed``:
+    the plain body itself, an OpenAI Batch line's ``body`` or an Anthropic line's ``params``."""
+    for key in ("body", "params"):
+        if key in parsed:
+            inner = parsed[key]
+            if not isinstance(inner, Mapping):
+                return None  # the scheduler names the bad field
+            parsed[key] = dict(inner)
+            return parsed[key]
+    return parsed
 
 
 def _model_of(body: str) -> str | None:
-    """The ``model`` a direct request's body names (plain or OpenAI Batch form), if any."""
+    """The ``model`` a direct request's body names (plain, OpenAI Batch or Anthropic form), if any."""
     try:
         parsed = json.loads(body)
     except ValueError:
         return None
     if not isinstance(parsed, dict):
         return None
-    inner = parsed.get("body")
-    model = parsed.get("model") or (inner.get("model") if isinstance(inner, dict) else None)
+    request = _request_of(parsed)
+    model = request.get("model") if request is not None else None
     return model if isinstance(model, str) else None
 
 

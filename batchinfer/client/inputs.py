@@ -6,6 +6,9 @@ each line or row into a raw JSON body with its 1-based line number. A line that 
 carried as a body (longer than the limit, not UTF-8) is yielded with an ``error`` instead of
 stopping the read, and becomes an error row.
 
+Anthropic Message Batches requests are lines ``{"custom_id", "params"}``, or Parquet rows of a
+``custom_id`` and a ``params`` column (JSON text, or a struct whose null fields read as absent).
+
 Embedding requests are lines or rows with ``input`` (a string, a list of strings, token ids or
 lists of token ids) instead of a prompt; a table whose texts sit in another column (``text``)
 names it with ``input_column``.
@@ -35,7 +38,8 @@ if TYPE_CHECKING:
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 PARQUET_BATCH_ROWS = 4096
-INPUT_COLUMNS = ("prompt", "prompt_token_ids", "messages", "input")  # "input": embedding requests
+INPUT_COLUMNS = ("prompt", "prompt_token_ids", "messages", "input", "params")  # "input": embeddings
+ANTHROPIC_COLUMNS = ("custom_id", "params")  # a table of Anthropic requests has these columns only
 _READ_CHUNK = 1 << 20
 # Integer fields: a pandas column with missing values turns them into floats (16.0), undone here.
 _INT_COLUMNS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "top_k", "seed", "logprobs",
@@ -273,7 +277,7 @@ def _json_default(value: Any) -> Any:
 def allowed_columns() -> frozenset[str]:
     """Columns a Parquet input may have: request fields, sampling and pooling parameters."""
     return (frozenset(REQUEST_FIELDS) | frozenset(SamplingParams.FIELDS) | {"max_completion_tokens", "input"}
-            | frozenset(PoolingParams.FIELDS))
+            | frozenset(PoolingParams.FIELDS) | {"params"})
 
 
 def check_columns(names: Iterable[str], where: str) -> None:
@@ -281,8 +285,15 @@ def check_columns(names: Iterable[str], where: str) -> None:
     names = list(names)
     if not any(c in names for c in INPUT_COLUMNS):
         raise InputError(f"{where}: needs a 'prompt', 'messages' or 'prompt_token_ids' column, or 'input' "
-                         f"for embeddings (columns: {', '.join(names) or 'none'}; a table whose texts are in "
-                         "another column names it with input_column)")
+                         f"for embeddings, or 'params' for Anthropic requests (columns: "
+                         f"{', '.join(names) or 'none'}; a table whose texts are in another column names it "
+                         "with input_column)")
+    if "params" in names:  # Anthropic Message Batches requests: the request is all in `params`
+        others = [c for c in names if c not in ANTHROPIC_COLUMNS]
+        if others:
+            raise InputError(f"{where}: a 'params' column holds Anthropic requests, whose fields are all in "
+                             f"it: the only other column is custom_id (found {', '.join(others)})")
+        return
     unknown = [c for c in names if c not in allowed_columns()]
     if unknown:
         raise InputError(f"{where}: column(s) {', '.join(unknown)} are not request fields (allowed: "
@@ -353,10 +364,11 @@ def _arrow_rows(batches: Iterable[pa.RecordBatch],
                 v = record.get(c)
                 if isinstance(v, float) and v.is_integer():
                     record[c] = int(v)
-            if isinstance(record.get("messages"), str):
-                # left as text when it is not JSON: the scheduler reports a bad 'messages' field
-                with contextlib.suppress(ValueError):
-                    record["messages"] = json.loads(record["messages"])
+            for name in ("messages", "params"):
+                if isinstance(record.get(name), str):
+                    # left as text when it is not JSON: the scheduler reports the bad field
+                    with contextlib.suppress(ValueError):
+                        record[name] = json.loads(record[name])
             body = _json_body(record, number, "row")
             yield body if isinstance(body, InputLine) else InputLine(number, body=body)
 

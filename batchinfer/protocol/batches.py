@@ -70,6 +70,8 @@ def encode_request(request: BatchRequest) -> str:
             del values[name]
     if values["lora"] is None:  # a base-model element is written as before adapters existed
         del values["lora"]
+    if values["tools"] is None:  # and one without tools as before tool calling existed
+        del values["tools"]
     return json.dumps(values, separators=(",", ":"), ensure_ascii=False)
 
 

@@ -1,5 +1,8 @@
-"""Validation of request bodies (docs/protocol.md): plain bodies and OpenAI Batch lines become a
-:class:`RequestSpec`, with OpenAI names mapped and unknown fields rejected by name.
+"""Validation of request bodies (docs/protocol.md): plain bodies, OpenAI Batch lines (chat,
+completions, embeddings, responses) and Anthropic Message Batches lines become a :class:`RequestSpec`,
+with OpenAI names mapped and unknown fields rejected by name. Responses bodies and Anthropic
+``params`` are first mapped onto chat bodies (:mod:`batchinfer.protocol.responses_in`,
+:mod:`batchinfer.protocol.anthropic_in`); tools are checked by :func:`batchinfer.workers.tools.parse_tools`.
 
 Bodies are validated once, in the scheduler's intake, through :func:`parse_body`; every problem is a
 :class:`~batchinfer.protocol.entries.RequestError` naming the field (and the input line when known), which the
@@ -10,26 +13,33 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchinfer.protocol import anthropic_in, responses_in
+from batchinfer.protocol.chat_messages import check_content, check_messages
 from batchinfer.protocol.embed_bodies import EmbedInputs, check_embed_fields, parse_inputs, parse_pooling
 from batchinfer.protocol.entries import (
+    ANTHROPIC_LINE_FIELDS,
     CHAT_URL,
     COMPLETIONS_URL,
     EMBEDDINGS_URL,
     IGNORED_OPENAI_FIELDS,
     MAX_CUSTOM_ID_CHARS,
-    MESSAGE_FIELDS,
-    MESSAGE_ROLES,
+    MESSAGES_URL,
     OPENAI_LINE_FIELDS,
     REQUEST_FIELDS,
+    RESPONSES_URL,
+    TOOL_FIELDS,
     RequestError,
+    kind_name,
+    short_repr,
 )
 from batchinfer.protocol.structured_bodies import pop_structured, reject_for_embeddings
 from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.tools.spec import ToolSpec, parse_tools
 
 __all__ = ["RequestSpec", "custom_id_of", "leading_custom_id", "parse_body"]
 
@@ -55,6 +65,9 @@ class RequestSpec:
     # The body path of the output constraint's spec (e.g. "response_format.json_schema.schema"), which
     # the scheduler's compile check names; None when sampling_params.structured_outputs is None.
     structured_field: str | None = None
+    tools: dict[str, Any] | None = None  # ToolSpec.to_dict() of a chat body's tools; None: no tools
+    # OpenAI's predicted output (chat `prediction`), kept for speculative decoding; changes no output
+    prediction: str | None = None
 
 
 def _reject_constant(name: str) -> float:
@@ -87,8 +100,9 @@ def parse_body(body: str | bytes | Mapping[str, Any], *, line: int | None = None
                max_tokens_limit: int | None = None) -> RequestSpec:
     """Validate one request body or OpenAI Batch line; raises only :class:`RequestError`.
 
-    OpenAI Batch lines (``custom_id``, ``method``, ``url``, ``body``) are mapped onto the plain body;
-    OpenAI names are translated (``max_completion_tokens`` -> ``max_tokens``, chat ``logprobs`` +
+    OpenAI Batch lines (``custom_id``, ``method``, ``url``, ``body``) are mapped onto the plain body
+    (a ``/v1/responses`` body onto a chat body), as are Anthropic Message Batches lines (``custom_id``,
+    ``params``); OpenAI names are translated (``max_completion_tokens`` -> ``max_tokens``, chat ``logprobs`` +
     ``top_logprobs`` -> ``logprobs``; ``response_format`` / ``structured_outputs`` / ``guided_*`` ->
     ``structured_outputs``, :mod:`batchinfer.protocol.structured_bodies`). Unknown fields are rejected
     by name. ``max_tokens`` defaults to 16 for prompts (as ``/v1/completions``) and to the rest of the
@@ -121,10 +135,12 @@ def _parse(body: str | bytes | Mapping[str, Any], max_tokens_limit: int | None) 
         if "\\u" in text and _SURROGATE_ESCAPE.search(text):
             _check_unicode(body, "body")
     if not isinstance(body, Mapping):
-        raise RequestError("invalid_request", f"body must be a JSON object, got {_kind(body)}")
+        raise RequestError("invalid_request", f"body must be a JSON object, got {kind_name(body)}")
     try:
         if any(k in body for k in ("method", "url", "body")):
             return _parse_openai_line(body, max_tokens_limit)
+        if "params" in body:
+            return _parse_anthropic_line(body, max_tokens_limit)
         return _parse_plain(dict(body), url=None, max_tokens_limit=max_tokens_limit)
     except RequestError as e:
         # so that the error row still carries the caller's id, as OpenAI's batch errors do
@@ -145,17 +161,20 @@ def _parse_openai_line(line: Mapping[str, Any], max_tokens_limit: int | None) ->
     if not isinstance(method, str) or method.upper() != "POST":
         raise RequestError("invalid_request", f"method must be \"POST\", got {method!r}", field="method")
     url = line["url"]
-    if url not in (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL):
+    if url not in (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, RESPONSES_URL):
         raise RequestError("unsupported_url", f"url {url!r} is not supported (use {CHAT_URL}, "
-                           f"{COMPLETIONS_URL} or {EMBEDDINGS_URL})", field="url")
+                           f"{COMPLETIONS_URL}, {EMBEDDINGS_URL} or {RESPONSES_URL})", field="url")
     inner = line["body"]
     if not isinstance(inner, Mapping):
-        raise RequestError("invalid_request", f"body must be an object, got {_kind(inner)}", field="body")
+        raise RequestError("invalid_request", f"body must be an object, got {kind_name(inner)}", field="body")
     inner = dict(inner)
     if "custom_id" in inner:
         raise RequestError("invalid_request", "custom_id belongs to the Batch line, not to its body",
                            field="body.custom_id")
     inner["custom_id"] = line["custom_id"]
+    if url == RESPONSES_URL:
+        chat = responses_in.chat_body(inner)
+        return _mapped(chat, RESPONSES_URL, max_tokens_limit, responses_in.responses_path)
     if url == EMBEDDINGS_URL:
         if "input" not in inner:
             raise RequestError("invalid_request", f"{EMBEDDINGS_URL} needs 'input'", field="body.input")
@@ -182,6 +201,36 @@ def _parse_openai_line(line: Mapping[str, Any], max_tokens_limit: int | None) ->
     return _parse_plain(inner, url=url, max_tokens_limit=max_tokens_limit)
 
 
+def _parse_anthropic_line(line: Mapping[str, Any], max_tokens_limit: int | None) -> RequestSpec:
+    unknown = sorted(str(k) for k in line if k not in ANTHROPIC_LINE_FIELDS)
+    if unknown:
+        raise RequestError("invalid_request", f"unknown field(s) in Anthropic Message Batches line: "
+                           f"{', '.join(unknown)}", field=unknown[0])
+    if "custom_id" not in line:
+        raise RequestError("invalid_request", "Anthropic Message Batches line is missing 'custom_id'",
+                           field="custom_id")
+    chat = anthropic_in.chat_body(line["custom_id"], line["params"])
+    return _mapped(chat, MESSAGES_URL, max_tokens_limit, anthropic_in.anthropic_path)
+
+
+def _mapped(chat: dict[str, Any], url: str, max_tokens_limit: int | None,
+            path_of: Callable[[str], str]) -> RequestSpec:
+    """The spec of a chat body mapped from another API; an error, and the constraint's field that the
+    scheduler's compile check names, name that API's field (``path_of``)."""
+    try:
+        spec = _parse_plain(chat, url=url, max_tokens_limit=max_tokens_limit)
+    except RequestError as e:
+        if e.field is not None and e.field != "custom_id":
+            renamed = path_of(e.field)
+            if e.message.startswith(e.field):
+                e.message = renamed + e.message[len(e.field):]
+            e.field = renamed
+        raise
+    if spec.structured_field is not None:
+        spec.structured_field = path_of(spec.structured_field)
+    return spec
+
+
 def _map_chat_logprobs(body: dict[str, Any]) -> None:
     """Chat: ``logprobs`` is a boolean and ``top_logprobs`` the count; ours is one integer."""
     want = body.pop("logprobs", None)
@@ -201,10 +250,11 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
     if stream not in (None, False):
         raise RequestError("invalid_request", "stream: true is not supported in batch requests",
                            field="stream")
-    for name in IGNORED_OPENAI_FIELDS:
-        body.pop(name, None)
+    _pop_ignored(body)
     embed = "input" in body
     structured_field = None
+    tool_fields: dict[str, Any] = {}
+    extras: dict[str, Any] = {}
     if embed:
         reject_for_embeddings(body, url or "an embeddings request")
         check_embed_fields(body, url or "an embeddings request")
@@ -212,6 +262,8 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
         structured, structured_field = pop_structured(body)
         if structured is not None:
             body["structured_outputs"] = structured
+        tool_fields = {name: body.pop(name) for name in TOOL_FIELDS if name in body}
+        extras = {name: body.pop(name) for name in ("prediction", "modalities", "audio") if name in body}
     if "max_completion_tokens" in body:
         value = body.pop("max_completion_tokens")
         if body.get("max_tokens") is not None and value is not None and body["max_tokens"] != value:
@@ -228,16 +280,17 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
     custom_id = body.pop("custom_id", None)
     if custom_id is not None and (not isinstance(custom_id, str) or len(custom_id) > MAX_CUSTOM_ID_CHARS):
         raise RequestError("invalid_request", f"custom_id must be a string of at most "
-                           f"{MAX_CUSTOM_ID_CHARS} characters, got {_short(custom_id)}", field="custom_id")
+                           f"{MAX_CUSTOM_ID_CHARS} characters, "
+                           f"got {short_repr(custom_id)}", field="custom_id")
     model = body.pop("model", None)
     if model is not None and (not isinstance(model, str) or not model.strip()):
-        raise RequestError("invalid_request", f"model must be a non-empty string, got {_short(model)}",
+        raise RequestError("invalid_request", f"model must be a non-empty string, got {short_repr(model)}",
                            field="model")
     priority = body.pop("priority", None)
     if priority is None:
         priority = 0
     elif not _is_int(priority) or abs(priority) > 2**31:
-        raise RequestError("invalid_request", f"priority must be an integer, got {_short(priority)}",
+        raise RequestError("invalid_request", f"priority must be an integer, got {short_repr(priority)}",
                            field="priority")
     metadata = _metadata(body.pop("metadata", None))
     if embed:
@@ -247,6 +300,11 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
     prompt, token_ids, messages = _inputs(body)
     if messages is not None and "max_tokens" not in body:
         body["max_tokens"] = None  # chat: until the context is full
+    tools = _tools(tool_fields, messages is not None, "structured_outputs" in body)
+    if tools is not None and (constraint := tools.call_constraint()) is not None:
+        body["structured_outputs"] = constraint  # required / a named function: the call is forced
+        structured_field = "tools"
+    prediction = _output_options(extras, messages is not None)
     try:
         params = SamplingParams.from_dict(body)
     except (ValueError, TypeError, OverflowError) as e:
@@ -260,7 +318,68 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
                            f"{params.max_tokens}", field="max_tokens")
     return RequestSpec(sampling_params=params, custom_id=custom_id, model=model, prompt=prompt,
                        prompt_token_ids=token_ids, messages=messages, priority=priority,
-                       metadata=metadata, url=url, structured_field=structured_field)
+                       metadata=metadata, url=url, structured_field=structured_field,
+                       tools=tools.to_dict() if tools is not None else None, prediction=prediction)
+
+
+def _pop_ignored(body: dict[str, Any]) -> None:
+    """Remove the OpenAI fields that change nothing here, once their type is checked."""
+    for name, kind in IGNORED_OPENAI_FIELDS.items():
+        value = body.pop(name, None)
+        if value is not None and not (isinstance(value, kind) and (kind is not str or value)):
+            raise RequestError("invalid_request", f"{name} must be {_KIND_NAMES[kind]}, "
+                               f"got {short_repr(value)} (accepted, with no effect here)", field=name)
+
+
+_KIND_NAMES = {str: "a non-empty string", bool: "a boolean", dict: "an object"}
+
+
+def _tools(given: dict[str, Any], chat: bool, constrained: bool) -> ToolSpec | None:
+    """The chat body's tools (:func:`parse_tools`); None without tools."""
+    present = [name for name in TOOL_FIELDS if given.get(name) is not None]
+    if not present:
+        return None
+    if not chat:
+        raise RequestError("invalid_request", f"{present[0]} is for chat messages: a completions request "
+                           "(prompt) cannot call tools", field=present[0])
+    try:
+        spec = parse_tools(given.get("tools"), given.get("tool_choice"), given.get("parallel_tool_calls"))
+    except ValueError as e:  # its message starts with the field's path
+        message = str(e)
+        raise RequestError("invalid_request", message, field=message.split(":", 1)[0]) from None
+    if spec is not None and spec.choice in ("required", "function") and constrained:
+        what = "a named function" if spec.function else "required"
+        raise RequestError("invalid_request", f"tool_choice: {what} constrains the output to tool calls, and "
+                           "response_format / structured_outputs / guided_* constrain it too: give one of "
+                           "them", field="tool_choice")
+    return spec
+
+
+def _output_options(given: dict[str, Any], chat: bool) -> str | None:
+    """``modalities`` (text only), ``audio`` (refused) and ``prediction``'s text (chat only)."""
+    modalities = given.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise RequestError("invalid_request", f"modalities {short_repr(modalities)} is not supported: "
+                           "this model writes text only (give [\"text\"] or leave it out)",
+                           field="modalities")
+    if given.get("audio") is not None:
+        raise RequestError("invalid_request", "audio output is not supported: this model writes text only",
+                           field="audio")
+    prediction = given.get("prediction")
+    if prediction is None:
+        return None
+    if not chat:
+        raise RequestError("invalid_request", "prediction is for chat messages (as OpenAI's)",
+                           field="prediction")
+    if not isinstance(prediction, Mapping) or prediction.get("type") != "content" or set(prediction) - {
+            "type", "content"}:
+        raise RequestError("invalid_request", f"prediction must be {{\"type\": \"content\", \"content\": "
+                           f"...}}, got {short_repr(prediction)}", field="prediction")
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    check_content(content, "prediction.content", False)
+    return "".join(part["text"] for part in content or ())
 
 
 def _inputs(body: dict[str, Any]) -> tuple[str | None, list[int] | None, list[dict] | None]:
@@ -282,96 +401,41 @@ def _inputs(body: dict[str, Any]) -> tuple[str | None, list[int] | None, list[di
             return None, _token_ids(value, "prompt"), None
         if not isinstance(value, str):
             raise RequestError("invalid_request", f"prompt must be a string (one prompt per request), got "
-                               f"{_short(value)}", field="prompt")
+                               f"{short_repr(value)}", field="prompt")
         if not value:
             raise RequestError("invalid_request", "prompt must not be empty", field="prompt")
         return value, None, None
     if name == "prompt_token_ids":
         return None, _token_ids(value, "prompt_token_ids"), None
-    return None, None, _messages(value)
+    return None, None, check_messages(value)
 
 
 def _token_ids(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not value:
         raise RequestError("invalid_request", f"{name} must be a non-empty list of integers, got "
-                           f"{_short(value)}", field=name)
+                           f"{short_repr(value)}", field=name)
     for i, t in enumerate(value):
         if not _is_int(t) or t < 0 or t >= 2**31:
             raise RequestError("invalid_request", f"{name}[{i}] must be a token id (integer >= 0), got "
-                               f"{_short(t)}", field=f"{name}[{i}]")
+                               f"{short_repr(t)}", field=f"{name}[{i}]")
     return list(value)
-
-
-def _messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise RequestError("invalid_request", f"messages must be a non-empty list, got {_short(value)}",
-                           field="messages")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, Mapping):
-            raise RequestError("invalid_request", f"{where} must be an object, got {_kind(m)}", field=where)
-        unknown = sorted(str(k) for k in m if k not in MESSAGE_FIELDS)
-        if unknown:
-            raise RequestError("invalid_request", f"{where} has unknown field(s): {', '.join(unknown)}",
-                               field=f"{where}.{unknown[0]}")
-        role = m.get("role")
-        if role not in MESSAGE_ROLES:
-            raise RequestError("invalid_request", f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, "
-                               f"got {_short(role)}", field=f"{where}.role")
-        msg = dict(m)
-        _check_content(m.get("content"), f"{where}.content", bool(m.get("tool_calls")))
-        for key in ("name", "tool_call_id"):
-            if key in msg and not isinstance(msg[key], str):
-                raise RequestError("invalid_request", f"{where}.{key} must be a string",
-                                   field=f"{where}.{key}")
-        if "tool_calls" in msg and not isinstance(msg["tool_calls"], list):
-            raise RequestError("invalid_request", f"{where}.tool_calls must be a list",
-                               field=f"{where}.tool_calls")
-        out.append(msg)
-    return out
-
-
-def _check_content(content: Any, where: str, has_tool_calls: bool) -> None:
-    """A string, or a list of text parts (the tokenizer joins them); ``None`` only with tool calls."""
-    if isinstance(content, str) or (content is None and has_tool_calls):
-        return
-    if not isinstance(content, list):
-        raise RequestError("invalid_request", f"{where} must be a string or a list of text parts, got "
-                           f"{_short(content)}", field=where)
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise RequestError("invalid_request", f"{where}[{j}] must be a text part {{\"type\": \"text\", "
-                               f"\"text\": ...}} (only text is supported), got {_short(part)}",
-                               field=f"{where}[{j}]")
 
 
 def _metadata(value: Any) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise RequestError("invalid_request", f"metadata must be an object of strings, got {_kind(value)}",
-                           field="metadata")
+        raise RequestError("invalid_request", f"metadata must be an object of strings, "
+                           f"got {kind_name(value)}", field="metadata")
     for k, v in value.items():
         if not isinstance(v, str):
-            raise RequestError("invalid_request", f"metadata.{k} must be a string, got {_short(v)}",
+            raise RequestError("invalid_request", f"metadata.{k} must be a string, got {short_repr(v)}",
                                field=f"metadata.{k}")
     return {str(k): v for k, v in value.items()}
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", type(None): "null", bool: "a boolean",
-            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # -- custom_id without parsing the whole body -------------------------------------------------------

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchinfer.protocol.entries import EMBED_FIELDS, MAX_EMBED_INPUTS, REQUEST_FIELDS, RequestError
+from batchinfer.protocol.entries import (
+    EMBED_FIELDS,
+    MAX_EMBED_INPUTS,
+    REQUEST_FIELDS,
+    RequestError,
+    short_repr,
+)
 from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.sampling_params import SamplingParams
 
@@ -50,7 +56,7 @@ def parse_inputs(value: Any) -> EmbedInputs:
         return [value]
     if not isinstance(value, list):
         raise RequestError("invalid_request", f"input must be a string, a list of strings, a list of token "
-                           f"ids or a list of token-id lists, got {_short(value)}", field="input")
+                           f"ids or a list of token-id lists, got {short_repr(value)}", field="input")
     if not value:
         raise RequestError("invalid_request", "input must not be an empty list", field="input")
     first = value[0]
@@ -63,7 +69,7 @@ def parse_inputs(value: Any) -> EmbedInputs:
         kind, what = list, "a list of token ids"
     else:
         raise RequestError("invalid_request", f"input[0] must be a string, a token id or a list of token "
-                           f"ids, got {_short(first)}", field="input[0]")
+                           f"ids, got {short_repr(first)}", field="input[0]")
     if len(value) > MAX_EMBED_INPUTS:
         raise RequestError("invalid_request", f"input has {len(value)} elements, more than the limit of "
                            f"{MAX_EMBED_INPUTS} per request (split it over several lines)", field="input")
@@ -72,7 +78,7 @@ def parse_inputs(value: Any) -> EmbedInputs:
         if not isinstance(item, kind) or _is_int(item):
             mixed = " (input mixes kinds: every element must be of input[0]'s kind)" \
                 if isinstance(item, (str, list)) or _is_int(item) else ""
-            raise RequestError("invalid_request", f"{where} must be {what}, got {_short(item)}{mixed}",
+            raise RequestError("invalid_request", f"{where} must be {what}, got {short_repr(item)}{mixed}",
                                field=where)
         if kind is str and not item:
             raise RequestError("invalid_request", f"{where} must not be an empty string", field=where)
@@ -97,14 +103,10 @@ def _token_ids(value: list[Any], where: str) -> list[int]:
     for j, t in enumerate(value):
         if not _is_int(t) or t < 0 or t >= 2**31:
             raise RequestError("invalid_request", f"{where}[{j}] must be a token id (integer >= 0), got "
-                               f"{_short(t)}", field=f"{where}[{j}]")
+                               f"{short_repr(t)}", field=f"{where}[{j}]")
     return list(value)
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

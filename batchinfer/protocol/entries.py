@@ -22,15 +22,27 @@ PROTOCOL_VERSION = "1"
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"
+RESPONSES_URL = "/v1/responses"  # an OpenAI Batch line of the Responses API (protocol/responses_in.py)
+MESSAGES_URL = "/v1/messages"  # RequestSpec.url of an Anthropic Message Batches line (anthropic_in)
 OPENAI_LINE_FIELDS = ("custom_id", "method", "url", "body")
+ANTHROPIC_LINE_FIELDS = ("custom_id", "params")
 # Body fields that are not sampling parameters.
 REQUEST_FIELDS = ("custom_id", "model", "prompt", "prompt_token_ids", "messages", "priority", "metadata")
 # Embedding body fields besides custom_id, model, priority, metadata (PoolingParams' fields + input).
 EMBED_FIELDS = ("input", "encoding_format", "dimensions", "pooling_type", "normalize",
                 "truncate_prompt_tokens")
 MAX_EMBED_INPUTS = 2048  # inputs of one embeddings request (OpenAI's limit)
-# OpenAI fields accepted and ignored: they change nothing about the generated tokens.
-IGNORED_OPENAI_FIELDS = ("user", "store")
+# OpenAI fields accepted and ignored: they change nothing about the generated tokens (billing,
+# storage, end-user ids, stream options of a batch that has no stream, reasoning of a model without
+# it). Each with the JSON type OpenAI documents for it (a wrong type is still an error).
+IGNORED_OPENAI_FIELDS: dict[str, type] = {"user": str, "store": bool, "service_tier": str,
+                                          "stream_options": dict, "reasoning_effort": str,
+                                          "safety_identifier": str, "prompt_cache_key": str}
+# Chat body fields of tool calling (validated by batchinfer.workers.tools.parse_tools).
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+# Content part types of a message that carry something else than text; the refusal says why.
+NON_TEXT_PARTS = ("image_url", "input_audio", "file")
+TEXT_ONLY = "this model takes text only"
 # Body fields that constrain the output (batchinfer.protocol.structured_bodies): OpenAI's, vLLM's
 # and vLLM's older names; all map onto SamplingParams.structured_outputs. The options come last.
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -53,9 +65,31 @@ OP_FIELDS = {"open": ("model", "completion_window", "priority", "output", "outpu
                       "input_name"),
              "close": ("total",),
              "cancel": ()}
-OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
+OUTPUT_FORMATS = ("parquet", "jsonl", "openai", "anthropic")
 _DURATION = re.compile(r"^\s*(\d+)\s*([smhd]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def renamed_path(chat_field: str, renames: tuple[tuple[re.Pattern[str], str], ...], root: str) -> str:
+    """The path, under ``root``, of the field of another API's body (Responses, Anthropic) that chat
+    body field ``chat_field`` was mapped from: the first of ``renames`` that matches rewrites it."""
+    for pattern, repl in renames:
+        renamed, n = pattern.subn(repl, chat_field, count=1)
+        if n:
+            return f"{root}.{renamed}"
+    return f"{root}.{chat_field}"
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: how an error message quotes a bad value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def kind_name(value: Any) -> str:
+    """What a JSON value is, in words ("an object", "a list", "null", ...), for error messages."""
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null", bool: "a boolean",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
 
 
 class RequestError(ValueError):

@@ -109,6 +109,9 @@ class BatchRequest:
     # The LoRA adapter the request runs with (None: the base model); the scheduler sets it for a
     # request staged under an adapter's model name ``BASE:NAME``.
     lora: str | None = None
+    # Function tools of a chat line (ToolSpec.to_dict(), workers/tools): the worker turns the
+    # completions' text into tool calls with them. None: no tools.
+    tools: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,6 +169,9 @@ class ResultRow:
     # pooling_params as the request gave them (encoding_format shapes the OpenAI output line).
     embeddings: list[str] | None = None
     pooling_params: dict[str, Any] | None = None
+    # The first completion's tool calls (OpenAI's shape: id, type "function", function.name,
+    # function.arguments as a JSON string); None when the request had no tools or made no call.
+    tool_calls: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.status not in ROW_STATUSES:

@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from batchinfer.protocol.entries import STRUCTURED_FIELDS, STRUCTURED_OPTION_FIELDS, RequestError
+from batchinfer.protocol.entries import STRUCTURED_FIELDS, STRUCTURED_OPTION_FIELDS, RequestError, short_repr
 from batchinfer.workers.structured_params import StructuredOutputsParams
 
 __all__ = ["GUIDED_BACKENDS", "pop_structured", "reject_for_embeddings"]
@@ -104,7 +104,7 @@ def _options(options: dict[str, Any]) -> dict[str, bool]:
     if backend is None:
         return {}
     if not isinstance(backend, str):
-        raise _bad(f"guided_decoding_backend must be a string, got {_short(backend)}",
+        raise _bad(f"guided_decoding_backend must be a string, got {short_repr(backend)}",
                    "guided_decoding_backend")
     name, _, opts = backend.partition(":")
     if name not in GUIDED_BACKENDS:
@@ -125,12 +125,12 @@ def _options(options: dict[str, Any]) -> dict[str, bool]:
 
 def _response_format(value: Any, extra: dict[str, bool]) -> tuple[StructuredOutputsParams | None, str | None]:
     if not isinstance(value, Mapping):
-        raise _bad(f"response_format must be an object {{\"type\": ...}}, got {_short(value)}",
+        raise _bad(f"response_format must be an object {{\"type\": ...}}, got {short_repr(value)}",
                    "response_format")
     kind = value.get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
         raise _bad(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got "
-                   f"{_short(kind)}", "response_format.type")
+                   f"{short_repr(kind)}", "response_format.type")
     allowed = ("type", "json_schema") if kind == "json_schema" else ("type",)
     unknown = sorted(str(k) for k in value if k not in allowed)
     if unknown:
@@ -144,7 +144,7 @@ def _response_format(value: Any, extra: dict[str, bool]) -> tuple[StructuredOutp
     where = "response_format.json_schema"
     if not isinstance(spec, Mapping):
         raise _bad(f"{where} must be an object {{\"name\", \"schema\", \"strict\", \"description\"}}, got "
-                   f"{_short(spec)}", where)
+                   f"{short_repr(spec)}", where)
     unknown = sorted(str(k) for k in spec if k not in JSON_SCHEMA_FIELDS)
     if unknown:
         raise _bad(f"{where}.{unknown[0]} is not a json_schema field (it takes "
@@ -152,14 +152,15 @@ def _response_format(value: Any, extra: dict[str, bool]) -> tuple[StructuredOutp
     name = spec.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         what = ("is missing" if name is None
-                else f"must be 1 to 64 letters, digits, '_' or '-', got {_short(name)}")
+                else f"must be 1 to 64 letters, digits, '_' or '-', got {short_repr(name)}")
         raise _bad(f"{where}.name {what} (OpenAI requires a name)", f"{where}.name")
     description = spec.get("description")
     if description is not None and not isinstance(description, str):
-        raise _bad(f"{where}.description must be a string, got {_short(description)}", f"{where}.description")
+        raise _bad(f"{where}.description must be a string, "
+                   f"got {short_repr(description)}", f"{where}.description")
     strict = spec.get("strict")
     if strict not in (None, True, False):
-        raise _bad(f"{where}.strict must be a boolean, got {_short(strict)}", f"{where}.strict")
+        raise _bad(f"{where}.strict must be a boolean, got {short_repr(strict)}", f"{where}.strict")
     schema = spec.get("schema")
     if schema is None:  # OpenAI: the schema is optional; without one, any JSON object
         return _params({"json_object": True, **extra}, {}, where), where
@@ -171,7 +172,7 @@ def _response_format(value: Any, extra: dict[str, bool]) -> tuple[StructuredOutp
 
 def _vllm(value: Any, extra: dict[str, bool]) -> tuple[StructuredOutputsParams, str]:
     if not isinstance(value, Mapping):
-        raise _bad(f"structured_outputs must be an object, got {_short(value)}", "structured_outputs")
+        raise _bad(f"structured_outputs must be an object, got {short_repr(value)}", "structured_outputs")
     given = dict(value)
     for name, why in _VLLM_REFUSED.items():
         if given.get(name) is not None:
@@ -179,7 +180,7 @@ def _vllm(value: Any, extra: dict[str, bool]) -> tuple[StructuredOutputsParams, 
         given.pop(name, None)
     fallback = given.pop("disable_fallback", None)  # vLLM's; there is no fallback backend to disable
     if fallback not in (None, True, False):
-        raise _bad(f"structured_outputs.disable_fallback must be a boolean, got {_short(fallback)}",
+        raise _bad(f"structured_outputs.disable_fallback must be a boolean, got {short_repr(fallback)}",
                    "structured_outputs.disable_fallback")
     names = {k: f"structured_outputs.{k}" for k in StructuredOutputsParams.FIELDS}
     params = _params({**extra, **given}, names, "structured_outputs")
@@ -189,7 +190,7 @@ def _vllm(value: Any, extra: dict[str, bool]) -> tuple[StructuredOutputsParams, 
 def _guided(name: str, value: Any, extra: dict[str, bool]) -> tuple[StructuredOutputsParams, str]:
     kind = _GUIDED[name]
     if kind == "choice" and not isinstance(value, list):
-        raise _bad(f"{name} must be a non-empty list of strings, got {_short(value)}", name)
+        raise _bad(f"{name} must be a non-empty list of strings, got {short_repr(value)}", name)
     return _params({kind: value, **extra}, {kind: name}, name), name
 
 
@@ -216,7 +217,3 @@ def _params(given: dict[str, Any], names: dict[str, str], where: str) -> Structu
                 message = f"{where}: {message.removeprefix('structured_outputs: ')}"
         raise _bad(message, path) from None
 
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

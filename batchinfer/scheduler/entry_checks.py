@@ -7,7 +7,9 @@ The body's size (:func:`check_size`). Against its job: that it can be counted in
 ended (:func:`ended_row`), the model it runs on (:func:`run_model`: the job's wins over the line's)
 and how long it waits for a model no worker serves yet (:func:`hold_deadline`; an adapter of a
 served model is refused at once, :func:`unknown_adapter`). Against its model, for a generation
-request: its tokens (:func:`prompt_tokens`) and their length (:func:`check_length`).
+request: its tokens (:func:`prompt_tokens`; ``messages`` with their tools through the chat
+template, :func:`render_chat`) and their length (:func:`check_length`), and the sampling
+parameters' token ids (:func:`check_sampling_token_ids`).
 
 A check that fails raises the :class:`RequestError` of the entry's row, or returns the row itself.
 """
@@ -23,6 +25,7 @@ from batchinfer.protocol.entries import IntakeEntry, RequestError, valid_job_id
 from batchinfer.protocol.rows import BatchRequest, ResultRow, request_id_for
 from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, checked_token_ids
 from batchinfer.workers.text.tokenizer import PromptTooLong, Tokenizer
+from batchinfer.workers.tools import ToolSpec, template_messages
 
 DEFAULT_WINDOW_S = 24 * 3600  # how long a job without expires_at waits for an unknown model
 
@@ -150,6 +153,18 @@ def check_sequences(spec: RequestSpec, max_n: int) -> None:
     n = spec.sampling_params.n
     if n > max_n:
         raise RequestError("invalid_request", f"n must be <= {max_n} (BATCHINFER_MAX_N), got {n}", field="n")
+
+
+def check_sampling_token_ids(spec: RequestSpec, tokenizer: Tokenizer) -> None:
+    """``logit_bias`` keys and ``allowed_token_ids`` within the model's vocabulary, as the prompt's
+    ids are (the worker's engine refuses them too, but only after dispatch)."""
+    params = spec.sampling_params
+    vocab = tokenizer.vocab_size
+    for token in params.logit_bias or {}:
+        if token >= vocab:
+            raise RequestError("invalid_request", f"token id {token} is outside the model's vocabulary of "
+                               f"{vocab} tokens", field=f"logit_bias[{token}]")
+    checked_token_ids(params.allowed_token_ids or [], tokenizer, "allowed_token_ids")
 
 
 def check_size(body: str, limit: int) -> None:
@@ -314,12 +329,7 @@ def prompt_tokens(spec: RequestSpec, tokenizer: Tokenizer, limit: int | None = N
     text: str
     field = "messages" if spec.messages is not None else "prompt"
     if spec.messages is not None:
-        try:
-            text = cast("str", tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True))
-        except Exception as e:  # noqa: BLE001 - the template is the model's code: its failure is ours
-            why = e if isinstance(e, ValueError) else repr(e)  # e.g. OverflowError of a too-big range()
-            raise RequestError("invalid_request", f"cannot render the chat template: {why}",
-                               field="messages") from None
+        text = render_chat(spec, tokenizer)
     else:
         assert spec.prompt is not None  # a RequestSpec holds exactly one of the three
         text = spec.prompt
@@ -335,6 +345,27 @@ def prompt_tokens(spec: RequestSpec, tokenizer: Tokenizer, limit: int | None = N
     if not ids:
         raise RequestError("invalid_request", "the prompt encodes to no tokens", field="prompt")
     return list(ids)
+
+
+def render_chat(spec: RequestSpec, tokenizer: Tokenizer) -> str:
+    """``spec.messages`` through the model's chat template, with ``spec.tools`` passed to it as
+    transformers' ``apply_chat_template(tools=...)`` does (under ``tool_choice: "none"`` too, as
+    vLLM: the model still sees what it may not call). Assistant ``tool_calls`` arguments reach the
+    template as objects (``template_messages``), with or without tools."""
+    assert spec.messages is not None
+    try:
+        messages = template_messages(spec.messages)
+    except ValueError as e:  # "messages[3].tool_calls[0].function.arguments: not valid JSON ..."
+        raise RequestError("invalid_request", str(e), field=str(e).partition(":")[0]) from None
+    kwargs: dict[str, Any] = {}
+    if spec.tools is not None:
+        kwargs["tools"] = ToolSpec.from_dict(spec.tools).template_tools()
+    try:
+        return cast("str", tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+    except Exception as e:  # noqa: BLE001 - the template is the model's code: its failure is ours
+        why = e if isinstance(e, ValueError) else repr(e)  # e.g. OverflowError of a too-big range()
+        raise RequestError("invalid_request", f"cannot render the chat template: {why}",
+                           field="messages") from None
 
 
 def check_length(n: int, spec: RequestSpec, max_model_len: int, max_prompt_tokens: int | None) -> None:

@@ -45,6 +45,7 @@ from batchinfer.scheduler.entry_checks import (
     Stage,
     check_entry,
     check_length,
+    check_sampling_token_ids,
     check_sequences,
     check_size,
     ended_row,
@@ -207,13 +208,14 @@ class Admission:
             limit = prompt_limit(served.info.max_model_len, self.settings.max_prompt_tokens)
             token_ids = prompt_tokens(spec, served.tokenizer, limit)
             check_length(len(token_ids), spec, served.info.max_model_len, self.settings.max_prompt_tokens)
+            check_sampling_token_ids(spec, served.tokenizer)
             self.structured.check(spec, served)
         sampling = {} if embed else params_dict(spec.sampling_params)
         return BatchRequest(request_id=base["request_id"], job_id=entry.job_id, idx=entry.idx,
                             prompt_token_ids=token_ids, sampling_params=sampling, model=base["model"],
                             line=entry.line, custom_id=spec.custom_id, url=spec.url, reply_to=entry.reply_to,
                             metadata=spec.metadata, created_at=base["created_at"], lora=served.info.adapter,
-                            **embed)
+                            tools=spec.tools, **embed)
 
     def _duplicate(self, client_request_id: str, request_id: str, reply_to: str | None) -> bool:
         """Claim the idempotency key (a re-read of our own entry after a crash is no duplicate); a

@@ -256,9 +256,11 @@ def openai_batch(record: JobRecord) -> dict[str, Any]:
     ``request_counts`` has OpenAI's three keys, so ``failed`` there counts failed, cancelled and
     expired requests together (``completed + failed == total`` once the job ended; our own
     record keeps them apart). ``output_file_id`` is the results file once written (it may be a
-    path or a URI); error rows are in that same file, so ``error_file_id`` names it too when any
-    request did not complete. ``endpoint`` is null: a job may mix ``/v1/chat/completions`` and
-    ``/v1/completions`` lines (each row keeps its line's ``url``).
+    path or a URI). ``error_file_id`` is null: the job's file holds its error rows too (an OpenAI
+    line with ``error`` set), and naming it twice would have an OpenAI client read every row twice;
+    ``batchinfer results JOB -o OUT --error-file ERR`` (or ``run --error-file``) writes OpenAI's two
+    files. ``endpoint`` is null: a job may mix ``/v1/chat/completions`` and ``/v1/completions``
+    lines (each row keeps its line's ``url``).
     """
     counts = record.request_counts
     unsuccessful = record.failed + record.cancelled + record.expired
@@ -273,7 +275,7 @@ def openai_batch(record: JobRecord) -> dict[str, Any]:
         "id": record.id, "object": "batch", "endpoint": None, "errors": errors,
         "input_file_id": record.input_name, "completion_window": _window(record.completion_window),
         "status": record.status.value, "output_file_id": output,
-        "error_file_id": output if unsuccessful else None,
+        "error_file_id": None,
         **{name: seconds(getattr(record, name)) for name in (
             "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
             "expired_at", "cancelling_at", "cancelled_at")},

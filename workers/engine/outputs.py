@@ -45,6 +45,10 @@ class CompletionOutput:
     # (False when max_tokens / the context / an abort cut it short; None when unconstrained).
     structured: str | None = None
     structured_complete: bool | None = None
+    # The completion's tool calls when the request had tools (OpenAI's shape: ``{"id", "type":
+    # "function", "function": {"name", "arguments"}}``; ``text`` is then the content outside the
+    # calls); None without tools or when no call was made. Set by ``LLM.chat(tools=...)``.
+    tool_calls: list[dict[str, Any]] | None = None
 
     @property
     def finished(self) -> bool:

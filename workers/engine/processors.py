@@ -74,6 +74,7 @@ class InputProcessor:
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = _token_ids(prompt_token_ids, self.vocab_size)
         params = params_of(sampling_params, SamplingParams, "sampling_params")
+        self._check_sampling_token_ids(params)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt_token_ids: the prompt has {len(ids)} tokens; max_model_len is "
                              f"{self.max_model_len}, which leaves no room to generate")
@@ -85,6 +86,7 @@ class InputProcessor:
         matchers = None
         if params.structured_outputs is not None:  # compiled (or found cached) before anything is queued
             matchers = self.structured.matchers_for(params.structured_outputs, params.n)
+        bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
         req = Request(request_id, prompt, ids, params, arrival, self._next_seq_id)
         self._next_seq_id += params.n
         req.lora = adapter
@@ -104,7 +106,31 @@ class InputProcessor:
                 seq.deferred_text = detok  # no step reads its text: decoded once, in output()
             else:
                 seq.detokenizer = detok
+            if bad_words:  # the row holds the words' tokens (sampling_row keeps it)
+                seq.sampling_row = SamplingRow(params, req.prompt_token_ids, seq.output_token_ids,
+                                               seq.generator, bad_words)
         return req
+
+    def _check_sampling_token_ids(self, params: SamplingParams) -> None:
+        """logit_bias keys and allowed_token_ids within the vocabulary (ValueError naming the field)."""
+        for token in params.logit_bias or {}:
+            if token >= self.vocab_size:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size}) (the "
+                                 f"model's vocabulary), got {token}")
+        if params.allowed_token_ids is not None:
+            check_token_ids(params.allowed_token_ids, self.vocab_size, "allowed_token_ids")
+
+    def bad_words_token_ids(self, words: Seq[str]) -> list[list[int]]:
+        """``bad_words`` as the token sequences the sampler bans (vLLM's): each word encoded without
+        special tokens as given and, unless it starts with a space, with one (a word inside the
+        text usually tokenises with its leading space); a repeated sequence once."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word,) if word.startswith(" ") else (word, " " + word):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def _resolve_lora(self, lora: str | LoRARequest) -> str:
         if self.lora is None:

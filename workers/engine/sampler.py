@@ -2,16 +2,23 @@
 
 The order of operations is vLLM's:
 
-1. logprobs are read off the raw model distribution (``log_softmax`` of the unprocessed logits);
-2. ``min_tokens``: while a completion is shorter, its EOS ids (unless ``ignore_eos``) and its
-   ``stop_token_ids`` are masked;
-3. repetition penalty (Hugging Face / vLLM definition, over prompt + output tokens);
-4. frequency / presence penalties (OpenAI definition, over output tokens);
-5. greedy rows take the argmax here, so greedy equals ``transformers``' greedy token for token;
-6. temperature -> top-k -> top-p -> min-p -> sample.
+1. logprobs are read off the raw model distribution (``log_softmax`` of the unprocessed logits:
+   no bias, mask or penalty below changes them);
+2. ``logit_bias`` is added (OpenAI's definition: before every other stage);
+3. ``allowed_token_ids``: every other token is masked;
+4. ``bad_words``: the last token of each bad word's token sequence whose other tokens end the
+   completion's output is masked (vLLM's rule; a one-token word always);
+5. ``min_tokens``: while a completion is shorter, its EOS ids (unless ``ignore_eos``) and its
+   ``stop_token_ids`` are masked; a row that 3-5 leave no token takes its step-2 logits with
+   only 3 applied (see ``Sampler._revive``);
+6. repetition penalty (Hugging Face / vLLM definition, over prompt + output tokens);
+7. frequency / presence penalties (OpenAI definition, over output tokens);
+8. greedy rows take the argmax here, so greedy equals ``transformers``' greedy token for token;
+9. temperature -> top-k -> top-p -> min-p -> sample.
 
-Every stage works on the whole batch (or the sub-batch that needs it) at once, and penalties
-touch only the (row, token) pairs they concern. The rows' parameters live in a
+Every stage works on the whole batch (or the sub-batch that needs it) at once; biases, masks and
+penalties touch only the rows and (row, token) pairs they concern, and the logits are copied only
+when some row of the step needs one of stages 2-7. The rows' parameters live in a
 :class:`SamplingBatch` (vLLM v1's persistent InputBatch / SamplingMetadata): arrays in row order,
 updated only when rows join, leave or move, so a decode step reads its index sets and tensors
 instead of rebuilding them from every row's params. The tensor ops are
@@ -57,6 +64,9 @@ class SamplingRow:
     # generator for unseeded rows). Its seed keys the row's counter-based draws (counter_uniforms,
     # counted by len(output_token_ids)); its state is never consumed. A CPU one, whatever the device.
     generator: torch.Generator | None = None
+    # params.bad_words as token sequences (InputProcessor.bad_words_token_ids: each word tokenised
+    # as given and with a leading space); empty when the params have none.
+    bad_words_token_ids: Sequence[Sequence[int]] = ()
 
 
 @dataclass
@@ -93,6 +103,18 @@ def _float32(values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(values.astype(np.float32))
 
 
+@dataclass
+class _RowTokens:
+    """A row's token-id parameters, read once when it joins (ids past the vocabulary dropped)."""
+
+    banned: list[int]  # what min_tokens masks (stop_token_ids, EOS)
+    bias_ids: list[int]  # logit_bias, as two parallel lists
+    bias_values: list[float]
+    allowed: list[int]  # allowed_token_ids; empty: every token
+    bad_single: list[int]  # the one-token bad words: masked at every step
+    bad_prefixed: list[tuple[list[int], int]]  # (the tokens before it, the token masked after them)
+
+
 class SamplingBatch:
     """The sampled rows' parameters as arrays in row order, and what each step reads off them.
 
@@ -107,7 +129,7 @@ class SamplingBatch:
         self.rows: list[SamplingRow] = []
         self.floats = np.zeros((0, 6))  # [N, 6]: the _TEMPERATURE.. columns
         self.ints = np.zeros((0, 6), dtype=np.int64)  # [N, 6]: the _TOP_K.. columns
-        self.banned: list[list[int]] = []  # per row: the ids min_tokens masks (EOS, stop_token_ids)
+        self.tokens: list[_RowTokens] = []  # per row: min_tokens' ids, logit_bias, allowed and bad tokens
         self._derive()
 
     def update(self, rows: list[SamplingRow]) -> None:
@@ -121,8 +143,8 @@ class SamplingBatch:
         floats, ints = self._encode(joining)
         self.floats = np.concatenate([self.floats, floats])[index]
         self.ints = np.concatenate([self.ints, ints])[index]
-        banned = self.banned + [self._banned(r.params) for r in joining]
-        self.banned = [banned[i] for i in index.tolist()]
+        tokens = self.tokens + [self._row_tokens(r) for r in joining]
+        self.tokens = [tokens[i] for i in index.tolist()]
         self.rows = list(rows)
         self._derive()
 
@@ -136,10 +158,17 @@ class SamplingBatch:
                           r.generator is not None, r.params.greedy) for r in rows], dtype=np.int64)
         return floats.reshape(-1, 6), ints.reshape(-1, 6)
 
-    def _banned(self, p: SamplingParams) -> list[int]:
+    def _row_tokens(self, row: SamplingRow) -> _RowTokens:
+        p, vocab = row.params, self.vocab_size
         # `or ()` only narrows the type: __post_init__ has made stop_token_ids a list
-        ids = [t for t in p.stop_token_ids or () if t < self.vocab_size]
-        return ids if p.ignore_eos else ids + self.eos_token_ids
+        banned = [t for t in p.stop_token_ids or () if t < vocab]
+        bias = [(t, v) for t, v in (p.logit_bias or {}).items() if t < vocab and v != 0.0]
+        bad = [list(w) for w in row.bad_words_token_ids if w and all(t < vocab for t in w)]
+        return _RowTokens(banned if p.ignore_eos else banned + self.eos_token_ids,
+                          [t for t, _ in bias], [v for _, v in bias],
+                          [t for t in p.allowed_token_ids or () if t < vocab],
+                          sorted({w[0] for w in bad if len(w) == 1}),
+                          [(w[:-1], w[-1]) for w in bad if len(w) > 1])
 
     def _derive(self) -> None:
         """The index sets and tensors the stages read, from the arrays."""
@@ -169,6 +198,17 @@ class SamplingBatch:
         self.seeded = torch.from_numpy(seeded)
         self.seeded_rows: list[int] = random[seeded].tolist()  # their rows in the batch
         self.seed_keys = torch.from_numpy(rk[seeded, _SEED_KEY])
+        # The token-id stages' rows and their (row, token) pairs; empty for most batches.
+        rows = self.tokens
+        self.bias_rows: list[int] = [i for i, t in enumerate(rows) if t.bias_ids]
+        self.bias_pair_rows, self.bias_pair_tokens = _flat_indices(self.bias_rows,
+                                                                   [rows[i].bias_ids for i in self.bias_rows])
+        self.bias_values = torch.tensor([v for i in self.bias_rows for v in rows[i].bias_values],
+                                        dtype=torch.float32)
+        self.allowed_rows: list[int] = [i for i, t in enumerate(rows) if t.allowed]
+        self.allowed_pair_rows, self.allowed_pair_tokens = _flat_indices(
+            self.allowed_rows, [rows[i].allowed for i in self.allowed_rows])
+        self.bad_words_rows: list[int] = [i for i, t in enumerate(rows) if t.bad_single or t.bad_prefixed]
 
     def output_lengths(self, rows: list[int]) -> list[int]:
         """How many tokens each of ``rows`` (batch indices) has generated so far."""
@@ -207,7 +247,8 @@ class Sampler:
         return SamplerOutput(ids, self._gather_logprobs(raw_logprobs, ids))
 
     def apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Steps 2-4: min_tokens masking, repetition, frequency and presence penalties.
+        """Steps 2-7, every logits processor: logit_bias, allowed_token_ids, bad_words and min_tokens
+        masking, repetition, frequency and presence penalties.
 
         logits [N, V] -> [N, V], a new tensor unless no row needs any of them; greedy rows take
         its argmax.
@@ -216,10 +257,18 @@ class Sampler:
         b.update(rows)
         short = [i for i, n in zip(b.min_tokens_rows, b.output_lengths(b.min_tokens_rows), strict=True)
                  if n < b.min_tokens[i]]
-        if not (short or b.repetition_rows or b.frequency_rows):
+        bad_rows, bad_tokens = self._bad_word_tokens()
+        if not (short or bad_rows or b.bias_rows or b.allowed_rows or b.repetition_rows or b.frequency_rows):
             return logits  # the common greedy / plain case: no copy of [N, V]
-        logits = logits.clone()  # the stages work in place
+        given, logits = logits, logits.clone()  # the stages work in place
+        self._logit_bias(logits)
+        self._allowed_tokens(logits)
+        if bad_rows:
+            logits.index_put_(_flat_indices(bad_rows, bad_tokens, logits.device),
+                              torch.tensor(float("-inf"), device=logits.device))
         self._mask_stop_tokens(logits, short)
+        if short or bad_rows or b.allowed_rows:
+            self._revive(logits, given, sorted({*short, *bad_rows, *b.allowed_rows}))
         self._repetition_penalty(logits)
         self._frequency_presence_penalties(logits)
         return logits
@@ -259,11 +308,69 @@ class Sampler:
 
     # -- logits processors (in place on [N, V]) -------------------------------------------------
 
+    def _logit_bias(self, logits: torch.Tensor) -> None:
+        """logit_bias: each row's biases added to its tokens' logits."""
+        b = self.batch
+        if b.bias_rows:
+            device = logits.device
+            logits.index_put_((b.bias_pair_rows.to(device), b.bias_pair_tokens.to(device)),
+                              b.bias_values.to(device), accumulate=True)
+
+    def _allowed_tokens(self, logits: torch.Tensor) -> None:
+        """allowed_token_ids: every other token of the row masked (the allowed ones keep their logits)."""
+        b = self.batch
+        if not b.allowed_rows:
+            return
+        device = logits.device
+        r, t = b.allowed_pair_rows.to(device), b.allowed_pair_tokens.to(device)
+        kept = logits[r, t]
+        logits.index_fill_(0, torch.tensor(b.allowed_rows, device=device), float("-inf"))
+        logits[r, t] = kept
+
+    def _bad_word_tokens(self) -> tuple[list[int], list[list[int]]]:
+        """bad_words this step: the rows and, per row, the tokens to mask: every one-token word, and
+        the last token of each longer word whose other tokens end the completion's output."""
+        b = self.batch
+        rows: list[int] = []
+        tokens: list[list[int]] = []
+        for i in b.bad_words_rows:
+            row, out = b.tokens[i], b.rows[i].output_token_ids
+            masked = list(row.bad_single)
+            for prefix, last in row.bad_prefixed:
+                n = len(prefix)
+                if len(out) >= n and list(out[-n:]) == prefix:
+                    masked.append(last)
+            if masked:
+                rows.append(i)
+                tokens.append(masked)
+        return rows, tokens
+
+    def _revive(self, logits: torch.Tensor, given: torch.Tensor, masked: list[int]) -> None:
+        """Rows the masks left no token to sample (allowed_token_ids all bad words, or all EOS under
+        min_tokens; or all forbidden by the output constraint) take, this step, their biased logits
+        with only allowed_token_ids masked, or, where that leaves nothing either, without it: a
+        draw from nothing would return an id outside the vocabulary."""
+        rows = torch.tensor(masked, device=logits.device)
+        dead = rows[torch.isneginf(logits[rows]).all(dim=1)].tolist()
+        b = self.batch
+        for i in dead:
+            row = given[i].clone()
+            tokens = b.tokens[i]
+            if tokens.bias_ids:
+                row[tokens.bias_ids] += torch.tensor(tokens.bias_values, device=row.device)
+            if tokens.allowed:
+                allowed = torch.full_like(row, float("-inf"))
+                allowed[tokens.allowed] = row[tokens.allowed]
+                if not torch.isneginf(allowed).all():
+                    row = allowed
+            logits[i] = row
+
     def _mask_stop_tokens(self, logits: torch.Tensor, short: list[int]) -> None:
         """min_tokens: a completion cannot end (EOS / stop_token_ids) before it has that many tokens."""
-        row_ids = [i for i in short if self.batch.banned[i]]
+        row_ids = [i for i in short if self.batch.tokens[i].banned]
         if row_ids:
-            logits.index_put_(_flat_indices(row_ids, [self.batch.banned[i] for i in row_ids], logits.device),
+            banned = [self.batch.tokens[i].banned for i in row_ids]
+            logits.index_put_(_flat_indices(row_ids, banned, logits.device),
                               torch.tensor(float("-inf"), device=logits.device))
 
     def _repetition_penalty(self, logits: torch.Tensor) -> None:
@@ -323,7 +430,7 @@ class Sampler:
 
 
 def _flat_indices(
-    row_ids: Sequence[int], token_lists: Sequence[Sequence[int]], device: torch.device
+    row_ids: Sequence[int], token_lists: Sequence[Sequence[int]], device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) pairs for ``index_put_`` from one token list per row."""
     pairs = zip(row_ids, token_lists, strict=True)

@@ -34,7 +34,19 @@ from batchinfer.workers.models.demo import NAMES, resolve_model
 from batchinfer.workers.pooling_params import PoolingParams
 from batchinfer.workers.progress import show_progress
 from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.structured_params import StructuredOutputsParams
 from batchinfer.workers.text.tokenizer import Tokenizer, truncate_text_ids
+from batchinfer.workers.tools import (
+    NEEDS_SPECIAL_TOKENS,
+    TOOL_PARSERS,
+    ToolParserMissing,
+    ToolSpec,
+    extract_tool_calls,
+    finish_reason_with_tools,
+    parse_tools,
+    parser_for_template,
+    template_messages,
+)
 
 Prompt = str | Mapping[str, Any]
 P = TypeVar("P", SamplingParams, PoolingParams)  # per-prompt parameters
@@ -245,6 +257,10 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        *,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to chats, as vLLM's ``LLM.chat``: one ``RequestOutput`` per conversation.
 
@@ -254,6 +270,17 @@ class LLM:
         leaves the last (assistant) message open for the model to continue instead of starting a
         new turn. A conversation that does not render raises ``ValueError`` naming it.
         ``lora_request``: as :meth:`generate`'s, per conversation.
+
+        Tools (docs/tool_calling.md): ``tools`` (OpenAI function tools), ``tool_choice`` and
+        ``parallel_tool_calls`` as in a chat body, checked by the same rules; the template gets the
+        tools. ``"required"`` and a named function constrain the output to calls whose arguments
+        match the functions' ``parameters`` (a ``sampling_params`` with its own
+        ``structured_outputs`` is a ``ValueError``); ``"auto"`` reads calls in the format of
+        ``tool_call_parser`` (one of ``TOOL_PARSERS``; default: the chat template's, and
+        ``ToolParserMissing`` when it names none). Each completion then has ``tool_calls`` (OpenAI's
+        shape), ``text`` the content outside them and ``finish_reason`` ``"tool_calls"`` when calls
+        were made. Without ``tool_choice`` the choice is ``"auto"``, and when no parser is known the
+        text is left as it is (vLLM's ``LLM.chat`` only renders the tools).
         """
         self._generator("chat")
         if continue_final_message and add_generation_prompt:
@@ -264,15 +291,18 @@ class LLM:
         single = isinstance(messages[0], Mapping)
         conversations = [messages] if single else list(messages)
         kwargs = dict(chat_template_kwargs or {})
-        if tools is not None:
-            kwargs["tools"] = tools
+        spec = parse_tools(tools, dict(tool_choice) if isinstance(tool_choice, Mapping) else tool_choice,
+                           parallel_tool_calls)
+        if spec is not None:
+            kwargs["tools"] = spec.template_tools()
         tokenizer = self.get_tokenizer()
+        parser = _tool_parser(spec, tool_choice, tool_call_parser, chat_template or tokenizer.chat_template)
         prompts: list[Prompt] = []
         for i, conversation in enumerate(conversations):
             where = "messages" if single else f"messages[{i}]"
             try:
                 text = tokenizer.apply_chat_template(
-                    [dict(m) for m in cast("Sequence[Message]", conversation)],
+                    template_messages([dict(m) for m in cast("Sequence[Message]", conversation)]),
                     add_generation_prompt=add_generation_prompt, chat_template=chat_template, **kwargs)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{where}: {e}") from None
@@ -281,7 +311,12 @@ class LLM:
                 text = _open_final_message(text, conversation, where)
             # The template writes BOS and the other special tokens itself: encode without adding them.
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        params = _with_call_schema(sampling_params, spec, len(prompts), parser)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
+        if spec is not None and (spec.choice != "auto" or parser is not None):
+            for out in outputs:
+                _set_tool_calls(out, spec, parser)
+        return outputs
 
     def _request(self, index: int, prompt: Prompt, params: SamplingParams,
                  lora: LoRARequest | None = None) -> Request:
@@ -306,6 +341,51 @@ class LLM:
     def _run(self, requests: list[Request], use_tqdm: bool | None) -> list[RequestOutput]:
         done = self._drain([r.request_id for r in requests], use_tqdm, "generating")
         return [done[r.request_id] for r in requests]
+
+
+def _tool_parser(spec: ToolSpec | None, tool_choice: Any, given: str | None,
+                 template: str | None) -> str | None:
+    """The parser of ``auto`` calls: ``given`` (checked), else the template's. An explicit
+    ``tool_choice="auto"`` with neither raises ``ToolParserMissing`` before anything runs."""
+    if given is not None and given not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser: must be one of {', '.join(TOOL_PARSERS)}, got {given!r}")
+    if spec is None or spec.choice != "auto":
+        return given
+    parser = given or parser_for_template(template)
+    if parser is None and tool_choice is not None:
+        raise ToolParserMissing(
+            "tool_call_parser: tool_choice 'auto' needs a parser for this model's tool-call format and "
+            f"its chat template names none: pass tool_call_parser=NAME (one of {', '.join(TOOL_PARSERS)}), "
+            "or tool_choice 'required' or a named function")
+    return parser
+
+
+def _with_call_schema(given: SamplingParams | Sequence[SamplingParams] | None, spec: ToolSpec | None,
+                      n: int, parser: str | None) -> SamplingParams | Sequence[SamplingParams] | None:
+    """``given`` constrained to ``spec``'s call list for ``required`` / a named function (for
+    ``auto`` with a special-token parser: decoded keeping special tokens)."""
+    forced = spec.call_constraint() if spec is not None else None
+    if spec is not None and spec.choice == "auto" and parser in NEEDS_SPECIAL_TOKENS:
+        # the parser reads its format's special tokens ([TOOL_CALLS], [ARGS]): keep them in the text
+        return [dataclasses.replace(p, skip_special_tokens=False)
+                for p in _per_prompt(given, SamplingParams, n, "sampling_params")]
+    if spec is None or forced is None:
+        return given
+    params = _per_prompt(given, SamplingParams, n, "sampling_params")
+    if any(p.structured_outputs is not None for p in params):
+        raise ValueError(f"sampling_params.structured_outputs: tool_choice {spec.choice!r} constrains the "
+                         "output to the tool calls already; give one or the other")
+    constraint = StructuredOutputsParams.from_dict(forced)
+    return [dataclasses.replace(p, structured_outputs=constraint) for p in params]
+
+
+def _set_tool_calls(output: RequestOutput, spec: ToolSpec, parser: str | None) -> None:
+    """Each completion's text split into its content and its ``tool_calls`` (as a worker's rows)."""
+    for completion in output.outputs:
+        found = extract_tool_calls(completion.text, spec, parser, f"{output.request_id}:{completion.index}")
+        completion.text = found.content or ""
+        completion.tool_calls = found.tool_calls
+        completion.finish_reason = finish_reason_with_tools(completion.finish_reason, found.tool_calls)
 
 
 def _per_prompt(given: P | Sequence[P] | None, kind: type[P], n: int, name: str) -> list[P]:

@@ -34,6 +34,10 @@ LoRA adapters: each adapter ``NAME`` the engine serves (``lora_adapters()``) is 
 model ``BASE:NAME`` with its own batch stream; one XREADGROUP reads the model's stream and the
 adapter streams the cache-affinity policy picks (:mod:`batchinfer.workers.service.streams`), and each
 request runs with its adapter (``BatchRequest.lora``).
+
+Tool calls: a request with tools has its completions' calls extracted into its row
+(:mod:`batchinfer.workers.service.rows`); ``tool_choice: "auto"`` reads them in the format of
+``WorkerConfig.tool_call_parser`` (``--tool-call-parser``), else of the model's chat template.
 """
 
 from __future__ import annotations
@@ -64,11 +68,27 @@ from batchinfer.workers.service.reader import BatchReader
 from batchinfer.workers.service.registration import Registration
 from batchinfer.workers.service.streams import BatchStreams
 from batchinfer.workers.service.worker_config import WorkerConfig
+from batchinfer.workers.text.tokenizer import Tokenizer
+from batchinfer.workers.tools import parser_for_template
 
 log = logging.getLogger(__name__)
 
 BACKOFF_START_S, BACKOFF_CAP_S = 0.5, 10.0  # waits after a failed iteration: 0.5, 1, 2, 4, 8, 10 s
 EXIT_ENGINE_BROKEN = 3
+
+
+def template_tool_parser(files: dict[str, bytes]) -> str | None:
+    """The tool-call parser the chat template in the model's tokenizer ``files`` makes unambiguous
+    (``parser_for_template``); None without a template, or one that names no known format."""
+    if "tokenizer.json" not in files:
+        return None
+    template = files.get("chat_template.jinja")
+    try:
+        tokenizer = Tokenizer.from_files(files["tokenizer.json"], files.get("tokenizer_config.json"),
+                                         chat_template=template.decode("utf-8") if template else None)
+    except ValueError:  # files the registration refuses later, with its own message
+        return None
+    return parser_for_template(tokenizer.chat_template)
 
 
 class WorkerDaemon:
@@ -126,8 +146,10 @@ class WorkerDaemon:
         self.reader = BatchReader(r, self.keys, self.streams, name=self.name, engine=engine,
                                   adapters=self.adapters, book=self.book, keeper=self.keeper,
                                   outbox=self.outbox, publisher=self.publisher, block_ms=config.block_ms)
+        self.tool_parser = config.tool_call_parser or template_tool_parser(files)
         self.feeder = Feeder(engine, self.book, self.outbox, self.cancels, name=self.name, model=self.model,
-                             max_seqs=self.max_seqs, max_attempts=settings.max_attempts, metrics=self.metrics)
+                             max_seqs=self.max_seqs, max_attempts=settings.max_attempts, metrics=self.metrics,
+                             tool_parser=self.tool_parser)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -234,8 +256,10 @@ class WorkerDaemon:
         self.keeper.start()
         self._ready = True
         self.readiness.mark("serving", True)
-        log.info("worker %s serving %s on %s (capacity %s)%s", self.name, self.model, self.device,
-                 self.capacity, f" with adapters {', '.join(self.adapters)}" if self.adapters else "")
+        adapters = f" with adapters {', '.join(self.adapters)}" if self.adapters else ""
+        log.info("worker %s serving %s on %s (capacity %s)%s; tool-call parser %s", self.name, self.model,
+                 self.device, self.capacity, adapters,
+                 self.tool_parser or "none (tool_choice 'auto' fails: --tool-call-parser)")
 
     def _flush(self) -> None:
         """Take the publisher thread's confirmations: batches they complete go back to it to ack

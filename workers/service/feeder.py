@@ -32,6 +32,7 @@ from batchinfer.workers.engine.tp_ranks import RankFailure
 from batchinfer.workers.service.inflight import Book, Held, Quarantine
 from batchinfer.workers.service.outbox import DeadLetter, PublisherThread
 from batchinfer.workers.service.rows import embedding_row, generation_row
+from batchinfer.workers.tools import NEEDS_SPECIAL_TOKENS, ToolParserMissing, ToolSpec, require_parser
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,10 @@ class Feeder:
     """Feeds ``book``'s waiting requests into ``engine``, steps it, queues each request's row once."""
 
     def __init__(self, engine: WorkerEngine, book: Book, outbox: PublisherThread, cancels: Cancellations, *,
-                 name: str, model: str, max_seqs: int, max_attempts: int, metrics: WorkerMetrics):
+                 name: str, model: str, max_seqs: int, max_attempts: int, metrics: WorkerMetrics,
+                 tool_parser: str | None = None):
         self.engine, self.book, self.outbox, self.cancels = engine, book, outbox, cancels
+        self.tool_parser = tool_parser  # the format of `auto` tool calls (--tool-call-parser)
         self.name, self.model, self.task = name, model, engine.task  # "embed": PoolingParams in, vectors out
         self.max_seqs, self.max_attempts, self.metrics = max_seqs, max_attempts, metrics
         self.quarantine = Quarantine()
@@ -128,6 +131,8 @@ class Feeder:
             else:
                 lora = {"lora": req.lora} if req.lora is not None else {}  # a base request: as before
                 params = req.params()
+                if req.tools is not None:
+                    self._prepare_tools(ToolSpec.from_dict(req.tools), params)
                 # Only final outputs are read (the row; metrics take engine.step_stats): the engine
                 # builds no per-step output of every running request.
                 params.output_kind = "final_only"
@@ -143,6 +148,14 @@ class Feeder:
             self.engine_failed(held, f"{type(e).__name__}: {e}")
             return False
         return True
+
+    def _prepare_tools(self, spec: ToolSpec, params: Any) -> None:
+        """Before a request with tools runs: ``auto`` without a parser is refused (ToolParserMissing,
+        a ValueError: an ``invalid_request`` row, no generation spent), and a parser whose format is
+        special tokens (mistral's ``[TOOL_CALLS]``) gets text that keeps them."""
+        require_parser(spec, self.tool_parser)
+        if spec.choice == "auto" and self.tool_parser in NEEDS_SPECIAL_TOKENS:
+            params.skip_special_tokens = False
 
     def _wrong_task(self, task: str) -> str:
         """Why a request of ``task`` cannot run here (the scheduler routes by task: a batch entry
@@ -197,8 +210,12 @@ class Feeder:
             row = embedding_row(held.request, out, worker=self.name, started_at=held.started_at,
                                 finished_at=finished_at)
         else:
-            row = generation_row(held.request, out, worker=self.name, started_at=held.started_at,
-                                 finished_at=finished_at)
+            try:
+                row = generation_row(held.request, out, worker=self.name, started_at=held.started_at,
+                                     finished_at=finished_at, tool_parser=self.tool_parser)
+            except ToolParserMissing as e:  # tool_choice "auto" on a worker that cannot read calls:
+                self.end(held, "failed", "invalid_request", str(e))  # the same on a retry, so its row now
+                return
         self._queue(held, row)
 
     def _step_failed(self, error: Exception) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from batchinfer.protocol.rows import BatchRequest, ResultRow, encode_vector, now_ms
 from batchinfer.workers.engine.outputs import Logprob, PooledRequestOutput, RequestOutput, SampleLogprobs
+from batchinfer.workers.tools import ToolSpec, extract_tool_calls, finish_reason_with_tools
 
 
 def _token_fields(token_id: int, lp: Logprob) -> dict[str, Any]:
@@ -35,10 +36,32 @@ def logprob_entry(token_id: int, step: SampleLogprobs, top_k: int | None = None)
     return entry
 
 
+def with_tool_calls(request: BatchRequest, outs: list[dict[str, Any]], parser: str | None) -> None:
+    """Each output's text split into its content and its tool calls (``request.tools``): ``text``
+    becomes the content ("" when the completion was only calls), ``tool_calls`` the calls, and
+    ``finish_reason`` "tool_calls" when calls were made. Call ids are derived from the request id
+    and the completion's index, so that a retried request names its calls the same.
+
+    Raises :class:`~batchinfer.workers.tools.ToolParserMissing` for ``tool_choice: "auto"`` when
+    no ``parser`` is known (the worker's ``--tool-call-parser``, or its chat template's)."""
+    if request.tools is None:
+        return
+    spec = ToolSpec.from_dict(request.tools)
+    for out in outs:
+        seed = f"{request.request_id}:{out['index']}"
+        found = extract_tool_calls(out["text"], spec, parser, call_id_seed=seed)
+        out["text"] = found.content or ""
+        out["tool_calls"] = found.tool_calls
+        out["finish_reason"] = finish_reason_with_tools(out["finish_reason"], found.tool_calls)
+
+
 def generation_row(request: BatchRequest, output: RequestOutput, *, worker: str | None = None,
                    started_at: int | None = None, finished_at: int | None = None,
-                   status: str = "completed") -> ResultRow:
-    """The row of a request the engine finished (``status="cancelled"`` for an aborted one)."""
+                   status: str = "completed", tool_parser: str | None = None) -> ResultRow:
+    """The row of a request the engine finished (``status="cancelled"`` for an aborted one).
+
+    A request with tools has its outputs' tool calls extracted (:func:`with_tool_calls`, with
+    ``tool_parser`` for ``auto``); ``ToolParserMissing`` when ``auto`` has no parser."""
     top_k = request.sampling_params.get("logprobs")
     outs: list[dict[str, Any]] = [
         {"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
@@ -46,11 +69,13 @@ def generation_row(request: BatchRequest, output: RequestOutput, *, worker: str 
          "logprobs": None if o.logprobs is None else [
              logprob_entry(t, step, top_k) for t, step in zip(o.token_ids, o.logprobs, strict=False)],
          "cumulative_logprob": o.cumulative_logprob,
-         "structured": o.structured, "structured_complete": o.structured_complete}
+         "structured": o.structured, "structured_complete": o.structured_complete, "tool_calls": None}
         for o in output.outputs
     ]
+    with_tool_calls(request, outs, tool_parser)
     first: dict[str, Any] = outs[0] if outs else {"text": None, "token_ids": None, "finish_reason": None,
-                                                  "structured": None, "structured_complete": None}
+                                                  "structured": None, "structured_complete": None,
+                                                  "tool_calls": None}
     return ResultRow(
         job_id=request.job_id, request_id=request.request_id, status=status, idx=request.idx,
         custom_id=request.custom_id, model=request.model, finish_reason=first["finish_reason"],
@@ -61,8 +86,9 @@ def generation_row(request: BatchRequest, output: RequestOutput, *, worker: str 
         cached_tokens=output.num_cached_tokens, line=request.line, created_at=request.created_at,
         started_at=started_at, finished_at=finished_at if finished_at is not None else now_ms(),
         worker=worker, sampling_params=request.sampling_params, metadata=dict(request.metadata),
-        url=request.url,
+        url=request.url, tool_calls=first["tool_calls"],
     )
+
 
 def embedding_row(request: BatchRequest, output: PooledRequestOutput, *, worker: str | None = None,
                   started_at: int | None = None, finished_at: int | None = None) -> ResultRow:

@@ -134,11 +134,14 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
 
 def main(settings: Settings, model_dir: str | None, name: str | None = None, device: str = "cpu",
          echo: bool = False, *, model_name: str | None = None, served_model_names: Sequence[str] = (),
-         engine_options: dict[str, Any] | None = None, echo_class: str | None = None) -> int:
+         engine_options: dict[str, Any] | None = None, echo_class: str | None = None,
+         tool_call_parser: str | None = None) -> int:
     """``batchinfer worker``: build the engine (or the echo engine), then serve until SIGTERM.
 
     ``served_model_names`` (``--served-model-name``, repeatable): the first is the name the worker
     registers under, the others aliases; without it ``model_name`` or the model folder's name.
+    ``tool_call_parser`` (``--tool-call-parser``): the format of ``auto`` tool calls [the chat
+    template's, when it makes one unambiguous].
     What the operator must fix first raises :class:`~batchinfer.ops.startup.StartupError`.
     """
     from batchinfer.redis_conn import connect
@@ -158,9 +161,10 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
 
     try:  # the names the worker serves and its own: refused now, before anything registers
         config = WorkerConfig(model=engine.model_name, served_model_names=list(served_model_names),
-                              model_name=model_name, name=name, device=device)
+                              model_name=model_name, name=name, device=device,
+                              tool_call_parser=tool_call_parser)
     except ValueError as e:
-        raise StartupError(f"{e} (--served-model-name, --model-name, --name)") from e
+        raise StartupError(f"{e} (--served-model-name, --model-name, --name, --tool-call-parser)") from e
     assert config.name is not None  # WorkerConfig fills in the default
     name, model = config.name, config.canonical
     stop, hard = threading.Event(), threading.Event()

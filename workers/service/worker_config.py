@@ -12,6 +12,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchinfer.workers.tools import TOOL_PARSERS
+
 
 def _served_name(what: str, value: Any) -> str:
     if not isinstance(value, str) or not value or any(c.isspace() for c in value):
@@ -35,6 +37,10 @@ class WorkerConfig:
     publisher thread reads the cancelled jobs every ``cancel_poll_seconds``; ``max_failed_steps``
     engine steps failing in a row end the daemon (exit 3); the keeper lets the leases lapse when
     the loop is silent for ``stall_seconds`` (None: ten leases).
+
+    ``tool_call_parser`` (vLLM's ``--tool-call-parser``): the format in which the model writes the
+    tool calls of a ``tool_choice: "auto"`` request, one of ``TOOL_PARSERS``; None: the one the
+    model's chat template makes unambiguous, if any (``WorkerDaemon``).
     """
 
     model: str  # the engine's model name: the model folder's name (``echo`` for a bare echo engine)
@@ -46,6 +52,7 @@ class WorkerConfig:
     cancel_poll_seconds: float = 0.5
     max_failed_steps: int = 32
     stall_seconds: float | None = None
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_names, str):  # one name passed bare: not a list of letters
@@ -63,6 +70,9 @@ class WorkerConfig:
             device = self.device.replace(":", "").replace(",", "+")  # cuda0+cuda1 under TP
             self.name = f"{socket.gethostname()}-{self.canonical}-{device}-{os.getpid()}"
         _served_name("name", self.name)
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
 
     @property
     def canonical(self) -> str:

@@ -369,8 +369,13 @@ def test_bad_words_are_tokenised_as_given_and_with_a_leading_space_once_per_requ
     encode = [tokenizer.encode(t, add_special_tokens=False) for t in ("The", " The", " request", "Ly", " Ly")]
     assert ids == [e for i, e in enumerate(encode) if e not in encode[:i]]  # " request": as given only
     req = llm.engine.make_request("bw", prompt_token_ids=[1, 2], sampling_params={"bad_words": words, "n": 2})
-    assert [s.sampling_row.bad_words_token_ids for s in req.seqs] == [ids, ids]
-    assert llm.engine.make_request("plain", prompt_token_ids=[1, 2]).seqs[0].sampling_row is None
+    from batchinfer.workers.engine.processors import sampling_row
+
+    # tokenised once, on the request; every completion's sampling row reads that one list
+    assert req.bad_words_token_ids == ids
+    assert all(sampling_row(s).bad_words_token_ids is req.bad_words_token_ids for s in req.seqs)
+    plain = llm.engine.make_request("plain", prompt_token_ids=[1, 2])
+    assert sampling_row(plain.seqs[0]).bad_words_token_ids == []
 
 
 def test_sampled_completions_never_hold_a_bad_word_nor_a_token_outside_the_allowed(llm, prompts):

@@ -86,10 +86,11 @@ class InputProcessor:
         matchers = None
         if params.structured_outputs is not None:  # compiled (or found cached) before anything is queued
             matchers = self.structured.matchers_for(params.structured_outputs, params.n)
-        bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
         req = Request(request_id, prompt, ids, params, arrival, self._next_seq_id)
         self._next_seq_id += params.n
         req.lora = adapter
+        if params.bad_words:
+            req.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         for seq in req.seqs:
             if adapter is not None and self.lora is not None:
                 seq.lora, seq.hash_root = adapter, self.lora.root(adapter)
@@ -106,9 +107,6 @@ class InputProcessor:
                 seq.deferred_text = detok  # no step reads its text: decoded once, in output()
             else:
                 seq.detokenizer = detok
-            if bad_words:  # the row holds the words' tokens (sampling_row keeps it)
-                seq.sampling_row = SamplingRow(params, req.prompt_token_ids, seq.output_token_ids,
-                                               seq.generator, bad_words)
         return req
 
     def _check_sampling_token_ids(self, params: SamplingParams) -> None:
@@ -312,7 +310,7 @@ def sampling_row(seq: Sequence) -> SamplingRow:
     if row is None:
         req = request_of(seq)
         row = seq.sampling_row = SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
-                                             seq.generator)
+                                             seq.generator, req.bad_words_token_ids)
     return row
 
 

@@ -64,7 +64,7 @@ class SamplingRow:
     # generator for unseeded rows). Its seed keys the row's counter-based draws (counter_uniforms,
     # counted by len(output_token_ids)); its state is never consumed. A CPU one, whatever the device.
     generator: torch.Generator | None = None
-    # params.bad_words as token sequences (InputProcessor.bad_words_token_ids: each word tokenised
+    # params.bad_words as token sequences (Request.bad_words_token_ids: each word tokenised
     # as given and with a leading space); empty when the params have none.
     bad_words_token_ids: Sequence[Sequence[int]] = ()
 

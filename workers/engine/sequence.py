@@ -125,6 +125,8 @@ class Request:
         # constraint failed (its row, never a retry); None: the engine's fault (engine_error, retried)
         self.error_code: str | None = None
         self.lora: str | None = None  # the adapter its sequences run with (None: the base model)
+        # params.bad_words as the token sequences the sampler bans (InputProcessor.bad_words_token_ids)
+        self.bad_words_token_ids: list[list[int]] = []
 
     @property
     def is_finished(self) -> bool:

@@ -32,7 +32,7 @@ from batchinfer.workers.engine.tp_ranks import RankFailure
 from batchinfer.workers.service.inflight import Book, Held, Quarantine
 from batchinfer.workers.service.outbox import DeadLetter, PublisherThread
 from batchinfer.workers.service.rows import embedding_row, generation_row
-from batchinfer.workers.tools import NEEDS_SPECIAL_TOKENS, ToolParserMissing, ToolSpec, require_parser
+from batchinfer.workers.tools import NEEDS_SPECIAL_TOKENS, ToolSpec, require_parser
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,8 @@ class Feeder:
 
     def _prepare_tools(self, spec: ToolSpec, params: Any) -> None:
         """Before a request with tools runs: ``auto`` without a parser is refused (ToolParserMissing,
-        a ValueError: an ``invalid_request`` row, no generation spent), and a parser whose format is
+        a ValueError: an ``invalid_request`` row, no generation spent, so that finishing it never
+        meets a missing parser), and a parser whose format is
         special tokens (mistral's ``[TOOL_CALLS]``) gets text that keeps them."""
         require_parser(spec, self.tool_parser)
         if spec.choice == "auto" and self.tool_parser in NEEDS_SPECIAL_TOKENS:
@@ -210,12 +211,9 @@ class Feeder:
             row = embedding_row(held.request, out, worker=self.name, started_at=held.started_at,
                                 finished_at=finished_at)
         else:
-            try:
-                row = generation_row(held.request, out, worker=self.name, started_at=held.started_at,
-                                     finished_at=finished_at, tool_parser=self.tool_parser)
-            except ToolParserMissing as e:  # tool_choice "auto" on a worker that cannot read calls:
-                self.end(held, "failed", "invalid_request", str(e))  # the same on a retry, so its row now
-                return
+            # `auto` without a parser never ran (_prepare_tools), so the row's tool calls can be read
+            row = generation_row(held.request, out, worker=self.name, started_at=held.started_at,
+                                 finished_at=finished_at, tool_parser=self.tool_parser)
         self._queue(held, row)
 
     def _step_failed(self, error: Exception) -> None:

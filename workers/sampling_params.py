@@ -150,12 +150,7 @@ class SamplingParams:
             stop = [stop]
         if not isinstance(stop, (list, tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
-        for i, s in enumerate(stop):
-            if not isinstance(s, str):
-                raise ValueError(f"stop[{i}] must be a string, got {s!r}")
-            if not s:
-                raise ValueError(f"stop[{i}] must not be empty")
-        return list(stop)
+        return _non_empty_strings(stop, "stop")
 
     @staticmethod
     def _normalise_token_ids(ids: Any, name: str = "stop_token_ids") -> list[int]:
@@ -252,9 +247,14 @@ def _normalise_bad_words(words: Any) -> list[str]:
         raise ValueError(f"bad_words must be a list of strings, got {words!r}")
     if len(words) > MAX_BAD_WORDS:
         raise ValueError(f"bad_words may have at most {MAX_BAD_WORDS} words, got {len(words)}")
-    for i, w in enumerate(words):
-        if not isinstance(w, str):
-            raise ValueError(f"bad_words[{i}] must be a string, got {w!r}")
-        if not w:
-            raise ValueError(f"bad_words[{i}] must not be empty")
-    return list(words)
+    return _non_empty_strings(words, "bad_words")
+
+
+def _non_empty_strings(values: list[Any] | tuple[Any, ...], name: str) -> list[str]:
+    """``values`` as a list once every element is a non-empty string (ValueError naming ``name[i]``)."""
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise ValueError(f"{name}[{i}] must be a string, got {v!r}")
+        if not v:
+            raise ValueError(f"{name}[{i}] must not be empty")
+    return list(values)

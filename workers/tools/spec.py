@@ -166,18 +166,14 @@ def parse_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = 
 def _check_tool(tool: Any, path: str) -> dict[str, Any]:
     if not isinstance(tool, dict):
         raise ValueError(f"{path}: must be an object, got {type(tool).__name__}")
-    unknown = sorted(set(tool) - _TOOL_KEYS)
-    if unknown:
-        raise ValueError(f"{path}: unknown field(s) {', '.join(map(str, unknown))}")
+    _refuse_unknown(tool, _TOOL_KEYS, path)
     if tool.get("type") != "function":
         raise ValueError(f"{path}.type: must be 'function', got {tool.get('type')!r}")
     fn = tool.get("function")
     if not isinstance(fn, dict):
         raise ValueError(f"{path}.function: must be an object with a name, got {fn!r}")
     path += ".function"
-    unknown = sorted(set(fn) - _FUNCTION_KEYS)
-    if unknown:
-        raise ValueError(f"{path}: unknown field(s) {', '.join(map(str, unknown))}")
+    _refuse_unknown(fn, _FUNCTION_KEYS, path)
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"{path}.name: must be 1-64 characters of a-z, A-Z, 0-9, '_' and '-', got {name!r}")
@@ -195,6 +191,13 @@ def _check_tool(tool: Any, path: str) -> dict[str, Any]:
     return copy.deepcopy(tool)
 
 
+def _refuse_unknown(given: dict[str, Any], known: set[str], path: str) -> None:
+    """ValueError naming ``given``'s keys outside ``known`` (a misspelt ``paramters`` is not dropped)."""
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown field(s) {', '.join(map(str, unknown))}")
+
+
 def _check_choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
     if tool_choice is None:
         return "auto", None
@@ -205,9 +208,7 @@ def _check_choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
                          f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}')
     if not isinstance(tool_choice, dict):
         raise ValueError(f"tool_choice: must be a string or an object, got {type(tool_choice).__name__}")
-    unknown = sorted(set(tool_choice) - _TOOL_KEYS)
-    if unknown:
-        raise ValueError(f"tool_choice: unknown field(s) {', '.join(map(str, unknown))}")
+    _refuse_unknown(tool_choice, _TOOL_KEYS, "tool_choice")
     if tool_choice.get("type") != "function":
         raise ValueError(f"tool_choice.type: must be 'function', got {tool_choice.get('type')!r}")
     fn = tool_choice.get("function")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -23,7 +23,7 @@ from batchinfer.protocol.rows import encode_vector
 
 __all__ = ["EXTENSIONS", "FORMATS", "LINE_FORMATS", "LOGPROB_TYPE", "OUTPUT_TYPE", "RESULT_SCHEMA",
            "TOKEN_LOGPROB_TYPE", "TOOL_CALL_TYPE", "RowGroups", "anthropic_line", "arrow_record",
-           "arrow_row_groups", "arrow_table", "check_format", "jsonl_line", "openai_line", "protocol_row",
+           "arrow_table", "check_format", "jsonl_line", "openai_line", "protocol_row",
            "result_schema", "row_dict"]
 
 FORMATS = ("parquet", "jsonl", "openai", "anthropic")
@@ -275,17 +275,6 @@ class RowGroups:
             self._pending, self._held, self._nbytes = [], 0, 0
             return [group]
         return []
-
-
-def arrow_row_groups(rows: Iterable[Mapping[str, Any]], vector: pa.DataType | None, *, row_group_rows: int,
-                     row_group_bytes: int, batch_rows: int) -> Iterator[pa.Table]:
-    """Rows as tables of ``result_schema(vector)`` to write one Parquet row group each, in order
-    (:class:`RowGroups`, pulled from an iterable)."""
-    groups = RowGroups(vector, row_group_rows=row_group_rows, row_group_bytes=row_group_bytes,
-                       batch_rows=batch_rows)
-    for row in rows:
-        yield from groups.add(row)
-    yield from groups.finish()
 
 
 def protocol_row(rec: Mapping[str, Any]) -> dict[str, Any]:

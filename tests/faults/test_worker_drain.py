@@ -18,6 +18,7 @@ from batchinfer.store.registry import Registry
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 N = 80
+TOKENS = 48
 MODEL = "tiny-llama"
 
 
@@ -31,8 +32,11 @@ def test_sigterm_drains_the_worker_and_nothing_reruns(redis_server, stacks, tiny
                                                          "max_num_seqs": 8})
     stack.wait_for_workers(2)
     client = stack.client
-    job = client.submit([{"custom_id": f"r{i}", "prompt": f"The request number {i}", "max_tokens": 8,
-                          "ignore_eos": True, "temperature": 0} for i in range(N)], model=MODEL)
+    # Enough tokens per request that "tiny" holds batches for seconds, not one poll's time: with 8 a
+    # fast machine finished the job between two polls and the test waited for a moment that had passed.
+    job = client.submit([{"custom_id": f"r{i}", "prompt": f"The request number {i}", "max_tokens": TOKENS,
+                          "min_tokens": TOKENS, "ignore_eos": True, "temperature": 0} for i in range(N)],
+                        model=MODEL)
 
     def tiny_mid_batch() -> list[dict]:
         """The requests of the batches "tiny" holds, once it has published a row and holds some."""
@@ -50,7 +54,7 @@ def test_sigterm_drains_the_worker_and_nothing_reruns(redis_server, stacks, tiny
     record = stack.wait(job, timeout=120)
     assert record.status.value == "completed", (record, stack.logs())
     rows = {r["idx"]: r for r in assert_exactly_once(stack, job, N, record)}
-    assert all(r["status"] == "completed" and r["completion_tokens"] == 8 for r in rows.values())
+    assert all(r["status"] == "completed" and r["completion_tokens"] == TOKENS for r in rows.values())
     assert {rows[q["idx"]]["worker"] for q in held} <= {"tiny"}, "a request it held ran elsewhere"
     assert {r["worker"] for r in rows.values()} == {"tiny", "echo"}
     # Nothing re-ran: no lease expired, no attempt counted, nothing dead-lettered.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "BATCHINFER_"
@@ -59,6 +60,18 @@ class Settings:
     log_level: str = "INFO"
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"  # the metrics / health server's address (no auth: loopback by default)
+    # The HTTP API (docs/api.md). The file store holds uploads and result files: a local folder or any
+    # pyarrow filesystem URI (s3://bucket/prefix); "" = <results_root>/files. See files_root().
+    files_dir: str = ""
+    files_retention_seconds: int = 30 * 24 * 3600  # uploaded and result files expire after this (0 = never)
+    api_auth: str = "keys"  # "keys" | "none" (every caller is the anonymous key)
+    api_max_file_bytes: int = 200 * 1024 * 1024  # per upload (OpenAI's 200 MB); a key's own limit overrides
+    api_max_files_per_key: int = 10_000
+    api_max_queued_requests_per_key: int = 10_000_000  # requests of a key's unfinished batches
+    api_max_batch_requests: int = 50_000  # lines per OpenAI batch (OpenAI's)
+    api_max_body_bytes: int = 256 * 1024 * 1024  # a JSON request body (Anthropic's batch create: 256 MB)
+    api_sync_priority: int = 1000  # synchronous requests go in above batch jobs (default priority 0)
+    api_sync_timeout_seconds: float = 600.0
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -82,6 +95,19 @@ class Settings:
         values["redis_url"] = self.redacted_url()
         shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
         return f"Settings({shown})"
+
+    def files_root(self) -> str:
+        """The file store's root as a URI: ``file:///abs/path`` for a local folder (``files_dir``, or
+        ``<results_root>/files`` when unset, made absolute); any other URI as given."""
+        if "://" in self.files_dir:
+            return self.files_dir.rstrip("/")
+        folder = self.files_dir or os.path.join(self.results_root, "files")
+        return Path(os.path.abspath(folder)).as_uri()
+
+    def output_prefixes(self) -> str:
+        """The destinations a producer's output may name besides the results root (comma-joined):
+        ``output_uri_prefixes`` and the file store, where the exporter writes the API's result files."""
+        return ",".join(filter(None, [self.output_uri_prefixes.strip(), self.files_root()]))
 
     def redacted_url(self) -> str | None:
         """The Redis URL with any password replaced, for logs and status output."""

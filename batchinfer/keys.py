@@ -118,3 +118,40 @@ class Keys:
     def admitted(self, job_id: str) -> str:
         """Bitmap: bit ``idx`` set once the scheduler took in an entry for request ``idx`` of the job."""
         return self._k("admitted", job_id)
+
+    # -- the HTTP API (batchinfer/api, docs/api.md) ------------------------------------------------
+
+    def file(self, file_id: str) -> str:
+        """Hash: a file-store file's record (owner, name, purpose, size, times, location)."""
+        return self._k("file", file_id)
+
+    def files(self, owner: str) -> str:
+        """Sorted set: an API key's file ids scored by creation time (ms), for listing."""
+        return self._k("files", owner)
+
+    @property
+    def files_expiring(self) -> str:
+        """Sorted set: file id -> expiry time (unix s) of every file that expires, for the sweep."""
+        return self._k("files_expiring")
+
+    def api_key(self, digest: str) -> str:
+        """Hash: an API key's record, under the sha256 hex digest of its secret."""
+        return self._k("apikey", digest)
+
+    @property
+    def api_keys(self) -> str:
+        """Hash: API key id -> the digest its record is stored under."""
+        return self._k("apikeys")
+
+    def api_batch(self, batch_id: str) -> str:
+        """Hash: an API batch's own attributes (its job record holds the rest)."""
+        return self._k("apibatch", batch_id)
+
+    def api_batches(self, kind: str, owner: str) -> str:
+        """Sorted set: one API key's batches of one kind (openai | anthropic) scored by creation (ms)."""
+        return self._k("apibatches", kind, owner)
+
+    @property
+    def cancelled_requests(self) -> str:
+        """Sorted set: direct request id (intake entry id) -> ms cancelled (a sync caller went away)."""
+        return self._k("cancelled", "requests")

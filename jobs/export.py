@@ -6,8 +6,11 @@ the same pass learns the embedding widths, which fix the Parquet schema before i
 group), writes them a bounded row group at a time to a temporary name and renames it into
 place (:mod:`batchinfer.jobs.output`); only then does the job record get its ``output`` and its
 final status: ``finalizing`` -> ``completed``, ``cancelling`` -> ``cancelled``, ``expired``
-stays. A failure is recorded on the job record (``errors``,
-``export_error``) and raised, so rq retries it; after the last retry the job is ``failed``.
+stays. A job with an ``error_output`` gets OpenAI's two files from the same pass (the completed
+rows in ``output``, the others there), and every export records the token sums over the rows
+(``prompt_tokens``, ``completion_tokens``, ``cached_tokens``: OpenAI's batch ``usage``).
+A failure is recorded on the job record (``errors``, ``export_error``) and raised, so rq retries
+it; after the last retry the job is ``failed``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import logging
 import os
 import struct
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import pyarrow as pa
 import redis
@@ -230,6 +234,28 @@ def sorted_rows(r: redis.Redis, stream: str, directory: str, total: int | None =
     return SortedRows(sorter, stream, widths)
 
 
+class TokenSums:
+    """The token counts of the rows passing through :meth:`counted`, summed (a row's missing or
+    null count is 0): what the job record keeps as OpenAI's batch ``usage``."""
+
+    FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        for name in self.FIELDS:
+            value = row.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                self.sums[name] += value
+
+    def counted(self, rows: Iterable[dict]) -> Iterator[dict]:
+        """``rows``, unchanged, each added on its way through."""
+        for row in rows:
+            self.add(row)
+            yield row
+
+
 def _connection(redis_url: str | None, settings: Settings) -> redis.Redis:
     """``redis_url``, else the connection of the rq job running this, else the settings' URL."""
     from batchinfer.redis_conn import connect
@@ -259,9 +285,13 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
 
     ``output`` and ``fmt`` default to the job record's ``output`` / ``output_format`` and then to
     ``<results_root>/<job_id>.parquet``; the record's output, a producer's choice, must be a
-    destination producers may name (:func:`batchinfer.protocol.destinations.check_output`), and a file
-    already there is replaced only by this job's own re-export; an ``output`` given here is the
-    caller's own choice, written as given. Arguments are JSON values (this is an rq job function).
+    destination producers may name (:func:`batchinfer.protocol.destinations.check_output` against
+    ``Settings.output_prefixes()``), and a file already there is replaced only by this job's own
+    re-export; an ``output`` given here is the caller's own choice, written as given. With the
+    record's output (no ``output`` given), the record's ``error_output`` (checked and replaced by
+    the same rules) gets the rows that did not complete and the output the completed ones, written
+    in one pass; the record then names both files written. The rows' token sums are recorded too.
+    Arguments are JSON values (this is an rq job function).
     ``chunk_rows`` (entries per XRANGE) and ``run_bytes`` (rows held before a sorted run is
     spilled) bound the memory the export holds, with :data:`batchinfer.jobs.output.ROW_GROUP_BYTES`;
     the file does not depend on them.
@@ -276,20 +306,32 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
         if record.status not in EXPORTABLE:
             raise RuntimeError(f"job {job_id} is {record.status}: not every request has its result yet")
         fmt = check_format(fmt or record.output_format or "parquet")
+        allowed = settings.output_prefixes()
         requested = record.output
         if output is None and requested:  # the submitter's choice, read from Redis: check it again
-            requested = check_output(requested, settings.results_root, settings.output_uri_prefixes)
+            requested = check_output(requested, settings.results_root, allowed)
         dest = resolve(output or requested or f"{job_id}{EXTENSIONS[fmt]}", settings.results_root)
+        errors = None
+        if output is None and record.error_output:  # OpenAI's error file, the submitter's choice too
+            errors = resolve(check_output(record.error_output, settings.results_root, allowed),
+                             settings.results_root)
+            if errors.location == dest.location:
+                raise ValueError(f"error_output {errors.location} is the output itself")
         # never replace a file this job did not write: only its own earlier export (the record names it)
-        replace = output is not None or (record.exported_at is not None and record.output == dest.location)
+        replace = output is not None or (record.exported_at is not None and record.output == dest.location
+                                          and (errors is None or record.error_output == errors.location))
+        sums = TokenSums()
         with tempfile.TemporaryDirectory(prefix="batchinfer-export-") as spill:
             rows = sorted_rows(r, keys.results(job_id), spill, chunk_rows=chunk_rows, run_bytes=run_bytes)
-            location = write_rows(rows, dest, fmt, vector=rows.vector, replace=replace)
+            location = write_rows(sums.counted(rows), dest, fmt, vector=rows.vector, replace=replace,
+                                  errors=errors)
         final = scripts.register(r, "mark_exported")(
             keys=[keys.job(job_id), keys.cancelled, keys.results(job_id), keys.published(job_id),
                   keys.attempts(job_id), keys.admitted(job_id)],
-            args=[location, now_ms(), settings.results_ttl_seconds, job_id])
-        log.info("job %s exported to %s (%s)", job_id, location, as_text(final),
+            args=[location, now_ms(), settings.results_ttl_seconds, job_id,
+                  errors.location if errors is not None else "", *sums.sums.values()])
+        log.info("job %s exported to %s%s (%s)", job_id, location,
+                 f" and {errors.location}" if errors is not None else "", as_text(final),
                  extra={"job_id": job_id})
         return location
     except Exception as e:

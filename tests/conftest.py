@@ -149,6 +149,32 @@ def redis_module(tmp_path_factory):
 
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3-compatible server on a free loopback port (tests/s3_server.py): ``.endpoint``,
+    ``.env()`` (the AWS_* variables a client needs; set them with monkeypatch), ``.make_bucket(name)``."""
+    from s3_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def api_stack(redis_server, tiny_llama, tmp_path):
+    """A started :class:`api_stack.ApiStack`: scheduler, exporter, a tiny-llama worker (loading in the
+    background: ``wait_for_model()``), ``batchinfer api`` on a free port (ready). Closed after the
+    test, its daemons' log tails printed (pytest shows them for a failing test)."""
+    from api_stack import ApiStack
+
+    stack = ApiStack(redis_server.url, tmp_path / "api-stack", tiny_llama)
+    try:
+        yield stack.start_all()
+    finally:
+        stack.close()
+        print(stack.logs())
+
+
 @pytest.fixture
 def health_servers():
     """``start(registry=None, readiness=None)`` -> a started HealthServer on a free loopback port;

@@ -418,7 +418,8 @@ def test_foreign_producer_entries_get_error_rows(queue):
         ({"v": "1", "body": good}, None),
         ({"v": "1"}, bad("protocol_error", "body", "no 'body' field")),
         ({"v": "2", "body": good}, bad("protocol_error", "unsupported protocol version v='2'")),
-        ({"v": "1", "body": good, "priority": "9"}, bad(PE, "unknown intake field(s): priority")),
+        ({"v": "1", "body": good, "urgency": "9"}, bad(PE, "unknown intake field(s): urgency")),
+        ({"v": "1", "body": good, "priority": "high"}, bad(PE, "priority must be an integer", "priority")),
         ({"v": "1", "body": b'{"prompt": "caf\xe9"}'}, bad(PE, "not UTF-8", "body")),
         ({"v": "1", "body": pickle.dumps(Mkdir(queue.marker))}, bad(PE, "not UTF-8", "body")),
         ({"v": "1", "body": pickle.dumps(Mkdir(queue.marker), protocol=0)}, bad(IJ, "invalid JSON")),
@@ -439,7 +440,7 @@ def test_foreign_producer_entries_get_error_rows(queue):
     }
     queue.drain(job)
     expected = {idx + 1: want for idx, (_, want) in enumerate(entries) if want is not None}
-    check_job(queue, job, expected, [1, 9])
+    check_job(queue, job, expected, [1, 10])
     direct_rows = (json.loads(fields[b"row"]) for _, fields in r.xrange(keys.results("direct")))
     direct = {row["request_id"]: row for row in direct_rows}
     for entry_id, want in unroutable.items():

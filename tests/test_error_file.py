@@ -171,3 +171,7 @@ def test_run_error_file_end_to_end(tiny_llama, tmp_path):
     assert [b["custom_id"] for b in bad] == [None, "bad-temp"]
     assert [b["error"]["code"] for b in bad] == ["invalid_json", "invalid_request"]
     assert all(":" not in g["id"] for g in good + bad)
+    # the job's exporter wrote both files (the job's error_output), not `run` afterwards
+    record = json.loads(proc.stdout)
+    assert record["error_output"] == err.resolve().as_uri() and record["exported_at"] is not None
+    assert record["output"] == out.resolve().as_uri()

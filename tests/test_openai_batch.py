@@ -18,7 +18,7 @@ KEYS = Keys(PREFIX)
 OPENAI_KEYS = {"id", "object", "endpoint", "errors", "input_file_id", "completion_window", "status",
                "output_file_id", "error_file_id", "created_at", "in_progress_at", "expires_at",
                "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at",
-               "request_counts", "metadata"}
+               "request_counts", "metadata", "usage"}
 
 
 def _row(job: str, idx: int, status: str) -> ResultRow:
@@ -35,6 +35,7 @@ def test_a_finished_job_as_an_openai_batch(redis_server, tmp_path):
     assert set(running) == OPENAI_KEYS and running["object"] == "batch" and running["status"] == "validating"
     assert running["output_file_id"] is None and running["error_file_id"] is None
     assert running["completion_window"] == "24h" and running["errors"] is None
+    assert running["usage"] is None  # until the export sums the rows' tokens
     for i, status in enumerate(["completed", "completed", "failed", "cancelled"]):
         pub.publish(_row("b1", i, status))
     assert pub.finish_submission("b1", 4)
@@ -54,6 +55,10 @@ def test_a_finished_job_as_an_openai_batch(redis_server, tmp_path):
     assert batch["cancelled_at"] is None and batch["failed_at"] is None
     # the results file holds the error rows too: no second file to name (an OpenAI client reads both)
     assert batch["output_file_id"] == str(out) and batch["error_file_id"] is None
+    # the rows carry no token counts here: usage is all zeros, not null (the export ran)
+    assert batch["usage"] == {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0},
+                              "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
+                              "total_tokens": 0}
 
 
 def test_errors_and_a_short_window(redis_server):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import click
 
 from batchinfer.cli import render
+from batchinfer.cli.api import COMMANDS as API_COMMANDS
 from batchinfer.cli.context import (
     EXIT_JOB_FAILED,
     Ctx,
@@ -68,6 +69,11 @@ pass_ctx = click.make_pass_decorator(Ctx)
 
 for _daemon in (scheduler, worker, exporter):
     cli.add_command(_daemon)
+
+# -- the HTTP API: `api`, `serve`, `api-keys` (cli/api.py, which never imports this module) --------
+
+for _command in API_COMMANDS:
+    cli.add_command(_command)
 
 
 # -- jobs ------------------------------------------------------------------------------------------
@@ -512,15 +518,21 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
     refuse_overwrite(output, force)  # before anything starts
     check_error_file(error_file, output, fmt, force)
     # The daemons `run` starts are the caller's own: a local path is the explicit file:// URI, and
-    # that one destination joins the allowed output URI prefixes of its client and its exporter.
-    output = output if "://" in output else Path(output).resolve().as_uri()
-    check_output(output, ctx.settings.results_root, output)  # no query, credentials, ..: exit 2 now
-    ctx.settings.output_uri_prefixes = ",".join(filter(None, [ctx.settings.output_uri_prefixes, output]))
-    if force and exists(output):  # an exporter never replaces a file its job did not write
-        import pyarrow.fs as pafs
+    # that one destination (and --error-file's) joins the allowed output URI prefixes of its client
+    # and its exporter, which writes both (the job's output and error_output).
+    destinations = [output] if error_file is None else [output, error_file]
+    output, *errors_at = [d if "://" in d else Path(d).resolve().as_uri() for d in destinations]
+    error_file = errors_at[0] if errors_at else None
+    for destination in [output, *errors_at]:
+        check_output(destination, ctx.settings.results_root, destination)  # no query, credentials, ..: exit 2
+    ctx.settings.output_uri_prefixes = ",".join(filter(None, [ctx.settings.output_uri_prefixes, output,
+                                                              *errors_at]))
+    for destination in [output, *errors_at]:
+        if force and exists(destination):  # an exporter never replaces a file its job did not write
+            import pyarrow.fs as pafs
 
-        filesystem, path = pafs.FileSystem.from_uri(output)
-        filesystem.delete_file(path)
+            filesystem, path = pafs.FileSystem.from_uri(destination)
+            filesystem.delete_file(path)
     if echo and (tensor_parallel_size or structured_outputs_backend):
         raise click.UsageError("--tensor-parallel-size and --structured-outputs-backend are engine "
                                "settings: the echo engine has none")

@@ -16,9 +16,9 @@ the scheduler answer what is left with ``cancelled`` rows, stop the daemons with
 (SIGTERM, a short grace, SIGTERM again, which stops a worker without draining, then SIGKILL),
 write the job's rows (one per line, the unfinished ones ``cancelled``) to the output file (as
 OpenAI does for cancelled and expired batches) unless ``--no-partial``, and keep the logs folder.
-With ``--error-file``, the rows that did not complete go to that file instead: the exporter writes
-every row to the output file, then ``run`` writes it again with the completed rows only and the
-others to the error file (OpenAI's two files), each atomically.
+With ``--error-file``, the rows that did not complete go to that file instead: the job is submitted
+with it as its ``error_output``, so its exporter writes OpenAI's two files in one pass, each
+atomically (the completed rows to the output file, the others to the error file).
 The daemons and the embedded Redis run in their own sessions, so the terminal's Ctrl-C reaches
 ``run`` alone and Redis stays up long enough for the partial results to be read.
 """
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from batchinfer.config import Settings
 
 STOP_TIMEOUT_S = 30.0  # after the job ended: let the daemons finish cleanly
+EXPORT_WAIT_S = 30.0  # --error-file, a job ended unexported (expired): how long its export is awaited
 INTERRUPT_GRACE_S = 2.0  # after Ctrl-C / --timeout: SIGTERM, this long, SIGTERM again, 1 s, SIGKILL
 CANCEL_SETTLE_S = 10.0  # after Ctrl-C / --timeout: how long the cancelled job may take to settle
 CANCEL_POLL_S = 0.1
@@ -76,7 +77,9 @@ class RunOptions:
     partial: bool = True  # on Ctrl-C / --timeout, write the rows so far to ``output``
     input_column: str | None = None  # Parquet: the column read as embeddings ``input``
     worker_args: tuple[str, ...] = ()  # more `batchinfer worker` flags (--tensor-parallel-size N, ...)
-    error_file: str | None = None  # --error-file: the rows that did not complete go there, not to ``output``
+    # --error-file, the job's error_output (a URI for a local path, as ``output``): the rows that did
+    # not complete go there, not to ``output``
+    error_file: str | None = None
 
 
 def check_input(file: str) -> None:
@@ -207,15 +210,16 @@ def run_all(ctx: Ctx, opts: RunOptions,
     with contextlib.ExitStack() as stack:  # closed in reverse: client, daemons, logs, Redis, SIGTERM
         stack.callback(signal.signal, signal.SIGTERM, previous_sigterm)
         model_path, default_name = resolve_model(opts.model)
-        redis_url = _start_redis(stack, ctx.settings, ctx.given.get("redis_url"), say)
-        logs = _Logs.open(stack, opts.log_dir)
-        daemons = Daemons(logs.path, _daemon_env(ctx.settings, redis_url))
+        redis_url = start_redis(stack, ctx.settings, ctx.given.get("redis_url"), say)
+        logs = LogFolder.open(stack, opts.log_dir)
+        daemons = Daemons(logs.path, daemon_env(ctx.settings, redis_url))
         stack.callback(daemons.stop)
         served = list(dict.fromkeys(opts.served_model_names)) or [default_name]
         client: Any = None
         job: str | None = None
         try:
-            _start_daemons(daemons, opts, model_path, served)
+            start_daemons(daemons, model_path, served, num_workers=opts.num_workers, device=opts.device,
+                          echo=opts.echo, worker_args=opts.worker_args)
             say(f"started scheduler, {opts.num_workers} worker(s) ({served[0]} on {opts.device}), exporter; "
                 f"logs in {logs.path}")
             client = stack.enter_context(Client(settings=ctx.settings))
@@ -223,13 +227,13 @@ def run_all(ctx: Ctx, opts: RunOptions,
             say(f"job {job}")
             try:
                 wait(client, job, daemons.check)
-            except SystemExit:  # the job ended without completing: its file is split all the same
+            except SystemExit:  # the job ended without completing: its two files all the same
                 try:
-                    _split_errors(client, job, opts, say)
-                except Exception as e:  # the exit code says the job failed; say why the split did too
+                    _await_error_file(client, job, opts, say)
+                except Exception as e:  # the exit code says the job failed; say why the file did too
                     click.echo(f"could not write the error file of job {job}: {e}", err=True)
                 raise
-            _split_errors(client, job, opts, say)
+            _await_error_file(client, job, opts, say)
         except DaemonExited as e:
             return _daemon_exited(e, daemons, logs)
         except (KeyboardInterrupt, _Stopped, TimeoutError) as e:
@@ -243,7 +247,7 @@ def run_all(ctx: Ctx, opts: RunOptions,
 
 
 @dataclass
-class _Logs:
+class LogFolder:
     """The daemons' log folder: ``--logs`` (always kept) or a temporary one, removed on the way
     out after a run that ends normally, kept after a failure, an interrupt or a timeout."""
 
@@ -251,7 +255,7 @@ class _Logs:
     keep: bool
 
     @classmethod
-    def open(cls, stack: contextlib.ExitStack, log_dir: str | None) -> _Logs:
+    def open(cls, stack: contextlib.ExitStack, log_dir: str | None) -> LogFolder:
         if log_dir:
             path = Path(log_dir)
             path.mkdir(parents=True, exist_ok=True)
@@ -266,8 +270,8 @@ class _Logs:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _start_redis(stack: contextlib.ExitStack, settings: Settings, given_url: str | None,
-                 say: Callable[[str], None]) -> str:
+def start_redis(stack: contextlib.ExitStack, settings: Settings, given_url: str | None,
+                say: Callable[[str], None]) -> str:
     """The run's Redis URL: ``--redis-url`` as given on the command line, else an embedded Redis's
     (stopped with ``stack``); one line says which.
 
@@ -290,7 +294,7 @@ def _start_redis(stack: contextlib.ExitStack, settings: Settings, given_url: str
     return embedded.url
 
 
-def _daemon_env(settings: Settings, redis_url: str) -> dict[str, str]:
+def daemon_env(settings: Settings, redis_url: str) -> dict[str, str]:
     """The daemons' environment: this one plus the run's settings."""
     # The URL travels in the environment, not argv, so no password shows in `ps`.
     env = {**os.environ, "BATCHINFER_REDIS_URL": redis_url, "BATCHINFER_PREFIX": settings.prefix,
@@ -302,14 +306,16 @@ def _daemon_env(settings: Settings, redis_url: str) -> dict[str, str]:
     return env
 
 
-def _start_daemons(daemons: Daemons, opts: RunOptions, model_path: Path, served: list[str]) -> None:
-    """The scheduler, ``opts.num_workers`` workers serving ``served`` names, the exporter."""
+def start_daemons(daemons: Daemons, model_path: Path, served: list[str], *, num_workers: int, device: str,
+                  echo: bool = False, worker_args: tuple[str, ...] = ()) -> None:
+    """The scheduler, ``num_workers`` workers serving ``served`` names (``batchinfer worker``'s
+    ``worker_args`` added), the exporter (``run`` and ``serve``)."""
     names = [a for name in served for a in ("--served-model-name", name)]
     daemons.start("scheduler", "scheduler")
-    for i in range(opts.num_workers):
+    for i in range(num_workers):
         args = ["worker", "--model", str(model_path), "--name", f"run-{os.getpid()}-{i}",
-                "--device", opts.device, *names, *opts.worker_args]
-        daemons.start(f"worker-{i}", *args, *(["--echo"] if opts.echo else []))
+                "--device", device, *names, *worker_args]
+        daemons.start(f"worker-{i}", *args, *(["--echo"] if echo else []))
     daemons.start("exporter", "exporter")
 
 
@@ -318,20 +324,30 @@ def _submit(client: Any, opts: RunOptions, model: str) -> str:
     output = opts.output if "://" in opts.output else os.path.abspath(opts.output)
     # the job's model (served[0]) answers every line, whatever model the line names
     return client.submit(opts.file, model=model, output=output, output_format=opts.fmt,
-                         input_column=opts.input_column)
+                         input_column=opts.input_column, error_output=opts.error_file)
 
 
-def _split_errors(client: Any, job: str, opts: RunOptions, say: Callable[[str], None]) -> None:
-    """``--error-file``: the job's exporter wrote every row to ``opts.output``; write it again with
-    the completed rows only, and the others to ``opts.error_file`` (both atomically, from the job's
-    rows, which stay in Redis after the export)."""
+def _await_error_file(client: Any, job: str, opts: RunOptions, say: Callable[[str], None],
+                      wait_s: float = EXPORT_WAIT_S) -> None:
+    """``--error-file``: the job's exporter writes both files (its ``error_output``). A job that ended
+    before its export ran (``expired``: it ends before its last rows are in, and so before its
+    export) is given ``wait_s`` for it; past that, or when the export failed, both files are
+    written here from the job's rows (still in Redis), as its exporter would have."""
+    from batchinfer.store.jobstore import JobStatus
+
     if opts.error_file is None:
         return
-    client.write_results(job, opts.output, opts.fmt, error_file=opts.error_file)
+    deadline = time.monotonic() + wait_s
+    record = client.status(job)
+    while record.exported_at is None and record.status != JobStatus.FAILED and time.monotonic() < deadline:
+        time.sleep(CANCEL_POLL_S)
+        record = client.status(job)
+    if record.exported_at is None:
+        client.write_results(job, opts.output, opts.fmt, error_file=opts.error_file)
     say(f"error rows in {opts.error_file}")
 
 
-def _daemon_exited(e: DaemonExited, daemons: Daemons, logs: _Logs) -> int:
+def _daemon_exited(e: DaemonExited, daemons: Daemons, logs: LogFolder) -> int:
     """A daemon died before the job ended: say which, with the logs' tails (kept)."""
     from batchinfer.cli.context import EXIT_DAEMON
 
@@ -340,7 +356,7 @@ def _daemon_exited(e: DaemonExited, daemons: Daemons, logs: _Logs) -> int:
     return EXIT_DAEMON
 
 
-def _interrupted(e: BaseException, stack: contextlib.ExitStack, daemons: Daemons, logs: _Logs,
+def _interrupted(e: BaseException, stack: contextlib.ExitStack, daemons: Daemons, logs: LogFolder,
                  submitted: tuple[Any, str] | None, opts: RunOptions) -> int:
     """Ctrl-C, SIGTERM or ``--timeout``: stop the daemons in seconds, write the rows so far of the
     ``(client, job)`` submitted (unless ``--no-partial``), keep the logs."""

@@ -24,7 +24,7 @@ from batchinfer.config import Settings
 from batchinfer.jobs.queueing import enqueue_export, finish_then_export, publish_then_export
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, JobOp, parse_duration, valid_job_id
-from batchinfer.protocol.rows import ResultRow
+from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.redis_conn import as_text, connect
 from batchinfer.store import replies
 from batchinfer.store.jobcontrol import append_job_error, check_open, open_job
@@ -82,7 +82,8 @@ class Client:
                *, priority: int = 0, completion_window: str | int = "24h",
                metadata: Mapping[str, str] | None = None, output: str | None = None,
                output_format: str = "parquet", job_id: str | None = None, input_format: str | None = None,
-               input_column: str | None = None, on_progress: Callable[[int], None] | None = None) -> str:
+               input_column: str | None = None, on_progress: Callable[[int], None] | None = None,
+               error_output: str | None = None, tenant: str | None = None) -> str:
         """Create a job from ``source`` and stream its requests into the queue; returns the job id.
 
         ``source``: a JSONL or Parquet path (``"-"`` = stdin), a binary file, a pandas DataFrame,
@@ -91,6 +92,9 @@ class Client:
         and ``overridden_models``). ``output`` is where the exporter writes the results (default
         ``<results_root>/<job>.parquet``): a path that stays inside ``results_root``, or a URI under
         one of ``output_uri_prefixes`` (:mod:`batchinfer.protocol.destinations`; ``ValueError`` otherwise).
+        ``error_output`` (a destination by the same rule): OpenAI's error file, where the exporter
+        writes the rows that did not complete, ``output`` then holding the completed ones only.
+        ``tenant``: whose job it is; the scheduler's fair share puts a tenant's jobs in one group.
         ``input_column``: for Parquet and DataFrames, the column read as each row's embeddings
         ``input`` (e.g. ``"text"``). ``on_progress(n)`` is called with the number of requests sent
         so far after each chunk.
@@ -109,7 +113,8 @@ class Client:
         if not valid_job_id(job_id):
             raise ValueError(f"job id {job_id!r} is invalid (letters, digits, '.', '_', '-'; at most 128)")
         op = JobOp.open(job_id, model=model, completion_window=window, priority=priority, output=output,
-                        output_format=output_format, metadata=metadata, input_name=input_name(source))
+                        output_format=output_format, metadata=metadata, input_name=input_name(source),
+                        error_output=error_output, tenant=tenant)
         check_open(op, self.settings)  # an output producers may not name: refused before anything is read
         lines = open_input(source, max_line_bytes=self.settings.max_line_bytes, fmt=input_format,
                            input_column=input_column)
@@ -235,7 +240,7 @@ class Client:
                     return
                 start = "(" + entries[-1][0].decode()
         elif record.output and record.status == JobStatus.COMPLETED:
-            yield from _rows_from_parquet(record.output)
+            yield from _exported_rows(record)
 
     def results_table(self, job_id: str) -> pa.Table:
         """The job's results as a pyarrow Table of the result schema, sorted by input order."""
@@ -280,7 +285,7 @@ class Client:
         if not self.redis.exists(key) and record.output and record.status == JobStatus.COMPLETED:
             from batchinfer.jobs.vectors import parquet_vector_type
 
-            return write_rows(_counted(_rows_from_parquet(record.output), on_row), path_or_uri, fmt,
+            return write_rows(_counted(_exported_rows(record), on_row), path_or_uri, fmt,
                               vector=parquet_vector_type(record.output), errors=error_file)
         with tempfile.TemporaryDirectory(prefix="batchinfer-results-") as spill:
             rows = sorted_rows(self.redis, key, spill, record.total)
@@ -355,6 +360,13 @@ class Client:
         finally:
             self.redis.delete(reply)
 
+    def cancel_request(self, request_id: str) -> None:
+        """Cancel the direct request ``request_id`` (its intake entry id, ``row.request_id``): a worker
+        holding it ends it with a ``cancelled`` row (on its ``reply_to`` as usual), and the scheduler
+        answers it so instead of dispatching it (docs/protocol.md, "Cancelling a direct request").
+        A request that has its row already is left as it is."""
+        self.redis.zadd(self.keys.cancelled_requests, {request_id: now_ms()})
+
     def _timeout(self, reply: str, timeout: float, bodies: list[str]) -> TimeoutError:
         """The error for requests still owed after ``timeout``: which models they wait for, if unserved."""
         from batchinfer.store.queue_state import served_models
@@ -428,6 +440,17 @@ def _model_of(body: str) -> str | None:
     request = _request_of(parsed)
     model = request.get("model") if request is not None else None
     return model if isinstance(model, str) else None
+
+
+def _exported_rows(record: JobRecord) -> Iterator[dict[str, Any]]:
+    """The rows of a job's exported Parquet file(s), in input order: with an ``error_output``, the
+    output holds the completed rows and the error file the others, merged back by ``idx``."""
+    import heapq
+
+    if not record.error_output:
+        return _rows_from_parquet(record.output or "")
+    return heapq.merge(_rows_from_parquet(record.output or ""), _rows_from_parquet(record.error_output),
+                       key=lambda row: row.get("idx") or 0)
 
 
 def _rows_from_parquet(location: str) -> Iterator[dict[str, Any]]:

@@ -50,6 +50,7 @@ INFERENCE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 E2E_BUCKETS = (0.5, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400)  # includes queueing
 BATCH_REQUESTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+API_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 UNKNOWN = "unknown"  # label value of a row whose model could not be read
 
 
@@ -122,6 +123,13 @@ SPECS: dict[str, Spec] = {
     "batchinfer_waiting_sequences": Spec(G, "Sequences waiting for admission into the engine.", M),
     "batchinfer_kv_cache_usage_ratio": Spec(G, "Fraction of KV cache blocks in use (0..1).", M),
     "batchinfer_preemptions_total": Spec(C, "Sequences preempted (KV cache full), to be recomputed.", M),
+    # the HTTP API (batchinfer/api/app.py); route: the path template, e.g. /v1/batches/{batch_id}
+    "batchinfer_api_requests_total": Spec(C, "HTTP requests answered, by route, method and status.",
+                                          ("route", "method", "status")),
+    "batchinfer_api_request_duration_seconds": Spec(H, "From a request's arrival to its response's end.",
+                                                    ("route", "method"), API_SECONDS_BUCKETS),
+    "batchinfer_api_requests_in_flight": Spec(G, "HTTP requests being answered now (synchronous ones wait "
+                                                 "for their model).", ("route",)),
 }
 
 # One metric object per (registry, name): the scheduler and a worker may share a registry in one

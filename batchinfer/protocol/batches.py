@@ -72,6 +72,8 @@ def encode_request(request: BatchRequest) -> str:
         del values["lora"]
     if values["tools"] is None:  # and one without tools as before tool calling existed
         del values["tools"]
+    if values["tenant"] is None:  # and one of a job without a tenant as before tenants existed
+        del values["tenant"]
     return json.dumps(values, separators=(",", ":"), ensure_ascii=False)
 
 

@@ -57,12 +57,15 @@ MAX_CUSTOM_ID_CHARS = 512
 MAX_ENTRY_INT = 2**53 - 1
 MAX_KEY_FIELD_CHARS = 512  # reply_to and client_request_id become parts of Redis key names
 MAX_HOLD_SECONDS = 30 * 86400  # a request waits at most this long for its model
+# {p}:cancelled:requests: cancels of direct requests older than this are ignored, and trimmed
+CANCEL_KEEP_SECONDS = 3600
 MAX_WINDOW_SECONDS = 366 * 86400  # completion_window
 MAX_PRIORITY = 2**31  # |priority| of a job or a request
-ENTRY_FIELDS = ("v", "body", "job", "idx", "line", "reply_to", "client_request_id", "hold_seconds")
+ENTRY_FIELDS = ("v", "body", "job", "idx", "line", "reply_to", "client_request_id", "hold_seconds",
+                "priority")
 # Job control entries (`op`): what each takes besides v, op, job and reply_to.
 OP_FIELDS = {"open": ("model", "completion_window", "priority", "output", "output_format", "metadata",
-                      "input_name"),
+                      "input_name", "error_output", "tenant"),
              "close": ("total",),
              "cancel": ()}
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai", "anthropic")
@@ -172,13 +175,16 @@ class IntakeEntry:
     reply_to: str | None = None
     client_request_id: str | None = None
     hold_seconds: float | None = None  # how long to wait for an unserved model (None: the default)
+    # The request's priority, over its body's and its job's (None: theirs): a direct request has no
+    # job, and Responses / Anthropic bodies have no priority field (the HTTP API's sync requests).
+    priority: int | None = None
 
     def to_fields(self) -> dict[str, str]:
         """The XADD field map (absent optional fields are left out)."""
         out = {"v": PROTOCOL_VERSION, "body": self.body}
         for name, value in (("job", self.job_id), ("idx", self.idx), ("line", self.line),
                             ("reply_to", self.reply_to), ("client_request_id", self.client_request_id),
-                            ("hold_seconds", self.hold_seconds)):
+                            ("hold_seconds", self.hold_seconds), ("priority", self.priority)):
             if value is not None:
                 out[name] = f"{value:g}" if isinstance(value, float) else str(value)
         return out
@@ -205,7 +211,7 @@ class IntakeEntry:
         job = fields_.get("job") or None
         if job is not None and not valid_job_id(job):
             raise fail(f"job id {job!r} is invalid (letters, digits, '.', '_', '-'; at most 128)", "job")
-        idx = line_no = hold = None
+        idx = line_no = hold = priority = None
         if "idx" in fields_:
             idx = _int_or_none(fields_["idx"])
             if idx is None or not 0 <= idx <= MAX_ENTRY_INT:
@@ -226,13 +232,19 @@ class IntakeEntry:
             if hold is None or hold > MAX_HOLD_SECONDS:
                 raise fail(f"hold_seconds must be a non-negative number of seconds (at most "
                            f"{MAX_HOLD_SECONDS}), got {_clip(fields_['hold_seconds'])}", "hold_seconds")
+        if "priority" in fields_:
+            priority = _int_or_none(fields_["priority"])
+            if priority is None or abs(priority) > MAX_PRIORITY:
+                raise fail(f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got "
+                           f"{_clip(fields_['priority'])}", "priority")
         for name in ("reply_to", "client_request_id"):
             if len(fields_.get(name, "")) > MAX_KEY_FIELD_CHARS:
                 raise fail(f"{name} is {len(fields_[name])} characters, more than {MAX_KEY_FIELD_CHARS}",
                            name)
         return cls(body=fields_["body"], job_id=job, idx=idx, line=line_no,
                    reply_to=fields_.get("reply_to") or None,
-                   client_request_id=fields_.get("client_request_id") or None, hold_seconds=hold)
+                   client_request_id=fields_.get("client_request_id") or None, hold_seconds=hold,
+                   priority=priority)
 
 
 @dataclass
@@ -241,7 +253,9 @@ class JobOp:
 
     ``params`` are validated values: ``open`` takes ``model`` (str), ``completion_window`` (int s),
     ``priority`` (int), ``output``, ``output_format``, ``input_name`` (str), ``metadata``
-    (dict of str); ``close`` takes ``total`` (int).
+    (dict of str), ``error_output`` (str: OpenAI's error file, the rows that did not complete; the
+    ``output`` then gets the completed ones only) and ``tenant`` (a job-id-like name: the jobs of one
+    tenant share one fair-share group in the scheduler); ``close`` takes ``total`` (int).
     """
 
     op: str
@@ -252,10 +266,12 @@ class JobOp:
     @classmethod
     def open(cls, job_id: str, *, model: str | None = None, completion_window: int | str = 24 * 3600,
              priority: int = 0, output: str | None = None, output_format: str = "parquet",
-             metadata: Mapping[str, str] | None = None, input_name: str | None = None) -> JobOp:
+             metadata: Mapping[str, str] | None = None, input_name: str | None = None,
+             error_output: str | None = None, tenant: str | None = None) -> JobOp:
         """An ``open`` op; the values are checked as the scheduler checks them (``RequestError``)."""
         given = {"model": model, "completion_window": completion_window, "priority": priority,
                  "output": output, "output_format": output_format, "input_name": input_name,
+                 "error_output": error_output, "tenant": tenant,
                  "metadata": json.dumps(dict(metadata), ensure_ascii=False) if metadata else None}
         return cls("open", job_id, _op_params("open", {k: str(v) for k, v in given.items() if v is not None},
                                               {}))
@@ -347,6 +363,8 @@ def _op_params(op: str, given: Mapping[str, str], context: dict[str, Any]) -> di
             if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
                 raise bad(name, "must be a JSON object whose values are strings")
             out[name] = meta
+        elif name == "tenant" and text and not valid_job_id(text):
+            raise bad(name, f"{_clip(text)} is invalid (letters, digits, '.', '_', '-'; at most 128)")
         elif text:
             out[name] = text
     if op == "close" and "total" not in out:

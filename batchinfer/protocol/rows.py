@@ -112,6 +112,9 @@ class BatchRequest:
     # Function tools of a chat line (ToolSpec.to_dict(), workers/tools): the worker turns the
     # completions' text into tool calls with them. None: no tools.
     tools: dict[str, Any] | None = None
+    # The tenant of the request's job (the job record's ``tenant``), set by the scheduler: a tenant's
+    # jobs share one fair-share group when batches are packed. None: the job is its own group.
+    tenant: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

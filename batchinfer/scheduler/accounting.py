@@ -14,6 +14,8 @@ Walks ``{p}:jobs`` a chunk per pass (bounded work however many jobs exist):
   (the process that finalized it may have died before enqueueing).
 - a job cancelled while still being submitted (no ``total``; e.g. the submitter was interrupted)
   gets ``total = submitted`` after a minute, so it can finish ``cancelled``.
+- cancels of direct requests (``{p}:cancelled:requests``) older than an hour are trimmed: by then
+  their requests have their rows, and workers and dispatch ignore them already.
 
 :class:`Settler` (run right after the sweep) answers the requests of cancelled and expired jobs
 that no live worker holds, at once, so that a job never waits for a worker that is not there.
@@ -33,6 +35,7 @@ from batchinfer.clock import WALL_MS, WallClock
 from batchinfer.config import Settings
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.protocol.batches import MalformedBatch, decode
+from batchinfer.protocol.entries import CANCEL_KEEP_SECONDS
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.redis_conn import as_text
 from batchinfer.scheduler.lookups import JobCache, RowSink
@@ -65,6 +68,8 @@ class Accounting:
 
     def step(self) -> int:
         """Sweep the next chunk of jobs; returns how many were acted on."""
+        self.redis.zremrangebyscore(self.keys.cancelled_requests, "-inf",
+                                    f"({self.clock() - CANCEL_KEEP_SECONDS * 1000}")
         raw = replies.members(self.redis.zrange(self.keys.jobs, self.cursor, self.cursor + self.chunk - 1))
         ids = [j.decode() for j in raw]
         self.cursor = 0 if len(ids) < self.chunk else self.cursor + self.chunk

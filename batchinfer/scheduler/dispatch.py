@@ -3,7 +3,9 @@
 Per model, each pass: requests of cancelled / expired jobs leave staging as rows (whether or not
 a worker is live); then, if the live workers have fewer than ``BATCHES_PER_WORKER`` undelivered
 batches each, a bounded window of staged requests is read, packed (``batchinfer.scheduler.packing``) and
-moved into batches in one MULTI (XADD batch + XDEL staging). The rest stays in Redis.
+moved into batches in one MULTI (XADD batch + XDEL staging). The rest stays in Redis. Direct requests
+of the window that were cancelled (``{p}:cancelled:requests``, ``Client.cancel_request``) leave it as
+``cancelled`` rows instead.
 
 A request naming an alias of a model (``--served-model-name``) is staged under the canonical
 name it was tokenised for. Dispatch also reads the staging of the model's aliases as one queue
@@ -22,7 +24,8 @@ import redis
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.protocol.batches import encode_raw
-from batchinfer.protocol.rows import ResultRow
+from batchinfer.protocol.entries import CANCEL_KEEP_SECONDS
+from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.redis_conn import as_text, ensure_group
 from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
 from batchinfer.scheduler.packing import Budget, Candidate, Packer
@@ -109,6 +112,7 @@ class Dispatcher:
         staged = [s for name in names
                   for s in self.staging.read(name, [m for n, m in chosen if n == name], per_member,
                                              served.info.max_model_len)]
+        staged = self._drop_cancelled(staged)
         candidates = [(_candidate(s, model), s) for s in staged]
         by_key = {c.key: s for c, s in candidates}
         batches = self.packers[model].pack([c for c, _ in candidates], budget, want)
@@ -167,6 +171,28 @@ class Dispatcher:
                 if staged:
                     log.info("job %s: %d staged request(s) %s", job, len(staged), ended)
         return live
+
+
+    def _drop_cancelled(self, staged: list[Staged]) -> list[Staged]:
+        """Publish ``cancelled`` rows for the cancelled direct requests of ``staged`` and unstage them;
+        the rest. One ZRANGEBYSCORE, only when the window holds direct requests."""
+        if all(s.body.get("job_id") is not None for s in staged):
+            return staged
+        since = now_ms() - CANCEL_KEEP_SECONDS * 1000
+        found = replies.members(self.redis.zrangebyscore(self.keys.cancelled_requests, since, "+inf"))
+        cancelled = {as_text(m) for m in found}
+        gone = [s for s in staged if s.body.get("job_id") is None and s.body.get("request_id") in cancelled]
+        if not gone:
+            return staged
+        for s in gone:
+            self.sink.publish(ResultRow.error("cancelled", "the request was cancelled before it ran",
+                                              status="cancelled", request=s.request), s.request.reply_to)
+        pipe = self.redis.pipeline(transaction=True)
+        self.staging.remove(pipe, gone)
+        pipe.execute()
+        log.info("%d cancelled direct request(s) unstaged", len(gone))
+        dropped = {(s.model, s.member, s.entry_id) for s in gone}
+        return [s for s in staged if (s.model, s.member, s.entry_id) not in dropped]
 
 
 def _candidate(staged: Staged, model: str) -> Candidate:

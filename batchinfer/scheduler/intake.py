@@ -158,9 +158,13 @@ class Admission:
             request = self._request(entry, spec, served, base)
         except RequestError as e:
             return Reject(error_row(e.at_line(entry.line), base), entry.reply_to, overridden)
+        request.tenant = view.tenant if view else None  # packed in its tenant's fair-share group
         # staged under the canonical name: the tokens are that model's, whichever alias was asked for
         # (an adapter's, BASE:NAME, has its base's tokenizer and runs with lora NAME)
-        return Stage(served.info.name, spec.priority or (view.priority if view else 0), request, overridden)
+        priority = spec.priority or (view.priority if view else 0)
+        if entry.priority is not None:  # the entry's own (a direct request's, e.g. the HTTP API's sync tier)
+            priority = entry.priority
+        return Stage(served.info.name, priority, request, overridden)
 
     def _parse(self, entry: IntakeEntry) -> RequestSpec:
         """The entry's body, within the line limit (any producer may XADD any size)."""

@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # the sink only calls the metrics it is handed
 log = logging.getLogger(__name__)
 
 CANCELLED_STATUSES = frozenset({JobStatus.CANCELLING, JobStatus.CANCELLED})
-VIEW_FIELDS = (JobField.STATUS, JobField.MODEL, JobField.EXPIRES_AT, JobField.PRIORITY, JobField.TOTAL)
+VIEW_FIELDS = (JobField.STATUS, JobField.MODEL, JobField.EXPIRES_AT, JobField.PRIORITY, JobField.TOTAL,
+               JobField.TENANT)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class JobView:
     expires_at: int | None = None
     priority: int = 0
     total: int | None = None  # set once the job is closed (its submission ended)
+    tenant: str | None = None  # its requests carry it: a tenant's jobs share one fair-share group
 
     def ended_as(self) -> str | None:
         """The row status, ``"cancelled"`` or ``"expired"``, of the job's pending requests when they
@@ -88,9 +90,9 @@ class JobCache:
             if len(self._views) + len(stale) > self.max_entries:
                 self._views.clear()  # bounded memory; a miss costs one HMGET
             for job_id, values in zip(stale, pipe.execute(), strict=True):
-                status, model, expires, priority, total = parse_fields(VIEW_FIELDS, values).values()
+                status, model, expires, priority, total, tenant = parse_fields(VIEW_FIELDS, values).values()
                 view = JobView(job_id, exists=values[0] is not None, status=status, model=model,
-                               expires_at=expires, priority=priority or 0, total=total)
+                               expires_at=expires, priority=priority or 0, total=total, tenant=tenant)
                 self._views[job_id] = (now, view)
                 out[job_id] = view
         return out

@@ -6,7 +6,9 @@ Two phases per call:
    the job that has been served the fewest tokens so far goes next (least attained service); a
    job that (re)appears starts level with the least-served active job, so it neither jumps the
    queue with stale credit nor waits behind a million-request job's history. Within a job,
-   arrival order. Each pick is placed first fit into ``max_batches`` bins, each bin within
+   arrival order. A "job" here is a fair-share group (``Candidate.job``): the jobs of one tenant
+   form one group, so a tenant with many jobs gets no more than a tenant with one.
+   Each pick is placed first fit into ``max_batches`` bins, each bin within
    ``kv_tokens`` (sum of prompt + n * max_tokens) and ``max_num_seqs`` (sum of n: a request's
    ``n`` sequences cost its job's fair share as ``n`` requests would); a job whose next request
    fits nowhere sits out the rest of the call. A request larger than ``kv_tokens`` gets a bin of
@@ -48,7 +50,7 @@ class Candidate:
     """A validated, tokenised request waiting for a batch."""
 
     key: str  # unique among the candidates of one call (the scheduler uses the staging entry id)
-    job: str  # fair-share group: the job id, or the pseudo job of direct requests
+    job: str  # fair-share group: the job id, its tenant's group (staging.fair_share_group), or direct
     priority: int
     prompt_tokens: int
     max_tokens: int

@@ -56,6 +56,16 @@ def member_for(priority: int, job_id: str | None) -> str:
     return f"{priority}:{job_id or DIRECT}"
 
 
+def fair_share_group(body: dict[str, Any]) -> str:
+    """The packer's fair-share group of a staged request (its ``BatchRequest`` JSON): its tenant's,
+    ``tenant:<name>``, shared by all that tenant's jobs (job ids never hold ':', so no job's group
+    is ever a tenant's); else its job id, or the pseudo job of direct requests."""
+    tenant = body.get("tenant")
+    if isinstance(tenant, str) and tenant:
+        return f"tenant:{tenant}"
+    return body.get("job_id") or DIRECT
+
+
 def parse_member(member: str) -> tuple[int, str | None]:
     """``(priority, job_id)`` of a staging member; job ids never hold ':' (protocol.valid_job_id)."""
     priority, job = member.split(":", 1)
@@ -86,8 +96,9 @@ class Staged:
     @cached_property
     def candidate(self) -> Candidate:
         """The packing view: cost = prompt + max_tokens (the rest of the context when unbounded);
-        an embedding request (``inputs``) costs its inputs' tokens: it generates nothing."""
-        key, job = f"{self.member}/{self.entry_id}", self.body.get("job_id") or DIRECT
+        an embedding request (``inputs``) costs its inputs' tokens: it generates nothing. Its
+        ``job`` is the request's :func:`fair_share_group`."""
+        key, job = f"{self.member}/{self.entry_id}", fair_share_group(self.body)
         inputs = self.body.get("inputs")
         if inputs is not None:
             return Candidate(key=key, job=job, priority=self.priority, max_tokens=0,

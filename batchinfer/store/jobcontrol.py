@@ -16,17 +16,22 @@ MAX_JOB_ERRORS = 100  # lines kept in a job's `errors`
 
 
 def check_open(op: JobOp, settings: Settings) -> None:
-    """Refuse an ``open`` whose ``output`` is not a destination a producer may name
-    (:func:`batchinfer.protocol.destinations.check_output`): ``RequestError`` ``invalid_request``,
-    field ``output``."""
-    output = op.params.get("output")
-    if output is None:
-        return
-    try:
-        check_output(output, settings.results_root, settings.output_uri_prefixes)
-    except ValueError as e:
-        raise RequestError("invalid_request", str(e), field="output",
-                           context={"job": op.job_id, "reply_to": op.reply_to}) from None
+    """Refuse an ``open`` whose ``output`` or ``error_output`` is not a destination a producer may
+    name (:func:`batchinfer.protocol.destinations.check_output` against ``settings.output_prefixes()``),
+    or whose two are one file: ``RequestError`` ``invalid_request``, field ``output`` / ``error_output``."""
+    context = {"job": op.job_id, "reply_to": op.reply_to}
+    for name in ("output", "error_output"):
+        value = op.params.get(name)
+        if value is None:
+            continue
+        try:
+            check_output(value, settings.results_root, settings.output_prefixes())
+        except ValueError as e:
+            raise RequestError("invalid_request", f"{name}: {e}" if name != "output" else str(e), field=name,
+                               context=context) from None
+    if op.params.get("error_output") is not None and op.params.get("error_output") == op.params.get("output"):
+        raise RequestError("invalid_request", "error_output must not be the output itself",
+                           field="error_output", context=context)
 
 
 def open_job(r: redis.Redis, keys: Keys, op: JobOp, settings: Settings) -> bool:

@@ -69,6 +69,10 @@ class JobField(str, Enum):
     INPUT_NAME = "input_name"
     OUTPUT = "output"
     OUTPUT_FORMAT = "output_format"
+    # OpenAI's error file: the rows that did not complete (``output`` then gets the completed ones);
+    # the destination asked for, then the file written (as ``output``)
+    ERROR_OUTPUT = "error_output"
+    TENANT = "tenant"  # whose job it is: a tenant's jobs share one fair-share group in the scheduler
     PRIORITY = "priority"
     COMPLETION_WINDOW = "completion_window"
     METADATA = "metadata"
@@ -100,6 +104,10 @@ class JobField(str, Enum):
     HELD = "held"
     MODELS_OVERRIDDEN = "models_overridden"
     OVERRIDDEN_MODELS = "overridden_models"
+    # token sums over the job's rows, written by the export (mark_exported.lua): OpenAI's batch `usage`
+    PROMPT_TOKENS = "prompt_tokens"
+    COMPLETION_TOKENS = "completion_tokens"
+    CACHED_TOKENS = "cached_tokens"
 
     def __str__(self) -> str:
         return self.value
@@ -114,7 +122,8 @@ _INT_FIELDS = frozenset({JobField.HELD, JobField.MODELS_OVERRIDDEN,
                          JobField.PRIORITY, JobField.COMPLETION_WINDOW, JobField.TOTAL, JobField.SUBMITTED,
                          JobField.COMPLETED, JobField.FAILED, JobField.CANCELLED, JobField.EXPIRED,
                          *map(JobField, TIMESTAMPS),
-                         JobField.EXPORT_REQUESTED_AT, JobField.EXPORTED_AT})
+                         JobField.EXPORT_REQUESTED_AT, JobField.EXPORTED_AT,
+                         JobField.PROMPT_TOKENS, JobField.COMPLETION_TOKENS, JobField.CACHED_TOKENS})
 _JSON_FIELDS = frozenset({JobField.METADATA, JobField.ERRORS, JobField.OVERRIDDEN_MODELS})
 
 
@@ -204,6 +213,12 @@ class JobRecord:
     held: int = 0  # requests in the holding area now (their model is not served)
     models_overridden: int = 0  # lines whose own `model` was overridden by the job's
     overridden_models: list[str] = field(default_factory=list)  # up to 8 of those names
+    error_output: str | None = None  # OpenAI's error file: asked for, then the file written
+    tenant: str | None = None  # the fair-share group of the tenant's jobs (None: the job's own)
+    # token sums over the rows, set by the export (None until then): OpenAI's batch `usage`
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def request_counts(self) -> dict[str, int]:
@@ -212,6 +227,18 @@ class JobRecord:
         total = self.total if self.total is not None else self.submitted
         return {"total": total, "completed": self.completed, "failed": self.failed,
                 "cancelled": self.cancelled, "expired": self.expired, "held": self.held}
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """OpenAI's batch ``usage`` (``input_tokens``, ``input_tokens_details.cached_tokens``,
+        ``output_tokens``, ``output_tokens_details.reasoning_tokens``, ``total_tokens``) from the
+        sums the export recorded; None until the job is exported."""
+        if self.prompt_tokens is None:
+            return None
+        prompt, completion = self.prompt_tokens, self.completion_tokens or 0
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": self.cached_tokens or 0},
+                "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + completion}
 
     @property
     def done(self) -> int:
@@ -256,15 +283,17 @@ def openai_batch(record: JobRecord) -> dict[str, Any]:
     ``request_counts`` has OpenAI's three keys, so ``failed`` there counts failed, cancelled and
     expired requests together (``completed + failed == total`` once the job ended; our own
     record keeps them apart). ``output_file_id`` is the results file once written (it may be a
-    path or a URI). ``error_file_id`` is null: the job's file holds its error rows too (an OpenAI
-    line with ``error`` set), and naming it twice would have an OpenAI client read every row twice;
-    ``batchinfer results JOB -o OUT --error-file ERR`` (or ``run --error-file``) writes OpenAI's two
-    files. ``endpoint`` is null: a job may mix ``/v1/chat/completions`` and ``/v1/completions``
+    path or a URI). ``error_file_id`` is the job's ``error_output`` once written, else null: without
+    one the job's file holds its error rows too (an OpenAI line with ``error`` set), and naming it
+    twice would have an OpenAI client read every row twice; ``batchinfer results JOB -o OUT
+    --error-file ERR`` writes OpenAI's two files. ``usage`` is :attr:`JobRecord.usage` (null until
+    exported). ``endpoint`` is null: a job may mix ``/v1/chat/completions`` and ``/v1/completions``
     lines (each row keeps its line's ``url``).
     """
     counts = record.request_counts
     unsuccessful = record.failed + record.cancelled + record.expired
     output = record.output if record.exported_at is not None else None
+    error_output = record.error_output if record.exported_at is not None else None
 
     def seconds(ms: int | None) -> int | None:
         return None if ms is None else ms // 1000
@@ -275,12 +304,13 @@ def openai_batch(record: JobRecord) -> dict[str, Any]:
         "id": record.id, "object": "batch", "endpoint": None, "errors": errors,
         "input_file_id": record.input_name, "completion_window": _window(record.completion_window),
         "status": record.status.value, "output_file_id": output,
-        "error_file_id": None,
+        "error_file_id": error_output,
         **{name: seconds(getattr(record, name)) for name in (
             "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
             "expired_at", "cancelling_at", "cancelled_at")},
         "request_counts": {"total": counts["total"], "completed": record.completed, "failed": unsuccessful},
         "metadata": dict(record.metadata) or None,
+        "usage": record.usage,
     }
 
 

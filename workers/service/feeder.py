@@ -8,8 +8,9 @@ that raises without naming its request is bisected (:class:`~batchinfer.workers.
 so that only the culprit counts a failure. Rows, retries and acks go to the publisher thread
 (:class:`~batchinfer.workers.service.outbox.PublisherThread`): nothing here calls Redis.
 
-:class:`Cancellations` holds the cancelled jobs the publisher thread polls; the feeder ends their
-held requests with ``cancelled`` rows (``expired`` ones when the job's completion window ended).
+:class:`Cancellations` holds the cancelled jobs and direct requests the publisher thread polls; the
+feeder ends their held requests with ``cancelled`` rows (``expired`` ones when the job's completion
+window ended).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import redis
 
 from batchinfer.keys import Keys
 from batchinfer.ops.metrics import WorkerMetrics
+from batchinfer.protocol.entries import CANCEL_KEEP_SECONDS
 from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.redis_conn import as_text
 from batchinfer.store.jobstore import JobField, JobStatus, parse_status
@@ -37,6 +39,7 @@ from batchinfer.workers.tools import NEEDS_SPECIAL_TOKENS, ToolSpec, require_par
 log = logging.getLogger(__name__)
 
 Reason = tuple[str, str, str]  # a cancelled request's row: (status, code, message)
+REQUEST_CANCELLED: Reason = ("cancelled", "cancelled", "the request was cancelled")  # a direct one
 
 
 def cancel_reason(status: JobStatus | None) -> Reason:
@@ -47,36 +50,52 @@ def cancel_reason(status: JobStatus | None) -> Reason:
 
 
 class Cancellations:
-    """The cancelled jobs and why, as of the last poll: a snapshot the publisher thread replaces
-    whole, which the engine thread takes without a Redis call."""
+    """The cancelled jobs and why, and the cancelled direct requests, as of the last poll: a snapshot
+    the publisher thread replaces whole, which the engine thread takes without a Redis call."""
 
     def __init__(self, keys: Keys):
         self.keys = keys
         self._reasons: dict[str, Reason] = {}
+        self._requests: frozenset[str] = frozenset()
         self._seen = self._reasons
         self.jobs: set[str] = set()  # the cancelled jobs as of the last take()
+        self.requests: frozenset[str] = frozenset()  # the cancelled direct requests, as of the last take()
 
     def poll(self, r: redis.Redis) -> None:
-        """Read the cancelled jobs (one SMEMBERS, one pipelined HGET of their statuses); called on
-        the publisher thread with its connection, and once at start."""
-        jobs = sorted(as_text(m) for m in r.smembers(self.keys.cancelled))
+        """Read the cancelled jobs and direct requests (one round trip: SMEMBERS, and a ZRANGEBYSCORE
+        of the last hour's requests), then the jobs' statuses (one pipelined HGET); called on the
+        publisher thread with its connection, and once at start."""
+        since = now_ms() - CANCEL_KEEP_SECONDS * 1000
         pipe = r.pipeline(transaction=False)
+        pipe.smembers(self.keys.cancelled)
+        pipe.zrangebyscore(self.keys.cancelled_requests, since, "+inf")
+        members, requests = pipe.execute()
+        jobs = sorted(as_text(m) for m in members)
         for job in jobs:
             pipe.hget(self.keys.job(job), JobField.STATUS)
         statuses = pipe.execute() if jobs else []
+        # the requests first: take() sees a new snapshot only once both halves are in place
+        self._requests = frozenset(as_text(m) for m in requests)
         self._reasons = {job: cancel_reason(parse_status(s)) for job, s in zip(jobs, statuses, strict=True)}
 
     def take(self) -> dict[str, Reason] | None:
-        """The snapshot, when a poll replaced it since the last call; else None."""
+        """The jobs' snapshot, when a poll replaced it since the last call (``requests`` is then that
+        poll's too); else None."""
         reasons = self._reasons
         if reasons is self._seen:
             return None
         self._seen = reasons
         self.jobs = set(reasons)
+        self.requests = self._requests
         return reasons
 
-    def reason(self, job_id: str) -> Reason:
-        return self._reasons.get(job_id, cancel_reason(None))
+    def cancelled(self, job_id: str | None, request_id: str) -> bool:
+        """Whether a request is cancelled: its job, or itself (a direct request), as of the last take()."""
+        return job_id in self.jobs if job_id is not None else request_id in self.requests
+
+    def reason(self, job_id: str | None) -> Reason:
+        """Why a request of ``job_id`` is cancelled (None: a direct request, cancelled itself)."""
+        return REQUEST_CANCELLED if job_id is None else self._reasons.get(job_id, cancel_reason(None))
 
 
 class Feeder:
@@ -117,7 +136,7 @@ class Feeder:
     def _add(self, held: Held) -> bool:
         """Put one request into the engine; a request it refuses gets its error row at once."""
         req = held.request
-        if req.job_id in self.cancels.jobs:
+        if self.cancels.cancelled(req.job_id, req.request_id):
             self.end(held, *self.cancels.reason(req.job_id))
             return False
         engine_id = self.book.start(held, now_ms())
@@ -242,13 +261,21 @@ class Feeder:
             log.exception("worker %s: abort of %s failed", self.name, held.engine_id)
 
     def end_cancelled(self) -> None:
-        """End the held requests of the jobs the last poll found cancelled (once per new poll)."""
+        """End the held requests of the jobs, and the held direct requests, the last poll found
+        cancelled (once per new poll)."""
         reasons = self.cancels.take()
         if reasons is None:
             return
         for held in self.book.of_jobs(self.cancels.jobs):
             self._abort(held)
             self.end(held, *reasons[held.request.job_id or ""])
+        if not self.cancels.requests:
+            return
+        for rid in self.cancels.requests & self.book.open_ids():  # open: no row queued yet
+            held = self.book.held[rid]
+            if held.request.job_id is None:  # a job's request ids are never intake entry ids
+                self._abort(held)
+                self.end(held, *REQUEST_CANCELLED)
 
     # -- rows out ---------------------------------------------------------------------------------
 

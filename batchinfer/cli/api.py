@@ -303,16 +303,20 @@ def list_keys(ctx: Ctx, json_flag: bool) -> None:
 @handle_errors
 def revoke_key(ctx: Ctx, name_or_id: str, json_flag: bool) -> None:
     """Revoke a key (by name or id): effective at once, on every API replica."""
+    _change_key(ctx, json_flag, name_or_id, lambda store: store.revoke(name_or_id),
+                lambda key: f"revoked API key {key.name!r} ({key.id})")
+
+
+def _change_key(ctx: Ctx, json_flag: bool, name_or_id: str, change: Any, said: Any) -> None:
+    """Apply ``change(store)`` to a key and print the key (``--json``) or ``said(key)``; an unknown
+    key exits 4."""
     try:
-        key = _store(ctx).revoke(name_or_id)
+        key = change(_store(ctx))
     except KeyError:
         fail(EXIT_NOT_FOUND, f"no API key named {name_or_id!r} or with that id "
                              "(see `batchinfer api-keys list`)")
         return
-    if ctx.json or json_flag:
-        click.echo(json.dumps(_key_dict(key)))
-    else:
-        click.echo(f"revoked API key {key.name!r} ({key.id})")
+    click.echo(json.dumps(_key_dict(key)) if ctx.json or json_flag else said(key))
 
 
 @api_keys.command("set-limits")
@@ -334,17 +338,9 @@ def set_key_limits(ctx: Ctx, name_or_id: str, max_file_bytes: str | None, max_fi
     limits = {name: _limit(name, text) for name, text in given.items() if text is not None}
     if not limits:
         raise click.UsageError("give at least one of --max-file-bytes, --max-files, --max-queued-requests")
-    try:
-        key = _store(ctx).set_limits(name_or_id, **limits)
-    except KeyError:
-        fail(EXIT_NOT_FOUND, f"no API key named {name_or_id!r} or with that id "
-                             "(see `batchinfer api-keys list`)")
-        return
-    if ctx.json or json_flag:
-        click.echo(json.dumps(_key_dict(key)))
-    else:
-        click.echo(f"API key {key.name!r} ({key.id}): " + ", ".join(
-            f"{name} {'default' if value is None else value}" for name, value in limits.items()))
+    _change_key(ctx, json_flag, name_or_id, lambda store: store.set_limits(name_or_id, **limits),
+                lambda key: f"API key {key.name!r} ({key.id}): " + ", ".join(
+                    f"{name} {'default' if value is None else value}" for name, value in limits.items()))
 
 
 def _limit(name: str, text: str) -> int | None:

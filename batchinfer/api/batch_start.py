@@ -28,8 +28,8 @@ from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.redis_conn import as_text, connect
-from batchinfer.store.apibatches import ApiBatch, ApiBatches, BatchKind, BatchState
-from batchinfer.store.apikeys import ApiKeys
+from batchinfer.store.apibatches import ApiBatch, ApiBatches, BatchState
+from batchinfer.store.apikeys import ANONYMOUS, ApiKeys
 from batchinfer.store.filestore import FileObject, FileStore
 from batchinfer.store.jobstore import JobStore
 
@@ -162,24 +162,9 @@ def _submit(r: redis.Redis, keys: Keys, settings: Settings, files: FileStore, ba
 def _over_limit(r: redis.Redis, keys: Keys, settings: Settings, batch: ApiBatch, n: int) -> LineError | None:
     """An error when ``n`` more requests would pass the owner's queued-requests limit: the requests
     without a row yet of the owner's submitted batches (both kinds) whose jobs have not ended."""
-    key = next((k for k in ApiKeys(r, keys).list() if k.id == batch.owner), None)
-    limit = settings.api_max_queued_requests_per_key
-    if key is not None and key.max_queued_requests is not None:
-        limit = key.max_queued_requests
-    store, batches = JobStore(r, keys), ApiBatches(r, keys)
-    queued = 0
-    for kind in BatchKind:
-        after = None
-        while True:
-            page, more = batches.list(kind, batch.owner, limit=100, after=after)
-            for other in page:
-                if other.state is BatchState.SUBMITTED and other.id != batch.id:
-                    record = store.get(other.id)
-                    if record is not None and not record.terminal:
-                        queued += max(0, (record.total or record.submitted) - record.done)
-            if not more or not page:
-                break
-            after = page[-1].id
+    key = ApiKeys(r, keys).get(batch.owner) or ANONYMOUS  # (the anonymous key has no record)
+    limit = key.limit("max_queued_requests", settings)
+    queued = ApiBatches(r, keys).queued_requests(batch.owner, exclude=batch.id)
     if queued + n <= limit:
         return None
     return LineError("request_limit_exceeded", f"This batch's {n} requests and the {queued} still queued in "

@@ -201,11 +201,11 @@ async def create_file(request: Request) -> Response:
     """``POST /v1/files``: multipart ``purpose``, ``file``, optional ``expires_after[anchor|seconds]``."""
     ctx = context(request)
     key = await run_in_threadpool(authenticate, request)
-    max_files = key.max_files if key.max_files is not None else ctx.settings.api_max_files_per_key
+    max_files = key.limit("max_files", ctx.settings)
     if await run_in_threadpool(ctx.files.count, key.id) >= max_files:
         raise ApiError(429, f"This key holds {max_files} files, its limit: delete some first.",
                        code="files_limit_exceeded")
-    max_bytes = key.max_file_bytes if key.max_file_bytes is not None else ctx.settings.api_max_file_bytes
+    max_bytes = key.limit("max_file_bytes", ctx.settings)
     ctype, options = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or not options.get(b"boundary"):
         raise ApiError(400, "Upload a file as multipart/form-data (fields 'purpose' and 'file').")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
@@ -176,14 +176,6 @@ def _find(ctx: ApiContext, key: ApiKey, batch_id: str) -> ApiBatch:
     return batch
 
 
-def _records(ctx: ApiContext, ids: Sequence[str]) -> list[JobRecord | None]:
-    """The job records of ``ids`` (one round trip), None where a job has no record."""
-    pipe = ctx.redis.pipeline(transaction=False)
-    for job_id in ids:
-        pipe.hgetall(ctx.keys.job(job_id))
-    return [JobRecord.from_hash(raw) if raw else None for raw in pipe.execute()]
-
-
 def _view(ctx: ApiContext, request: Request, batch: ApiBatch) -> dict[str, Any]:
     return message_batch(batch, ctx.client.store.get(batch.id), _base_url(request))
 
@@ -227,22 +219,9 @@ def _create(ctx: ApiContext, key: ApiKey, body: Any) -> tuple[ApiBatch, JobRecor
 def check_queue_limit(ctx: ApiContext, key: ApiKey, adding: int) -> None:
     """429 when the requests still without a result in the key's unfinished batches (both kinds)
     and these ``adding`` would be more than its ``max_queued_requests`` (else
-    ``api_max_queued_requests_per_key``); the rule OpenAI batches follow (jobs/api_batches.py)."""
-    limit = key.max_queued_requests
-    if limit is None:
-        limit = ctx.settings.api_max_queued_requests_per_key
-    queued = 0
-    for kind in BatchKind:
-        after: str | None = None
-        while True:
-            page, more = ctx.batches.list(kind, key.id, limit=LIST_MAX, after=after)
-            records = _records(ctx, [b.id for b in page])
-            for batch, record in zip(page, records, strict=True):
-                if record is not None and not record.terminal:  # (no record: no job yet, or none left)
-                    queued += max((record.total or batch.total or record.submitted) - record.done, 0)
-            if not more or not page:
-                break
-            after = page[-1].id
+    ``api_max_queued_requests_per_key``): ``ApiBatches.queued_requests``, as OpenAI batches count it."""
+    limit = key.limit("max_queued_requests", ctx.settings)
+    queued = ctx.batches.queued_requests(key.id)
     if queued + adding > limit:
         raise ApiError(429, f"this key has {queued} requests queued in unfinished batches; {adding} more "
                             f"would pass its limit of {limit}")
@@ -272,7 +251,8 @@ def list_batches(request: Request) -> Response:
         raise _bad("give after_id or before_id, not both", "before_id")
     page, more = ctx.batches.list(BatchKind.ANTHROPIC, key.id, limit=limit, after=after, before=before)
     base = _base_url(request)
-    data = [message_batch(b, r, base) for b, r in zip(page, _records(ctx, [b.id for b in page]), strict=True)]
+    records = ctx.client.store.get_many(b.id for b in page)
+    data = [message_batch(b, r, base) for b, r in zip(page, records, strict=True)]
     return JSONResponse({"data": data, "has_more": more, "first_id": page[0].id if page else None,
                          "last_id": page[-1].id if page else None})
 

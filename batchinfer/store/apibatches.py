@@ -22,12 +22,13 @@ from batchinfer.clock import WALL_MS, WallClock
 from batchinfer.keys import Keys
 from batchinfer.redis_conn import as_text
 from batchinfer.store import scripts
-from batchinfer.store.jobstore import JobStatus
+from batchinfer.store.jobstore import JobStatus, JobStore
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
 
 MAX_ID_CHARS = 64  # ids come from URL paths: longer ones are no batch's
+QUEUE_PAGE = 1000  # batches read at once when counting a key's queued requests
 
 
 class BatchKind(str, Enum):
@@ -179,6 +180,24 @@ class ApiBatches:
         done = self._set_state(keys=[self.keys.api_batch(batch_id)],
                                args=[BatchState(expect).value, BatchState(state).value, *extra])
         return bool(done)
+
+    def queued_requests(self, owner: str, *, exclude: str | None = None) -> int:
+        """Requests still without a row in ``owner``'s batches (both kinds) whose jobs have not ended,
+        but ``exclude``'s: what a key's queued-requests limit counts. Pages of :data:`QUEUE_PAGE`
+        batches, their job records read in one round trip per page."""
+        jobs, queued = JobStore(self.redis, self.keys), 0
+        for kind in BatchKind:
+            after: str | None = None
+            while True:
+                page, more = self.list(kind, owner, limit=QUEUE_PAGE, after=after)
+                counted = [b for b in page if b.id != exclude]
+                for batch, record in zip(counted, jobs.get_many(b.id for b in counted), strict=True):
+                    if record is not None and not record.terminal:  # (none: no job yet, or none left)
+                        queued += max((record.total or batch.total or record.submitted) - record.done, 0)
+                if not more or not page:
+                    break
+                after = page[-1].id
+        return queued
 
     def delete(self, batch_id: str) -> None:
         """Remove the batch's record and its listing entry (its job and files are others' to remove)."""

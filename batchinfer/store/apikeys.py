@@ -24,10 +24,15 @@ from batchinfer.redis_conn import as_text
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
 
+    from batchinfer.config import Settings
+
 SECRET_PREFIX = "bik_"
 MAX_NAME_CHARS = 100
 MAX_SECRET_CHARS = 256  # longer "keys" are refused unhashed
 LIMITS = ("max_file_bytes", "max_files", "max_queued_requests")
+# a key's limit -> the Settings field that holds it for keys that set none
+_DEFAULTS = {"max_file_bytes": "api_max_file_bytes", "max_files": "api_max_files_per_key",
+             "max_queued_requests": "api_max_queued_requests_per_key"}
 _KEY_ID = re.compile(r"key_[0-9a-f]{12}")
 
 
@@ -51,6 +56,11 @@ class ApiKey:
     @property
     def revoked(self) -> bool:
         return self.revoked_at is not None
+
+    def limit(self, name: str, settings: Settings) -> int:
+        """The key's limit ``name`` (one of :data:`LIMITS`): its own, else the settings' default."""
+        own: int | None = getattr(self, name)
+        return own if own is not None else int(getattr(settings, _DEFAULTS[name]))
 
 
 ANONYMOUS = ApiKey(id="anonymous", name="anonymous", created_at=0)
@@ -161,6 +171,11 @@ class ApiKeys:
             pipe.hgetall(self.keys.api_key(d))
         found = [_parse(raw) for raw in pipe.execute()]
         return sorted((k for k in found if k is not None), key=lambda k: (k.created_at, k.id))
+
+    def get(self, key_id: str) -> ApiKey | None:
+        """The key with this id (revoked ones too); None when there is none."""
+        hashed = self.redis.hget(self.keys.api_keys, key_id)
+        return None if hashed is None else _parse(self.redis.hgetall(self.keys.api_key(as_text(hashed))))
 
     def _find(self, name_or_id: str) -> tuple[str, ApiKey]:
         """``(digest, key)`` of the key with this id, else of the unrevoked key with this name, else

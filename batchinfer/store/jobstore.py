@@ -361,13 +361,17 @@ class JobStore:
         raw = self.redis.hgetall(self.keys.job(job_id))
         return JobRecord.from_hash(raw) if raw else None
 
+    def get_many(self, job_ids: Iterable[str]) -> list[JobRecord | None]:
+        """The records of ``job_ids`` in one round trip, None where a job has none."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.keys.job(job_id))
+        return [JobRecord.from_hash(raw) if raw else None for raw in pipe.execute()]
+
     def list(self, limit: int = 100, offset: int = 0) -> list[JobRecord]:
         """The newest ``limit`` jobs first."""
         ids = replies.members(self.redis.zrevrange(self.keys.jobs, offset, offset + limit - 1))
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hgetall(self.keys.job(as_text(job_id)))
-        return [JobRecord.from_hash(raw) for raw in pipe.execute() if raw]
+        return [r for r in self.get_many(as_text(job_id) for job_id in ids) if r is not None]
 
     def update(self, job_id: str, **values: Any) -> None:
         """Set plain fields (not the status); ``None`` values are removed."""

@@ -27,7 +27,7 @@ from batchinfer.api.validation import LineError, validate_batch_lines
 from batchinfer.client.client import Client
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
-from batchinfer.redis_conn import as_text, connect
+from batchinfer.redis_conn import connect
 from batchinfer.store.apibatches import ApiBatch, ApiBatches, BatchState
 from batchinfer.store.apikeys import ANONYMOUS, ApiKeys
 from batchinfer.store.filestore import FileObject, FileStore
@@ -61,7 +61,7 @@ def start_batch(batch_id: str, prefix: str | None = None, redis_url: str | None 
 
 def _start(r: redis.Redis, keys: Keys, settings: Settings, batch_id: str) -> str:
     batches, files = ApiBatches(r, keys), FileStore(r, keys, settings)
-    batch = _load(r, keys, batch_id)
+    batch = batches.read(batch_id)
     if batch is None:
         return "no such batch"
     if batch.state is BatchState.SUBMITTED:
@@ -121,12 +121,6 @@ def _connection(redis_url: str | None, settings: Settings) -> redis.Redis:
     return connect(redis_url or settings.redis_url, settings.redis_ca_file)
 
 
-def _load(r: redis.Redis, keys: Keys, batch_id: str) -> ApiBatch | None:
-    """The batch, whoever owns it (its record names the owner)."""
-    owner = r.hget(keys.api_batch(batch_id), "owner")
-    return None if owner is None else ApiBatches(r, keys).get(batch_id, as_text(owner))
-
-
 def _fail(batches: ApiBatches, batch: ApiBatch, errors: list[LineError], total: int | None) -> str:
     batches.set_state(batch.id, BatchState.FAILED, errors=[e.to_dict() for e in errors], total=total)
     log.info("batch %s failed validation: %s", batch.id, "; ".join(e.message for e in errors[:3]))
@@ -143,8 +137,7 @@ def _model(files: FileStore, source: FileObject, batch: ApiBatch, settings: Sett
 def _submit(r: redis.Redis, keys: Keys, settings: Settings, files: FileStore, batch: ApiBatch,
             source: FileObject, model: str | None) -> str:
     """Submit the file as the batch's job (``Client.submit``: the same stream every producer sends)."""
-    client = Client(settings=settings)
-    client.redis, client.store = r, JobStore(r, client.keys)  # the rq job's connection, not a second one
+    client = Client(settings=settings, connection=r)  # the rq job's connection, not a second one
     try:
         client.submit(_stream(files, source), model, job_id=batch.id,
                       completion_window=batch.completion_window, metadata=batch.metadata,

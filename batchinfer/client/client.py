@@ -35,6 +35,7 @@ from batchinfer.store.registry import Registry, WorkerInfo
 if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
+    import redis
 
 __all__ = ["Client", "JobNotFound", "ModelNotServed", "parse_duration"]
 
@@ -61,11 +62,15 @@ class ModelNotServed(TimeoutError):
 class Client:
     """A connection to one batchinfer queue (a Redis URL and a key prefix)."""
 
-    def __init__(self, url: str | None = None, settings: Settings | None = None):
+    def __init__(self, url: str | None = None, settings: Settings | None = None, *,
+                 connection: redis.Redis | None = None):
+        """``connection``: an open connection to use instead of one made from the settings' URL
+        (an rq job's, say)."""
         self.settings = settings or Settings.from_env()
         if url is not None:
             self.settings.redis_url = url
-        self.redis = connect(self.settings.redis_url, self.settings.redis_ca_file)
+        self.redis = connection if connection is not None else connect(self.settings.redis_url,
+                                                                         self.settings.redis_ca_file)
         self.keys = Keys(self.settings.prefix)
         self.store = JobStore(self.redis, self.keys)
         self._publisher: Publisher | None = None

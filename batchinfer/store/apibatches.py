@@ -120,14 +120,15 @@ class ApiBatches:
         pipe.zadd(index, {batch.id: batch.created_at})
         pipe.execute()
 
-    def _read(self, batch_id: str) -> ApiBatch | None:
+    def read(self, batch_id: str) -> ApiBatch | None:
+        """The batch whoever owns it, for the API's own jobs (a key's requests use :meth:`get`)."""
         if not isinstance(batch_id, str) or not batch_id or len(batch_id) > MAX_ID_CHARS:
             return None
         return _parse(self.redis.hgetall(self.keys.api_batch(batch_id)))
 
     def get(self, batch_id: str, owner: str) -> ApiBatch | None:
         """The batch, if ``owner``'s; None when there is none or it is another key's."""
-        batch = self._read(batch_id)
+        batch = self.read(batch_id)
         return batch if batch is not None and batch.owner == owner else None
 
     def list(self, kind: BatchKind, owner: str, *, limit: int = 20, after: str | None = None,
@@ -201,7 +202,7 @@ class ApiBatches:
 
     def delete(self, batch_id: str) -> None:
         """Remove the batch's record and its listing entry (its job and files are others' to remove)."""
-        batch = self._read(batch_id)
+        batch = self.read(batch_id)
         if batch is None:
             return
         pipe = self.redis.pipeline(transaction=True)

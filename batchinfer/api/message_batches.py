@@ -25,7 +25,6 @@ from starlette.routing import Route
 from batchinfer.api.app import ApiContext, context, json_body
 from batchinfer.api.auth import authenticate
 from batchinfer.api.errors import ApiError
-from batchinfer.keys import Keys
 from batchinfer.protocol.entries import short_repr
 from batchinfer.protocol.rows import now_ms
 from batchinfer.store.apibatches import ApiBatch, BatchKind, BatchState
@@ -279,22 +278,10 @@ def delete_batch(request: Request) -> Response:
                    "(cancel it first, then delete it once it has ended)")
     if record is not None:
         if batch.output_file_id is not None:  # the results' bytes (no file record lists them)
-            with contextlib.suppress(FileNotFoundError):
-                ctx.files.fs.delete_file(ctx.files.path(batch.output_file_id))
-        _forget_job(ctx, batch.id)
+            ctx.files.delete_bytes(batch.output_file_id)
+        ctx.client.store.delete(batch.id)
     ctx.batches.delete(batch.id)
     return JSONResponse({"id": batch.id, "type": "message_batch_deleted"})
-
-
-def _forget_job(ctx: ApiContext, job_id: str) -> None:
-    """Delete job ``job_id``'s record and what is left of its keys (one MULTI)."""
-    keys: Keys = ctx.keys
-    pipe = ctx.redis.pipeline(transaction=True)
-    pipe.delete(keys.job(job_id), keys.results(job_id), keys.published(job_id), keys.attempts(job_id),
-                keys.admitted(job_id))
-    pipe.zrem(keys.jobs, job_id)
-    pipe.srem(keys.cancelled, job_id)
-    pipe.execute()
 
 
 def batch_results(request: Request) -> Response:

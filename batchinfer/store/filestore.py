@@ -293,9 +293,14 @@ class FileStore:
         self._delete(f.id, f.owner)
         return not expired
 
-    def _delete(self, file_id: str, owner: str | None) -> None:
+    def delete_bytes(self, file_id: str) -> None:
+        """Delete the bytes at ``file_id``'s place, if any (a file with no record too: an Anthropic
+        batch's results)."""
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(self.path(file_id))
+
+    def _delete(self, file_id: str, owner: str | None) -> None:
+        self.delete_bytes(file_id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(self.keys.file(file_id))
         if owner is not None:

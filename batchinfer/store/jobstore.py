@@ -373,6 +373,17 @@ class JobStore:
         ids = replies.members(self.redis.zrevrange(self.keys.jobs, offset, offset + limit - 1))
         return [r for r in self.get_many(as_text(job_id) for job_id in ids) if r is not None]
 
+    def delete(self, job_id: str) -> None:
+        """Delete the job: its record, results, bookkeeping and index entries (one MULTI). For an
+        ended job only: a live one's daemons would go on writing its keys."""
+        keys = self.keys
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(keys.job(job_id), keys.results(job_id), keys.published(job_id), keys.attempts(job_id),
+                    keys.admitted(job_id))
+        pipe.zrem(keys.jobs, job_id)
+        pipe.srem(keys.cancelled, job_id)
+        pipe.execute()
+
     def update(self, job_id: str, **values: Any) -> None:
         """Set plain fields (not the status); ``None`` values are removed."""
         key = self.keys.job(job_id)

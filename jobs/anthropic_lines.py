@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from batchinfer.jobs.openai_lines import kept_json
 from batchinfer.jobs.row_views import compact, completions, error_message, opaque_id
 
 #: Our row error codes -> Anthropic's error types: what the caller must fix is an
@@ -36,8 +37,12 @@ _ID_LENGTH = 24
 
 def anthropic_line(row: Mapping[str, Any]) -> str:
     """One line of Anthropic's Message Batches results: ``custom_id`` (the row's, else its request
-    id) and ``result``."""
-    return compact({"custom_id": row.get("custom_id") or row.get("request_id"), "result": _result(row)})
+    id) and ``result``; a row with kept input columns gets them as a ``metadata`` object."""
+    out: dict[str, Any] = {"custom_id": row.get("custom_id") or row.get("request_id"), "result": _result(row)}
+    kept = kept_json(row)
+    if kept is not None:
+        out["metadata"] = kept
+    return compact(out)
 
 
 def _result(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,14 @@ rows in ``output``, the others there), and every export records the token sums o
 (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``: OpenAI's batch ``usage``).
 A failure is recorded on the job record (``errors``, ``export_error``) and raised, so rq retries
 it; after the last retry the job is ``failed``.
+
+A dataset job (``kept`` on its record) has a kept table of input columns, one row per ``idx``
+(:class:`batchinfer.datasets.kept.KeptReader`), joined to the sorted rows as they stream
+(:func:`join_kept`): the files get the kept columns. With ``partition_by`` the output is a dataset
+root: :func:`batchinfer.jobs.partitioned.write_partitioned` writes one file per partition value,
+then the unit's manifest is written (``_manifests/<unit>.json``), then the files the unit's previous
+manifest listed and this export did not write are deleted; the record's ``output`` is the root and
+its ``manifest`` the manifest's location.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ import pyarrow as pa
 import redis
 
 from batchinfer.config import Settings
-from batchinfer.jobs.formats import EXTENSIONS, RESULT_SCHEMA, check_format
+from batchinfer.datasets.kept import KeptReader, kept_location
+from batchinfer.jobs.formats import EXTENSIONS, RESULT_SCHEMA, check_format, result_schema
 from batchinfer.jobs.output import resolve, write_rows
+from batchinfer.jobs.partitioned import export_unit, join_kept
 from batchinfer.jobs.queueing import (  # noqa: F401 - re-exported: the exporter's public API
     EXPORT_TIMEOUT_S,
     RETRY_INTERVALS,
@@ -278,6 +288,14 @@ def _last_attempt() -> bool:
     return job is None or not job.retries_left
 
 
+def _kept_reader(settings: Settings, job_id: str) -> KeptReader:
+    location = kept_location(settings.files_root(), job_id)
+    try:
+        return KeptReader(location)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"job {job_id}'s kept table {location} is missing") from None
+
+
 def export_job(job_id: str, *, prefix: str | None = None, output: str | None = None, fmt: str | None = None,
                redis_url: str | None = None, chunk_rows: int = STREAM_CHUNK,
                run_bytes: int = RUN_BYTES) -> str:
@@ -300,7 +318,8 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
     r = _connection(redis_url, settings)
     keys = Keys(settings.prefix)
     try:
-        record = JobStore(r, keys).get(job_id)
+        store = JobStore(r, keys)
+        record = store.get(job_id)
         if record is None:
             raise LookupError(f"job {job_id!r} does not exist under prefix {settings.prefix!r}")
         if record.status not in EXPORTABLE:
@@ -321,10 +340,28 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
         replace = output is not None or (record.exported_at is not None and record.output == dest.location
                                           and (errors is None or record.error_output == errors.location))
         sums = TokenSums()
-        with tempfile.TemporaryDirectory(prefix="batchinfer-export-") as spill:
+        if record.partition_by and not (record.kept and (output or requested) and errors is None):
+            raise ValueError("a partitioned output needs a kept table and an output root, and takes no "
+                             "error_output")
+        reader = _kept_reader(settings, job_id) if record.kept else None
+        with contextlib.ExitStack() as stack:
+            spill = stack.enter_context(tempfile.TemporaryDirectory(prefix="batchinfer-export-"))
+            if reader is not None:
+                stack.callback(reader.close)
             rows = sorted_rows(r, keys.results(job_id), spill, chunk_rows=chunk_rows, run_bytes=run_bytes)
-            location = write_rows(sums.counted(rows), dest, fmt, vector=rows.vector, replace=replace,
-                                  errors=errors)
+            counted: Iterable[dict] = sums.counted(rows)
+            if reader is not None:
+                result_schema(rows.vector, reader.schema)  # a kept name that clashes with a result column
+                counted = join_kept(counted, reader, record.total, source=bool(record.partition_by))
+            if record.partition_by and reader is not None:
+                manifest = export_unit(counted, dest, fmt, reader=reader, partition_by=record.partition_by,
+                                       unit=record.unit or reader.meta.get("unit") or job_id, job_id=job_id,
+                                       model=record.model, vector=rows.vector, spill_dir=spill)
+                store.set_manifest(job_id, manifest)
+                location = dest.location
+            else:
+                location = write_rows(counted, dest, fmt, vector=rows.vector, replace=replace, errors=errors,
+                                      kept_schema=reader.schema if reader is not None else None)
         final = scripts.register(r, "mark_exported")(
             keys=[keys.job(job_id), keys.cancelled, keys.results(job_id), keys.published(job_id),
                   keys.attempts(job_id), keys.admitted(job_id)],

@@ -17,13 +17,13 @@ from typing import Any
 import pyarrow as pa
 
 from batchinfer.jobs.anthropic_lines import anthropic_line
-from batchinfer.jobs.openai_lines import openai_line
+from batchinfer.jobs.openai_lines import KEPT_KEY, json_value, openai_line
 from batchinfer.jobs.vectors import VECTOR_FIELDS, decoded_vectors, vector_arrays, vector_type_of
 from batchinfer.protocol.rows import encode_vector
 
-__all__ = ["EXTENSIONS", "FORMATS", "LINE_FORMATS", "LOGPROB_TYPE", "OUTPUT_TYPE", "RESULT_SCHEMA",
-           "TOKEN_LOGPROB_TYPE", "TOOL_CALL_TYPE", "RowGroups", "anthropic_line", "arrow_record",
-           "arrow_table", "check_format", "jsonl_line", "openai_line", "protocol_row",
+__all__ = ["EXTENSIONS", "FORMATS", "KEPT_KEY", "LINE_FORMATS", "LOGPROB_TYPE", "OUTPUT_TYPE",
+           "RESULT_SCHEMA", "TOKEN_LOGPROB_TYPE", "TOOL_CALL_TYPE", "RowGroups", "anthropic_line",
+           "arrow_record", "arrow_table", "check_format", "jsonl_line", "openai_line", "protocol_row",
            "result_schema", "row_dict"]
 
 FORMATS = ("parquet", "jsonl", "openai", "anthropic")
@@ -96,8 +96,9 @@ _TOKEN_KEYS = ("token_id", "token", "logprob")
 _FIRST_BATCH_ROWS = 8  # rows of unknown size converted at once; later batches are sized from them
 
 
-def result_schema(vector: pa.DataType | None = None) -> pa.Schema:
-    """The Parquet schema of a file whose vectors are of type ``vector`` (None: no embedding rows).
+def result_schema(vector: pa.DataType | None = None, kept: pa.Schema | None = None) -> pa.Schema:
+    """The Parquet schema of a file whose vectors are of type ``vector`` (None: no embedding rows),
+    followed by the ``kept`` input columns with their own types (a dataset job's; None: none).
 
     Without embedding rows it is :data:`RESULT_SCHEMA` itself (generation files are unchanged);
     with them three columns follow it: ``pooling_params`` (JSON text), ``embedding`` (the row's
@@ -105,10 +106,15 @@ def result_schema(vector: pa.DataType | None = None) -> pa.Schema:
     one width, else ``list<float32>``) and ``embeddings`` (``list<vector>``: every vector of a row
     that has more than one, i.e. a list ``input``; null otherwise).
     """
-    if vector is None:
-        return RESULT_SCHEMA
-    return pa.schema((*RESULT_SCHEMA, pa.field("pooling_params", pa.string()),
-                      pa.field("embedding", vector), pa.field("embeddings", pa.list_(vector))))
+    schema = RESULT_SCHEMA if vector is None else pa.schema((
+        *RESULT_SCHEMA, pa.field("pooling_params", pa.string()), pa.field("embedding", vector),
+        pa.field("embeddings", pa.list_(vector))))
+    if kept:
+        clash = sorted(set(kept.names) & set(schema.names))
+        if clash:
+            raise ValueError(f"kept column(s) {', '.join(clash)} clash with result columns")
+        schema = pa.schema((*schema, *kept))
+    return schema
 
 
 def check_format(fmt: str) -> str:
@@ -182,8 +188,10 @@ def _arrow_logprobs(steps: Any) -> list[dict[str, Any]] | None:
             for s in steps]
 
 
-def arrow_table(rows: Iterable[Mapping[str, Any]], vector: pa.DataType | None | str = "auto") -> pa.Table:
-    """Rows as a table of ``result_schema(vector)``; a value of the wrong type raises naming the row.
+def arrow_table(rows: Iterable[Mapping[str, Any]], vector: pa.DataType | None | str = "auto",
+                kept: pa.Schema | None = None) -> pa.Table:
+    """Rows as a table of ``result_schema(vector, kept)``; a value of the wrong type raises naming the
+    row. The ``kept`` columns come from each row's :data:`KEPT_KEY` dict (absent: nulls).
 
     ``vector="auto"``: the type the rows' own vectors call for (:func:`vector_type_of`). A row with
     vectors in a table without vector columns, or of a width the type cannot hold, raises.
@@ -194,6 +202,13 @@ def arrow_table(rows: Iterable[Mapping[str, Any]], vector: pa.DataType | None | 
     elif isinstance(vector, str):
         raise ValueError(f"vector must be a pyarrow type, None or 'auto', got {vector!r}")
     schema = result_schema(vector)
+    table = _result_table(rows, schema, vector)
+    if kept:
+        table = _with_kept(table, rows, kept)
+    return table
+
+
+def _result_table(rows: list[Mapping[str, Any]], schema: pa.Schema, vector: pa.DataType | None) -> pa.Table:
     plain = pa.schema([f for f in schema if f.name not in VECTOR_FIELDS])
     records = [arrow_record(r, plain) for r in rows]
     try:
@@ -218,6 +233,17 @@ def arrow_table(rows: Iterable[Mapping[str, Any]], vector: pa.DataType | None | 
     return table
 
 
+def _with_kept(table: pa.Table, rows: list[Mapping[str, Any]], kept: pa.Schema) -> pa.Table:
+    """``table`` with the kept columns appended, built from the rows' kept values in their types."""
+    try:
+        values = pa.Table.from_pylist([r.get(KEPT_KEY) or {} for r in rows], schema=kept)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
+        raise ValueError(f"kept values do not fit the kept columns' types: {e}") from None
+    for field, column in zip(kept, values.columns, strict=True):
+        table = table.append_column(field, column)
+    return table
+
+
 class RowGroups:
     """Rows in, tables of ``result_schema(vector)`` out, to write one Parquet row group each, in order.
 
@@ -231,11 +257,11 @@ class RowGroups:
     """
 
     def __init__(self, vector: pa.DataType | None, *, row_group_rows: int, row_group_bytes: int,
-                 batch_rows: int):
+                 batch_rows: int, kept: pa.Schema | None = None):
         if batch_rows < 1 or row_group_rows < 1:
             raise ValueError(f"batch_rows and row_group_rows must be >= 1, got {batch_rows}, "
                              f"{row_group_rows}")
-        self.vector = vector
+        self.vector, self.kept = vector, kept
         self.row_group_rows, self.row_group_bytes = row_group_rows, row_group_bytes
         self.batch_rows = batch_rows
         self._pending: list[pa.Table] = []
@@ -252,8 +278,13 @@ class RowGroups:
             return self._convert()
         return []
 
+    @property
+    def held_bytes(self) -> int:
+        """Arrow bytes converted and not yet handed out (the rows of the next row group)."""
+        return self._nbytes
+
     def finish(self) -> list[pa.Table]:
-        """The last row groups (the rows held)."""
+        """The last row groups (the rows held); rows added afterwards start a new group."""
         done = self._convert() if self._batch else []
         if self._pending:
             done.append(pa.concat_tables(self._pending))
@@ -261,7 +292,7 @@ class RowGroups:
         return done
 
     def _convert(self) -> list[pa.Table]:
-        table = arrow_table(self._batch, self.vector)
+        table = arrow_table(self._batch, self.vector, self.kept)
         self._batch = []
         self._pending.append(table)
         self._held += table.num_rows
@@ -300,8 +331,13 @@ def jsonl_line(row: Mapping[str, Any]) -> str:
 
     A row with the ``embeddings`` field has its vectors as JSON floats, in the Parquet columns'
     shape: ``embedding`` the first vector, ``embeddings`` every vector when there are several
-    (else null); the base64 text is not written.
+    (else null); the base64 text is not written. Kept input columns (:data:`KEPT_KEY`) follow the
+    row's own keys, as JSON values (dates as ISO text).
     """
+    if KEPT_KEY in row:
+        kept = row[KEPT_KEY] or {}
+        row = {**{k: v for k, v in row.items() if k != KEPT_KEY},
+               **{k: json_value(v) for k, v in kept.items()}}
     if "embeddings" in row:
         vectors = decoded_vectors(row)
         row = {**row, "embedding": vectors[0] if vectors else None,

@@ -6,6 +6,10 @@ writes every row of the finished days to ``<root>/date=YYYY-MM-DD/part-<from>-<t
 day of the row's stream id, UTC; ``from``/``to`` the ms range the run covered) and trims from the
 stream the rows that are older than the results TTL.
 
+The files are written by :func:`batchinfer.jobs.partitioned.write_partitioned` (partition column
+``date``, each file atomic), and each run that wrote files records them in a manifest,
+``_manifests/direct-<from>-<to>.json`` (:mod:`batchinfer.datasets.manifest`), as dataset jobs do.
+
 The dataset is its own watermark: the largest ``to`` among its file names is where the next run
 starts, so a run that failed half-way is simply repeated (same file names, atomic renames: no
 duplicates) and nothing needs remembering in Redis. Each run schedules the next night first, so
@@ -35,16 +39,20 @@ import pyarrow.fs as pafs
 import redis
 
 from batchinfer.config import Settings
+from batchinfer.datasets.manifest import Manifest, OutputFile, fingerprint, write_manifest
 from batchinfer.jobs.export import RETRY_INTERVALS, _connection, iter_stream, rq_job_id
-from batchinfer.jobs.formats import result_schema
-from batchinfer.jobs.output import Destination, resolve, write_rows
+from batchinfer.jobs.formats import KEPT_KEY, result_schema
+from batchinfer.jobs.output import Destination, resolve
+from batchinfer.jobs.partitioned import write_partitioned
 from batchinfer.jobs.vectors import VARIABLE_VECTOR
 from batchinfer.keys import DIRECT, RQ_QUEUE, Keys
+from batchinfer.protocol.rows import now_ms
 
 log = logging.getLogger(__name__)
 
 NIGHTLY_AT = dt.time(0, 10)  # UTC: a few minutes after midnight, when yesterday is complete
 DAY_MS = 24 * 3600 * 1000
+KEPT_GRACE_S = 24 * 3600  # a kept table without a job record is swept once this old
 _PART = re.compile(r"^part-(\d+)-(\d+)\.parquet$")
 
 #: The dataset's Hive partitioning: ``date=YYYY-MM-DD`` directories holding a DATE (date32) value.
@@ -55,6 +63,7 @@ DIRECT_FILE_SCHEMA = result_schema(VARIABLE_VECTOR)
 #: The columns of a direct dataset read back: the files' columns, then the partition's ``date``.
 #: Files written before the embedding columns existed read with those columns null.
 DIRECT_SCHEMA = DIRECT_FILE_SCHEMA.append(pa.field("date", pa.date32()))
+_DAY_SCHEMA = pa.schema([pa.field("date", pa.date32())])  # the partition value each row carries
 
 
 def _day(entry_id: bytes) -> dt.date:
@@ -124,12 +133,17 @@ def export_direct(*, prefix: str | None = None, root: str | None = None, until_m
     if cutoff > start:
         stream = keys.results(DIRECT)
         entries = iter_stream(r, stream, start=f"{start}-0", end=f"({cutoff}-0")
+        outputs: list[OutputFile] = []
+        # A day at a time (stream order is day order): one open file, however many days a late run covers.
         for day, group in itertools.groupby(entries, key=lambda e: _day(e[0])):
-            # An empty range writes nothing and the next run starts from the same place.
-            rel = f"/{partition_dir(day)}/part-{start}-{cutoff}.parquet"
-            dest = Destination(base.fs, base.path.rstrip("/") + rel, base.location.rstrip("/") + rel)
-            rows = (json.loads(fields[b"row"]) for _, fields in group)
-            written.append(write_rows(rows, dest, "parquet", vector=VARIABLE_VECTOR))
+            rows = ({**json.loads(fields[b"row"]), KEPT_KEY: {"date": day}} for _, fields in group)
+            outputs += write_partitioned(rows, base, "parquet", partition_by=["date"],
+                                         kept_schema=_DAY_SCHEMA, name=f"part-{start}-{cutoff}",
+                                         vector=VARIABLE_VECTOR)
+        # An empty range writes nothing and the next run starts from the same place.
+        if outputs:
+            _write_run_manifest(base, stream, start, cutoff, outputs)
+        written = [f"{base.location.rstrip('/')}/{out.path}" for out in outputs]
         keep_from = cutoff - settings.results_ttl_seconds * 1000
         if keep_from > 0:
             r.xtrim(stream, minid=f"{keep_from}-0", approximate=False)
@@ -137,15 +151,56 @@ def export_direct(*, prefix: str | None = None, root: str | None = None, until_m
     return written
 
 
+def _write_run_manifest(base: Destination, stream: str, start: int, cutoff: int,
+                        outputs: list[OutputFile]) -> None:
+    """The manifest of one run: unit ``direct-<from>-<to>``, the stream's ms range as its input."""
+    span = {"location": stream, "relative": f"{start}-{cutoff}", "size": sum(out.rows for out in outputs)}
+    write_manifest(base.fs, base.path, Manifest(
+        unit=f"{DIRECT}-{start}-{cutoff}", fingerprint=fingerprint([span]), job_id=DIRECT, input=stream,
+        inputs=[span], outputs=outputs, model=None, written_at=now_ms()))
+
+
+def sweep_kept_tables(r: redis.Redis, settings: Settings, *, older_than_s: int = KEPT_GRACE_S,
+                      now: dt.datetime | None = None) -> list[str]:
+    """Delete the kept tables (``<files_root>/kept/<job>.parquet``) of jobs whose record is gone:
+    a record ends by its TTL in Redis, which cannot delete a file. A table younger than
+    ``older_than_s`` stays (its job may be being submitted, its record not written yet).
+    Returns the locations deleted."""
+    from batchinfer.datasets.kept import kept_location
+    from batchinfer.datasets.uris import filesystem_for
+
+    keys = Keys(settings.prefix)
+    folder = kept_location(settings.files_root(), "x").rsplit("/", 1)[0]
+    fs, path = filesystem_for(folder)
+    cutoff = (now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(seconds=older_than_s)
+    infos = [info for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+             if info.type == pafs.FileType.File and info.base_name.endswith(".parquet")
+             and not info.base_name.startswith(".") and info.mtime is not None
+             and (info.mtime if info.mtime.tzinfo else info.mtime.replace(tzinfo=dt.timezone.utc)) < cutoff]
+    deleted = []
+    for info in infos:
+        job_id = info.base_name[: -len(".parquet")]
+        if not r.exists(keys.job(job_id)):
+            with contextlib.suppress(FileNotFoundError):
+                fs.delete_file(info.path)
+                deleted.append(f"{folder}/{info.base_name}")
+    if deleted:
+        log.info("swept %d kept table(s) of jobs that no longer exist", len(deleted))
+    return deleted
+
+
 def nightly_export(*, prefix: str | None = None, root: str | None = None) -> list[str]:
-    """The scheduled rq job: book tomorrow's run, then export up to last midnight."""
+    """The scheduled rq job: book tomorrow's run, export up to last midnight, then sweep the kept
+    tables of jobs that no longer exist (:func:`sweep_kept_tables`)."""
     settings = Settings.from_env(prefix=prefix)
     from rq import get_current_job
 
     job = get_current_job()
     if job is not None:
         schedule_nightly(job.connection, settings, root=root)
-    return export_direct(prefix=settings.prefix, root=root)
+    written = export_direct(prefix=settings.prefix, root=root)
+    sweep_kept_tables(job.connection if job is not None else _connection(None, settings), settings)
+    return written
 
 
 def next_run(now: dt.datetime | None = None, at: dt.time = NIGHTLY_AT) -> dt.datetime:

@@ -12,7 +12,11 @@ vectors) or a ``response`` object (``/v1/responses``). A row that did not comple
 
 from __future__ import annotations
 
+import base64
+import datetime as dt
+import decimal
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,13 +37,43 @@ EMBEDDINGS_URL = "/v1/embeddings"
 
 # OpenAI's codes for requests a batch never ran, keyed by a row's status (a foreign row may lack one)
 _ERROR_CODES: dict[str | None, str] = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
+#: A row dict's key for the kept input columns the export joined to it (name -> value, as pyarrow's
+#: ``to_pylist`` gives them); no protocol field starts with ``__``.
+KEPT_KEY = "__kept"
+
+
+def json_value(value: Any) -> Any:
+    """A kept value as JSON: dates and times as ISO text, decimals as their exact text, bytes as
+    base64, durations in seconds, NaN and infinities as null; lists and structs item by item."""
+    if isinstance(value, (dt.date, dt.time)):  # datetime is a date
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(value).decode()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_value(v) for v in value]
+    return value
+
+
+def kept_json(row: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The row's kept columns as a JSON object (None: the job kept none)."""
+    kept = row.get(KEPT_KEY)
+    return None if kept is None else {k: json_value(v) for k, v in kept.items()}
 
 
 def openai_line(row: Mapping[str, Any]) -> str:
     """One line of the OpenAI batch output format: ``id``, ``custom_id``, ``response``, ``error``.
 
     Ids are opaque and stable (``batch_req_`` and 32 hex characters of the request id: no colon,
-    the same in every export of the row); ``response.request_id`` is the same token.
+    the same in every export of the row); ``response.request_id`` is the same token. A row with kept
+    input columns gets them as a ``metadata`` object (:func:`kept_json`).
     """
     token = opaque_id("batch_req", row.get("request_id"))
     out: dict[str, Any] = {"id": f"batch_req_{token}", "custom_id": row.get("custom_id"),
@@ -50,6 +84,9 @@ def openai_line(row: Mapping[str, Any]) -> str:
     else:
         code = _ERROR_CODES.get(status) or row.get("error_code") or status
         out["error"] = {"code": code, "message": error_message(row), "line": row.get("line")}
+    kept = kept_json(row)
+    if kept is not None:
+        out["metadata"] = kept
     return compact(out)
 
 

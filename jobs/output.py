@@ -1,6 +1,7 @@
 """Where result files go and how they get there: destinations, atomic writes, the formats.
 
-A destination is a pyarrow filesystem URI (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ...), an
+A destination is a pyarrow filesystem URI (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ...; ``s3://``
+with the AWS environment, :func:`batchinfer.datasets.uris.filesystem_for`), an
 absolute local path, or a relative path, which is taken below ``results_root`` and may not leave
 it. Which destinations a *producer* may name for a job is :mod:`batchinfer.protocol.destinations`'
 rule; what is resolved here is already someone's choice (the operator's, or a user's own file).
@@ -23,6 +24,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from batchinfer.datasets.uris import filesystem_for
 from batchinfer.jobs.formats import LINE_FORMATS, RowGroups, check_format, result_schema, row_dict
 from batchinfer.jobs.vectors import vector_type_of
 
@@ -46,8 +48,8 @@ def resolve(path_or_uri: str, results_root: str = ".") -> Destination:
     if not isinstance(path_or_uri, str) or not path_or_uri.strip():
         raise ValueError(f"output must be a path or URI, got {path_or_uri!r}")
     if "://" in path_or_uri:
-        try:
-            fs, path = pafs.FileSystem.from_uri(path_or_uri)
+        try:  # s3:// with the standard AWS environment (AWS_ENDPOINT_URL, ...): any S3-compatible store
+            fs, path = filesystem_for(path_or_uri)
         except (ValueError, OSError, TypeError) as e:
             raise ValueError(f"output {path_or_uri!r}: unsupported or invalid URI ({e})") from None
         return Destination(fs, path, path_or_uri)
@@ -137,6 +139,31 @@ def _same_bytes(fs: pafs.FileSystem, a: str, b: str) -> bool:
                 return True
 
 
+STALE_TEMPORARY_S = 3600  # a temporary file older than this belongs to a writer that died
+
+
+def sweep_temporaries(dest: Destination, older_than_s: float = STALE_TEMPORARY_S) -> list[str]:
+    """Delete the temporary files :func:`atomic_output` left next to ``dest`` (``.<name>.<id>.tmp``)
+    when a writer died after its temporary file was complete: on an object store, between the upload
+    and the move (a copy, then a delete), or during the move. Only those older than ``older_than_s``
+    go, so a live writer's file is left to it. Returns the paths deleted."""
+    import datetime as dt
+
+    parent, name = _split(dest.path)
+    selector = pafs.FileSelector(parent or ".", allow_not_found=True)
+    cutoff = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=older_than_s)
+    deleted = []
+    for info in dest.fs.get_file_info(selector):
+        mtime = info.mtime
+        if (info.type == pafs.FileType.File and info.base_name.startswith(f".{name}.")
+                and info.base_name.endswith(".tmp") and mtime is not None
+                and (mtime if mtime.tzinfo else mtime.replace(tzinfo=dt.timezone.utc)) < cutoff):
+            with contextlib.suppress(FileNotFoundError):
+                dest.fs.delete_file(info.path)
+                deleted.append(info.path)
+    return deleted
+
+
 def _split(path: str) -> tuple[str, str]:
     path = path.rstrip("/")
     if "/" not in path:
@@ -148,7 +175,7 @@ def _split(path: str) -> tuple[str, str]:
 def write_rows(rows: Iterable[Any], path_or_uri: str | Destination, fmt: str = "parquet", *,
                results_root: str = ".", row_group_rows: int = ROW_GROUP_ROWS,
                vector: pa.DataType | None | str = "auto", replace: bool = True,
-               errors: str | Destination | None = None) -> str:
+               errors: str | Destination | None = None, kept_schema: pa.Schema | None = None) -> str:
     """Write result rows, in the order given, to a file; returns its location.
 
     ``rows`` are dicts, ``ResultRow`` objects or their JSON. Memory stays bounded by one row group per file
@@ -169,6 +196,10 @@ def write_rows(rows: Iterable[Any], path_or_uri: str | Destination, fmt: str = "
 
     ``replace=False``: an existing file at the destination is not replaced (``FileExistsError``),
     unless it already holds exactly these bytes (:func:`place_new`).
+
+    ``kept_schema``: the kept input columns a dataset job's rows carry (their
+    :data:`batchinfer.jobs.formats.KEPT_KEY` dicts): Parquet files get them after the result columns,
+    in these types; JSONL lines as extra keys, OpenAI / Anthropic lines as a ``metadata`` object.
     """
     check_format(fmt)
     dest = path_or_uri if isinstance(path_or_uri, Destination) else resolve(path_or_uri, results_root)
@@ -184,8 +215,9 @@ def write_rows(rows: Iterable[Any], path_or_uri: str | Destination, fmt: str = "
         else:
             vector_type = vector
     with contextlib.ExitStack() as stack:  # closed in reverse: the error file is placed first
-        sinks = [_sink(fmt, stack.enter_context(atomic_output(d, replace=replace)), stack, row_group_rows,
-                       vector_type) for d in (dest, error_dest) if d is not None]
+        sinks = [file_sink(fmt, stack.enter_context(atomic_output(d, replace=replace)), stack,
+                           row_group_rows, vector_type, kept_schema)
+                 for d in (dest, error_dest) if d is not None]
         ok, failed = sinks[0], sinks[-1]
         for row in dicts:
             (ok if row.get("status") == "completed" else failed).add(row)
@@ -194,14 +226,18 @@ def write_rows(rows: Iterable[Any], path_or_uri: str | Destination, fmt: str = "
     return dest.location
 
 
-def _sink(fmt: str, stream: Any, stack: contextlib.ExitStack, row_group_rows: int,
-          vector: pa.DataType | None) -> _ParquetSink | _LineSink:
-    """A file's writer, its Parquet writer (if any) closed with ``stack`` before its stream."""
+def file_sink(fmt: str, stream: Any, stack: contextlib.ExitStack, row_group_rows: int,
+          vector: pa.DataType | None, kept: pa.Schema | None = None, *,
+          row_group_bytes: int | None = None, batch_rows: int = BATCH_ROWS,
+          text_buffer: int = _TEXT_BUFFER) -> _ParquetSink | _LineSink:
+    """A file's writer, its Parquet writer (if any) closed with ``stack`` before its stream; the
+    partitioned writer (:mod:`batchinfer.jobs.partitioned`) asks for smaller buffers."""
     if fmt != "parquet":
-        return _LineSink(stream, LINE_FORMATS[fmt])
-    writer = stack.enter_context(pq.ParquetWriter(stream, result_schema(vector), compression="zstd"))
-    return _ParquetSink(writer, RowGroups(vector, row_group_rows=row_group_rows,
-                                          row_group_bytes=ROW_GROUP_BYTES, batch_rows=BATCH_ROWS))
+        return _LineSink(stream, LINE_FORMATS[fmt], text_buffer)
+    writer = stack.enter_context(pq.ParquetWriter(stream, result_schema(vector, kept), compression="zstd"))
+    groups = RowGroups(vector, row_group_rows=row_group_rows, batch_rows=batch_rows, kept=kept,
+                       row_group_bytes=ROW_GROUP_BYTES if row_group_bytes is None else row_group_bytes)
+    return _ParquetSink(writer, groups)
 
 
 def _with_vector_type(rows: Iterator[dict[str, Any]],
@@ -221,7 +257,12 @@ class _ParquetSink:
         for table in self.groups.add(row):
             self.writer.write_table(table, row_group_size=self.groups.row_group_rows)
 
+    @property
+    def held_bytes(self) -> int:
+        return self.groups.held_bytes
+
     def finish(self) -> None:
+        """Write what is held (as a row group of its own: a flush)."""
         for table in self.groups.finish():
             self.writer.write_table(table, row_group_size=self.groups.row_group_rows)
 
@@ -229,8 +270,10 @@ class _ParquetSink:
 class _LineSink:
     """Rows into one text file, a line each, written in chunks of about :data:`_TEXT_BUFFER`."""
 
-    def __init__(self, stream: Any, line: Callable[[Mapping[str, Any]], str]):
-        self.stream, self.line = stream, line
+    held_bytes = 0  # text is written in chunks of at most ``buffer`` characters, never held longer
+
+    def __init__(self, stream: Any, line: Callable[[Mapping[str, Any]], str], buffer: int = _TEXT_BUFFER):
+        self.stream, self.line, self.buffer = stream, line, buffer
         self.buf: list[str] = []
         self.size = 0
 
@@ -239,7 +282,7 @@ class _LineSink:
         self.buf.append(text)
         self.buf.append("\n")
         self.size += len(text) + 1
-        if self.size >= _TEXT_BUFFER:
+        if self.size >= self.buffer:
             self.finish()
 
     def finish(self) -> None:

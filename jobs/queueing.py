@@ -40,7 +40,8 @@ def enqueue_export(r: redis.Redis, settings: Settings, job_id: str, *, output: s
     enqueue is rq's atomic ``unique`` one, so while that rq job exists (queued, started, booked
     for a retry, finished or failed) a later call adds nothing (its ``output`` / ``fmt`` are
     ignored) and returns the same id. Once rq has dropped it (result / failure TTL), a call
-    enqueues a new one: the scheduler's export safety net relies on that.
+    enqueues a new one: the scheduler's export safety net relies on that. A job deleted and
+    submitted again under its id must have its old export forgotten first (:func:`forget_export`).
     """
     from rq import Queue, Retry
     from rq.exceptions import DuplicateJobError
@@ -59,6 +60,30 @@ def enqueue_export(r: redis.Redis, settings: Settings, job_id: str, *, output: s
             failure_ttl=settings.results_ttl_seconds,
         )
     return rq_id
+
+
+def forget_export(r: redis.Redis, prefix: str, job_id: str) -> bool:
+    """Forget job ``job_id``'s export rq job (its hash, result and registry entries, through rq's
+    ``Job.delete``), for a job record deleted to be submitted again under the same id: otherwise
+    the old export, finished or failed and kept for the results TTL, passes for the new job's
+    (:func:`enqueue_export` adds nothing, the scheduler's safety net finds it) and the new job
+    never leaves ``finalizing``.
+
+    True when no export rq job is left; False while it runs (``started``: the exporter would save
+    it again when it ends), and the caller should look again later.
+    """
+    from rq.exceptions import NoSuchJobError
+    from rq.job import Job, JobStatus
+    from rq.serializers import JSONSerializer
+
+    try:
+        job = Job.fetch(rq_job_id("export", prefix, job_id), connection=r, serializer=JSONSerializer)
+    except NoSuchJobError:
+        return True
+    if job.get_status() == JobStatus.STARTED:
+        return False
+    job.delete()
+    return True
 
 
 def publish_then_export(publisher: Publisher, rows: Sequence[tuple[Row, str | None]],

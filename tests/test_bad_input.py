@@ -332,8 +332,12 @@ def test_empty_and_unreadable_inputs_are_refused_before_queueing(queue, tmp_path
     for name in ("empty.jsonl", "blank_lines.jsonl"):
         code, out = _submit_cli(queue, DATA / name)
         assert (code, out.strip()) == (EXIT_INPUT, f"error: {name}: no requests (the input is empty)")
-    code, out = _submit_cli(queue, tmp_path)
-    assert code == EXIT_INPUT and "is a folder, not a file" in out
+    # a folder is a dataset (issue 31): one with no data file in it is refused, saying what it lacks
+    empty = tmp_path / "empty"
+    (empty / "_manifests").mkdir(parents=True)
+    (empty / ".hidden.parquet").write_bytes(b"")
+    code, out = _submit_cli(queue, empty)
+    assert code == EXIT_INPUT and f"{empty} holds no file: a dataset folder holds Parquet, CSV" in out, out
     not_gzip = tmp_path / "in.jsonl.gz"
     not_gzip.write_bytes(b"this is not gzip data\n")
     code, out = _submit_cli(queue, not_gzip)

@@ -59,3 +59,37 @@ def test_the_scheduler_imports_no_client_code() -> None:
     offenders = {m: d for m, d in _importers_of("batchinfer.client").items()
                  if d and m.startswith("batchinfer.scheduler")}
     assert offenders == {}
+
+
+def test_cli_commands_load_no_pyarrow(tmp_path: Path) -> None:
+    """`status`, `--help` and the error mapping every command runs (InputError -> exit 7) stay free of
+    pyarrow: only the commands that read or write tables load it."""
+    code = """
+import sys
+from click.testing import CliRunner
+import batchinfer.redis_conn
+from batchinfer.cli import context
+from batchinfer.cli.main import cli
+from batchinfer.datasets.errors import InputError
+
+batchinfer.redis_conn.RETRIES = 0
+runner = CliRunner()
+for args in (["--help"], ["submit", "--help"], ["run", "--help"], ["nightly", "--help"],
+             ["--redis-url", "redis://127.0.0.1:1/0", "status", "j1"]):
+    result = runner.invoke(cli, args)
+    assert result.exit_code in (0, context.EXIT_REDIS), (args, result.output)
+
+@context.handle_errors
+def refused():
+    raise InputError("refused")
+
+try:
+    refused()
+except SystemExit as e:
+    assert e.code == context.EXIT_INPUT, e.code
+print(sorted(m for m in sys.modules if m == "pyarrow" or m.startswith("pyarrow.")))
+"""
+    out = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

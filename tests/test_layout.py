@@ -159,7 +159,7 @@ LIBRARY = ("batchinfer.workers", "batchinfer.kernels")
 SERVICE = "batchinfer.workers.service"
 QUEUE_SIDE = ("batchinfer.store", "batchinfer.redis_conn", "batchinfer.protocol", "batchinfer.scheduler",
               "batchinfer.client", "batchinfer.cli", "batchinfer.ops", "batchinfer.jobs", "batchinfer.config",
-              "batchinfer.keys")
+              "batchinfer.keys", "batchinfer.datasets")
 
 
 def _under(module: str, roots: tuple[str, ...] | str) -> bool:

@@ -71,8 +71,13 @@ def test_a_missing_input_file_exits_7_from_run_and_submit(tmp_path):
     # submit reads the file before it needs Redis: nothing listens on port 1
     submitted = invoke("--redis-url", "redis://127.0.0.1:1/0", "submit", missing, code=cli_context.EXIT_INPUT)
     assert f"{missing}: no such file" in submitted.output
-    folder = invoke("run", str(tmp_path), "-o", out, "--echo", code=cli_context.EXIT_INPUT)
-    assert "is a folder, not a file" in folder.output
+    # a folder is a dataset for both (issue 31): an empty one is refused before anything starts
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for command in (["run", str(empty), "-o", out, "--echo"],
+                    ["--redis-url", "redis://127.0.0.1:1/0", "submit", str(empty)]):
+        folder = invoke(*command, code=cli_context.EXIT_INPUT)
+        assert f"{empty} holds no file" in folder.output and not Path(out).exists()
 
 
 def test_submit_takes_o_as_output(tmp_path, redis_session, monkeypatch):

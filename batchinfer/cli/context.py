@@ -108,7 +108,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         import redis
 
         from batchinfer.client.client import JobNotFound
-        from batchinfer.client.inputs import InputError
+        from batchinfer.datasets.errors import InputError  # no pyarrow: every command maps it
         from batchinfer.redis_conn import describe
 
         try:

@@ -39,6 +39,7 @@ from batchinfer.cli.daemons import (
     scheduler,
     worker,
 )
+from batchinfer.cli.datasets import DatasetArgs, dataset_options, nightly
 from batchinfer.protocol.entries import OUTPUT_FORMATS
 
 log = logging.getLogger("batchinfer.cli")
@@ -74,6 +75,10 @@ for _daemon in (scheduler, worker, exporter):
 
 for _command in API_COMMANDS:
     cli.add_command(_command)
+
+# -- `nightly`: a dataset's new partitions, one job each (cli/datasets.py) --------------------------
+
+cli.add_command(nightly)
 
 
 # -- jobs ------------------------------------------------------------------------------------------
@@ -113,7 +118,8 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
 
 @cli.command()
 @global_options
-@click.argument("file", type=click.Path(allow_dash=True, readable=False))  # unreadable: exit 7 (InputError)
+@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True,
+                type=click.Path(allow_dash=True, readable=False))  # unreadable: exit 7 (InputError)
 @click.option("--model", help="The job's model: it answers every line (a line's own 'model' is overridden "
                                "and counted); without it, each line's 'model'.")
 @click.option("--wait", "wait_", is_flag=True, help="Wait for the job to end (exit code says how).")
@@ -134,26 +140,35 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--max-requests", type=POSITIVE,
               help="Refuse a file with more requests [50000000, BATCHINFER_MAX_REQUESTS_PER_JOB].")
 @progress_every
+@dataset_options
 @json_option
 @pass_ctx
 @handle_errors
-def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | None, fmt: str, priority: int,
-           completion_window: str, metadata: tuple[str, ...], job_id: str | None, input_format: str | None,
-           input_column: str | None, max_line_bytes: int | None, max_requests: int | None,
-           progress_every: float, json_flag: bool) -> None:
-    """Submit FILE (JSONL: plain or OpenAI Batch lines; or Parquet) as a job; prints its id."""
+def submit(ctx: Ctx, inputs: tuple[str, ...], model: str | None, wait_: bool, output: str | None, fmt: str,
+           priority: int, completion_window: str, metadata: tuple[str, ...], job_id: str | None,
+           input_format: str | None, input_column: str | None, max_line_bytes: int | None,
+           max_requests: int | None, progress_every: float, dataset: DatasetArgs, json_flag: bool) -> None:
+    """Submit INPUT as a job; prints its id. INPUT: a JSONL file (plain or OpenAI Batch lines) or
+    a Parquet file; or a dataset: a folder (Hive partitions), a glob, a URI (s3://, gs://), several
+    files, read with the dataset options (a row filter, a request template, kept columns)."""
+    from batchinfer.client.inputs import is_dataset
     from batchinfer.workers.progress import lines_progress
 
+    if len(inputs) > 1 and "-" in inputs:
+        raise click.BadParameter("'-' (stdin) is read alone, not with other inputs", param_hint="INPUT")
     override_settings(ctx.settings, max_line_bytes=max_line_bytes, max_requests_per_job=max_requests)
+    source: str | list[str] = inputs[0] if len(inputs) == 1 else list(inputs)
     client = ctx.client()
     quiet_bar = ctx.quiet or ctx.json or json_flag
     with lines_progress("submitting", quiet=quiet_bar) as bar:
-        job = client.submit(file, model=model, priority=priority, completion_window=completion_window,
+        job = client.submit(source, model=model, priority=priority, completion_window=completion_window,
                             metadata=_metadata(metadata), output=output, output_format=fmt, job_id=job_id,
                             input_format=input_format, input_column=input_column,
-                            on_progress=bar.set)
+                            on_progress=bar.set, **dataset.submit_kwargs())
     warnings = [e for e in client.status(job).errors if e.startswith("warning:")]
-    unserved, served = _unserved_models(client, file, model, input_format, input_column)
+    # the models the lines name are read from one plain file only: a dataset's come from its template
+    plain = source if isinstance(source, str) and not dataset.given and not is_dataset(source) else None
+    unserved, served = _unserved_models(client, plain, model, input_format, input_column)
     if not ctx.quiet:
         for warning in warnings + ([render.unserved_text(unserved, served)] if unserved else []):
             click.echo(warning, err=True)
@@ -169,7 +184,7 @@ def submit(ctx: Ctx, file: str, model: str | None, wait_: bool, output: str | No
 SCAN_LINES = 1000  # `submit` reads the models the first lines name, not a whole (maybe huge) file again
 
 
-def _unserved_models(client, file: str, model: str | None, input_format: str | None,
+def _unserved_models(client, file: str | None, model: str | None, input_format: str | None,
                      input_column: str | None) -> tuple[list[str], list[str]]:
     """The models of a submitted job that no live worker serves, and the names served.
 
@@ -188,7 +203,7 @@ def _unserved_models(client, file: str, model: str | None, input_format: str | N
     named: dict[str, None] = {}  # in the order the lines name them
     if model:
         named[model] = None
-    elif file != "-":
+    elif file is not None and file != "-":
         with contextlib.suppress(Exception):  # a file `submit` just read: its own errors were reported
             lines = open_input(file, fmt=input_format, input_column=input_column)
             for item in itertools.islice(lines, SCAN_LINES):
@@ -345,7 +360,7 @@ def cancel(ctx: Ctx, job: str, json_flag: bool) -> None:
 def results(ctx: Ctx, job: str, output: str, fmt: str | None, error_file: str | None, force: bool,
             json_flag: bool) -> None:
     """Write a job's results (in input order) to a file."""
-    from batchinfer.cli.outfile import check_error_file, output_format, refuse_overwrite
+    from batchinfer.cli.datasets import check_error_file, output_format, refuse_overwrite
     from batchinfer.store.jobstore import JobStatus
     from batchinfer.workers.progress import rows_progress
 
@@ -488,6 +503,7 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 @click.option("--logs", "log_dir", type=click.Path(file_okay=False), help="Keep the daemons' logs here.")
 @lora_flags
 @progress_every
+@dataset_options
 @json_option
 @pass_ctx
 @handle_errors
@@ -497,7 +513,7 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
         tool_call_parser: str | None, echo: bool,
         timeout: float | None, no_partial: bool, log_dir: str | None, lora: tuple[str, ...],
         max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int | None,
-        progress_every: float, json_flag: bool) -> None:
+        progress_every: float, dataset: DatasetArgs, json_flag: bool) -> None:
     """All in one: Redis, scheduler, worker(s), exporter; submit FILE, wait with a progress bar,
     write OUTPUT, stop everything.
 
@@ -506,17 +522,26 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
     cancels the job and writes a row for every line to OUTPUT (the unfinished ones cancelled).
 
     ``--lora NAME=DIR`` (and the other LoRA flags) go to every worker: each serves the adapters
-    as ``batchinfer worker`` does."""
+    as ``batchinfer worker`` does.
+
+    FILE may be a dataset (a folder, a glob, a URI) as `submit` takes it, listed before anything
+    starts; with --partition-by OUTPUT is the result dataset's root folder or URI."""
     from pathlib import Path
 
-    from batchinfer.cli.outfile import check_error_file, exists, output_format, refuse_overwrite
+    from batchinfer.cli.datasets import check_error_file, exists, output_format, refuse_overwrite
     from batchinfer.cli.runner import RunOptions, check_input, run_all
     from batchinfer.protocol.destinations import check_output
 
-    check_input(file)  # exit 7, as `submit`, before anything starts
-    fmt = output_format(output, fmt)
-    refuse_overwrite(output, force)  # before anything starts
-    check_error_file(error_file, output, fmt, force)
+    check_input(file, where=dataset.where, partitions=dataset.partitions)  # exit 7 before anything starts
+    partitioned = bool(dataset.partition_by)  # OUTPUT: a dataset's root, its files replaced by a re-run
+    if partitioned:
+        if error_file is not None:
+            raise click.UsageError("--error-file goes with a result file, not with --partition-by")
+        fmt = fmt or "parquet"
+    else:
+        fmt = output_format(output, fmt)
+        refuse_overwrite(output, force)  # before anything starts
+        check_error_file(error_file, output, fmt, force)
     # The daemons `run` starts are the caller's own: a local path is the explicit file:// URI, and
     # that one destination (and --error-file's) joins the allowed output URI prefixes of its client
     # and its exporter, which writes both (the job's output and error_output).
@@ -528,7 +553,8 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
     ctx.settings.output_uri_prefixes = ",".join(filter(None, [ctx.settings.output_uri_prefixes, output,
                                                               *errors_at]))
     for destination in [output, *errors_at]:
-        if force and exists(destination):  # an exporter never replaces a file its job did not write
+        # an exporter never replaces a file its job did not write (a partitioned output: its own parts)
+        if force and not partitioned and exists(destination):
             import pyarrow.fs as pafs
 
             filesystem, path = pafs.FileSystem.from_uri(destination)
@@ -555,8 +581,9 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
             worker_args += [flag, str(value)]
     options = RunOptions(file=file, output=output, model=model, fmt=fmt, device=device or default_device(),
                          num_workers=num_workers, echo=echo, timeout=timeout, log_dir=log_dir,
-                         served_model_names=served_model_names, partial=not no_partial,
-                         input_column=input_column, worker_args=tuple(worker_args), error_file=error_file)
+                         served_model_names=served_model_names, partial=not (no_partial or partitioned),
+                         input_column=input_column, worker_args=tuple(worker_args), error_file=error_file,
+                         dataset=dataset.submit_kwargs())
     sys.exit(run_all(ctx, options, lambda client, job, check: _wait_and_report(
         ctx, client, job, timeout, json_flag, check, interval=progress_every, loading=True)))
 

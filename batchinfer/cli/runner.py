@@ -33,8 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,15 +80,25 @@ class RunOptions:
     # --error-file, the job's error_output (a URI for a local path, as ``output``): the rows that did
     # not complete go there, not to ``output``
     error_file: str | None = None
+    # the dataset options' Client.submit arguments (template, keep_columns, partition_by, where, ...)
+    dataset: dict[str, Any] = field(default_factory=dict)
 
 
-def check_input(file: str) -> None:
-    """``InputError`` (exit 7, as ``submit``) unless ``file`` is a readable file: before anything starts."""
-    from batchinfer.client.inputs import InputError
+def check_input(file: str, *, where: str | None = None, partitions: Sequence[str] = ()) -> None:
+    """``InputError`` (exit 7, as ``submit``) unless ``file`` can be read: before anything starts.
 
+    What ``Client.submit`` reads as a dataset (a folder, a glob, a URI: ``is_dataset``, with or
+    without dataset options) is listed here with the row filter's partition part, so an empty
+    folder, a filter that matches no file or an unreachable bucket fails before a daemon starts;
+    a file must exist and be readable."""
+    from batchinfer.client.inputs import InputError, is_dataset
+
+    if is_dataset(file):
+        from batchinfer.datasets.source import DatasetSource
+
+        DatasetSource(file, where=where, partitions=partitions).files()
+        return
     path = Path(file)
-    if path.is_dir():
-        raise InputError(f"{path}: is a folder, not a file")
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if not os.access(path, os.R_OK):
@@ -186,12 +196,42 @@ class Daemons:
         return "\n".join(parts)
 
 
-class _Stopped(Exception):
-    """SIGTERM reached ``run``: stop as on Ctrl-C."""
+class Stopped(Exception):
+    """SIGTERM reached ``run`` (or ``nightly --embedded``): stop as on Ctrl-C."""
 
 
 def _raise_stopped(signum: int, frame: object) -> None:
-    raise _Stopped()
+    raise Stopped()
+
+
+def trap_sigterm(stack: contextlib.ExitStack) -> None:
+    """SIGTERM raises :class:`Stopped` until ``stack`` closes (the daemons are then stopped as on Ctrl-C)."""
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    stack.callback(signal.signal, signal.SIGTERM, previous)
+
+
+@dataclass
+class Embedded:
+    """What :func:`start_embedded` set up: the daemons (not started yet), their logs, the served names."""
+
+    daemons: Daemons
+    logs: LogFolder
+    model_path: Path
+    served: list[str]  # the first is the job's model
+
+
+def start_embedded(stack: contextlib.ExitStack, ctx: Ctx, model: str,
+                   served_model_names: tuple[str, ...] = (), *, log_dir: str | None,
+                   say: Callable[[str], None]) -> Embedded:
+    """``--model`` resolved, Redis (embedded unless ``--redis-url``), the log folder and the daemons'
+    launcher, each undone by ``stack`` (``run`` and ``nightly --embedded``); start them with
+    :func:`start_daemons`. ``ctx.settings.output_uri_prefixes`` must already hold the run's outputs."""
+    model_path, default_name = resolve_model(model)
+    redis_url = start_redis(stack, ctx.settings, ctx.given.get("redis_url"), say)
+    logs = LogFolder.open(stack, log_dir)
+    daemons = Daemons(logs.path, daemon_env(ctx.settings, redis_url))
+    stack.callback(daemons.stop)
+    return Embedded(daemons, logs, model_path, list(dict.fromkeys(served_model_names)) or [default_name])
 
 
 def run_all(ctx: Ctx, opts: RunOptions,
@@ -206,20 +246,16 @@ def run_all(ctx: Ctx, opts: RunOptions,
     say = (lambda msg: None) if ctx.quiet or ctx.json else (lambda msg: click.echo(msg, err=True))
     if opts.num_workers < 1:
         raise click.BadParameter("must be >= 1", param_hint="--workers")
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_stopped)
     with contextlib.ExitStack() as stack:  # closed in reverse: client, daemons, logs, Redis, SIGTERM
-        stack.callback(signal.signal, signal.SIGTERM, previous_sigterm)
-        model_path, default_name = resolve_model(opts.model)
-        redis_url = start_redis(stack, ctx.settings, ctx.given.get("redis_url"), say)
-        logs = LogFolder.open(stack, opts.log_dir)
-        daemons = Daemons(logs.path, daemon_env(ctx.settings, redis_url))
-        stack.callback(daemons.stop)
-        served = list(dict.fromkeys(opts.served_model_names)) or [default_name]
+        trap_sigterm(stack)
+        embedded = start_embedded(stack, ctx, opts.model, opts.served_model_names, log_dir=opts.log_dir,
+                                  say=say)
+        daemons, logs, served = embedded.daemons, embedded.logs, embedded.served
         client: Any = None
         job: str | None = None
         try:
-            start_daemons(daemons, model_path, served, num_workers=opts.num_workers, device=opts.device,
-                          echo=opts.echo, worker_args=opts.worker_args)
+            start_daemons(daemons, embedded.model_path, served, num_workers=opts.num_workers,
+                          device=opts.device, echo=opts.echo, worker_args=opts.worker_args)
             say(f"started scheduler, {opts.num_workers} worker(s) ({served[0]} on {opts.device}), exporter; "
                 f"logs in {logs.path}")
             client = stack.enter_context(Client(settings=ctx.settings))
@@ -235,8 +271,8 @@ def run_all(ctx: Ctx, opts: RunOptions,
                 raise
             _await_error_file(client, job, opts, say)
         except DaemonExited as e:
-            return _daemon_exited(e, daemons, logs)
-        except (KeyboardInterrupt, _Stopped, TimeoutError) as e:
+            return daemon_exited(e, daemons, logs)
+        except (KeyboardInterrupt, Stopped, TimeoutError) as e:
             submitted = (client, job) if job is not None else None
             return _interrupted(e, stack, daemons, logs, submitted, opts)
         except SystemExit:  # the job ended but did not complete
@@ -324,7 +360,7 @@ def _submit(client: Any, opts: RunOptions, model: str) -> str:
     output = opts.output if "://" in opts.output else os.path.abspath(opts.output)
     # the job's model (served[0]) answers every line, whatever model the line names
     return client.submit(opts.file, model=model, output=output, output_format=opts.fmt,
-                         input_column=opts.input_column, error_output=opts.error_file)
+                         input_column=opts.input_column, error_output=opts.error_file, **opts.dataset)
 
 
 def _await_error_file(client: Any, job: str, opts: RunOptions, say: Callable[[str], None],
@@ -347,7 +383,7 @@ def _await_error_file(client: Any, job: str, opts: RunOptions, say: Callable[[st
     say(f"error rows in {opts.error_file}")
 
 
-def _daemon_exited(e: DaemonExited, daemons: Daemons, logs: LogFolder) -> int:
+def daemon_exited(e: DaemonExited, daemons: Daemons, logs: LogFolder) -> int:
     """A daemon died before the job ended: say which, with the logs' tails (kept)."""
     from batchinfer.cli.context import EXIT_DAEMON
 

@@ -1,32 +1,33 @@
 """``Client``: the Python API of the queue (``from batchinfer import Client``); the CLI wraps it.
 
-Submission streams the input into the intake stream with pipelined XADDs, in chunks, without
-validating bodies: the scheduler validates each one once and turns bad ones into error rows
-that carry their line numbers. Only lines that cannot be carried at all (over the size limit,
-not UTF-8) are answered here, through the same exactly-once publisher. A job is sent as any
-producer sends one (docs/protocol.md, "Jobs"): ``op open``, its entries, ``op close``.
+Submission streams the input into the intake stream in chunks (one Lua script call XADDs a
+chunk's entries, each exactly as a producer's own XADD), without validating bodies: the
+scheduler validates each one once and turns bad ones into error rows that carry their line
+numbers. Only lines that cannot be carried at all (over the size limit, not UTF-8) are answered
+here, through the same exactly-once publisher. A job is sent as any producer sends one
+(docs/protocol.md, "Jobs"): ``op open``, its entries, ``op close``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from batchinfer.client.inputs import DuplicateIds, InputError, InputLine, input_name, open_input
 from batchinfer.config import Settings
 from batchinfer.jobs.queueing import enqueue_export, finish_then_export, publish_then_export
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, JobOp, parse_duration, valid_job_id
 from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.redis_conn import as_text, connect
-from batchinfer.store import replies
+from batchinfer.store import replies, scripts
 from batchinfer.store.jobcontrol import append_job_error, check_open, open_job
 from batchinfer.store.jobstore import JobField, JobRecord, JobStatus, JobStore, new_job_id
 from batchinfer.store.publish import Publisher
@@ -37,9 +38,15 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import redis
 
+    from batchinfer.client.inputs import InputLine
+    from batchinfer.datasets.kept import KeptWriter
+    from batchinfer.datasets.source import DatasetSource
+    from batchinfer.datasets.templates import RequestTemplate
+
 __all__ = ["Client", "JobNotFound", "ModelNotServed", "parse_duration"]
 
-SUBMIT_CHUNK = 2000  # XADDs per pipeline round trip
+SUBMIT_CHUNK = 2000  # intake entries per round trip (one add_requests script call)
+SUBMIT_CHUNK_BYTES = 8 * 1024 * 1024  # ... or fewer: so 2000 bodies of 10 MiB are never one call
 READ_CHUNK = 5000  # result rows per XRANGE
 
 
@@ -83,55 +90,108 @@ class Client:
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    def submit(self, source: str | Path | IO[bytes] | Iterable[Any] | pd.DataFrame, model: str | None = None,
-               *, priority: int = 0, completion_window: str | int = "24h",
+    def submit(self, source: str | Path | IO[bytes] | Iterable[Any] | pd.DataFrame | DatasetSource | Any,
+               model: str | None = None, *, priority: int = 0, completion_window: str | int = "24h",
                metadata: Mapping[str, str] | None = None, output: str | None = None,
                output_format: str = "parquet", job_id: str | None = None, input_format: str | None = None,
                input_column: str | None = None, on_progress: Callable[[int], None] | None = None,
-               error_output: str | None = None, tenant: str | None = None) -> str:
+               error_output: str | None = None, tenant: str | None = None,
+               template: RequestTemplate | None = None, keep_columns: Sequence[str] | None = None,
+               partition_by: Sequence[str] | None = None, where: str | None = None,
+               partitions: Sequence[str] = (), unit: str | None = None) -> str:
         """Create a job from ``source`` and stream its requests into the queue; returns the job id.
 
         ``source``: a JSONL or Parquet path (``"-"`` = stdin), a binary file, a pandas DataFrame,
-        or an iterable of records (dicts or JSON strings). ``model`` applies to every line; lines
-        naming another model are answered by it and counted (the record's ``models_overridden``
-        and ``overridden_models``). ``output`` is where the exporter writes the results (default
-        ``<results_root>/<job>.parquet``): a path that stays inside ``results_root``, or a URI under
-        one of ``output_uri_prefixes`` (:mod:`batchinfer.protocol.destinations`; ``ValueError`` otherwise).
+        or an iterable of records (dicts or JSON strings); or a dataset (below). ``model`` applies to
+        every line; lines naming another model are answered by it and counted (the record's
+        ``models_overridden`` and ``overridden_models``). ``output`` is where the exporter writes the
+        results (default ``<results_root>/<job>.parquet``): a path that stays inside ``results_root``,
+        or a URI under one of ``output_uri_prefixes`` (:mod:`batchinfer.protocol.destinations`;
+        ``ValueError`` otherwise).
         ``error_output`` (a destination by the same rule): OpenAI's error file, where the exporter
         writes the rows that did not complete, ``output`` then holding the completed ones only.
         ``tenant``: whose job it is; the scheduler's fair share puts a tenant's jobs in one group.
-        ``input_column``: for Parquet and DataFrames, the column read as each row's embeddings
-        ``input`` (e.g. ``"text"``). ``on_progress(n)`` is called with the number of requests sent
-        so far after each chunk.
+        ``input_column``: for Parquet, DataFrames and datasets, the column read as each row's
+        embeddings ``input`` (e.g. ``"text"``). ``on_progress(n)`` is called with the number of
+        requests sent so far after each chunk.
+
+        Datasets: a :class:`~batchinfer.datasets.source.DatasetSource`, a pyarrow Dataset or Table, a
+        polars DataFrame, a folder (Hive partitions discovered), a glob, a list of files or a URI
+        (``s3://``, ``gs://``, ``file://``) is scanned in record batches (bounded memory); so is any
+        ``source`` given with one of the options below. Every scanned row is one request (``line`` =
+        its row number in its file).
+
+        - ``template``: a :class:`~batchinfer.datasets.templates.RequestTemplate` rendering each
+          row's request (a row it cannot render is an error row naming the file and row). A prompt
+          template's ``prompt_as="auto"`` is resolved against ``model``'s registration: an embedding
+          model takes ``input``, a model with a chat template ``messages``, another ``prompt``; a
+          model no worker registered yet, ``messages``. Without a template the rows hold request
+          fields, as a Parquet file's.
+        - ``keep_columns``: input columns copied, with their types, into every result row (through
+          a kept table in the file store); a name that is also a result column is refused.
+        - ``partition_by``: kept columns (kept automatically) on which the output, a folder or URI
+          given as ``output``, is written as a Hive-partitioned dataset with a manifest.
+        - ``where`` (``"date = '2026-12-03'"``), ``partitions`` (``["date=2026-12-03"]``): row and
+          partition filters. ``unit``: the unit of work the output's manifest names (default: from
+          the input root and its files' paths).
+
         An empty or unreadable input raises :class:`~batchinfer.client.inputs.InputError` before any job
         exists. Lines that repeat a ``custom_id`` are sent, and one warning naming their line
         numbers goes to the job record's ``errors``. If submission is interrupted, the job is
         cancelled (what was sent is answered ``cancelled``) and the exception propagates.
 
-        The job is sent as any producer sends one: ``op open``, the entries, ``op close``; the
+        The job is sent as any producer sends one: ``op open``, its entries, ``op close``; the
         record and its total are also written at once (the same Lua scripts), so ``status`` reads
         the job, ``in_progress``, as soon as this returns. ``submitted`` counts what the scheduler
         has taken in.
         """
+        # imported here: the readers load pyarrow, which status / cancel / the API never need
+        from batchinfer.client.inputs import InputError, input_name, is_dataset, open_input
+
         window = parse_duration(completion_window)
         job_id = job_id or new_job_id()
         if not valid_job_id(job_id):
             raise ValueError(f"job id {job_id!r} is invalid (letters, digits, '.', '_', '-'; at most 128)")
-        op = JobOp.open(job_id, model=model, completion_window=window, priority=priority, output=output,
-                        output_format=output_format, metadata=metadata, input_name=input_name(source),
-                        error_output=error_output, tenant=tenant)
-        check_open(op, self.settings)  # an output producers may not name: refused before anything is read
-        lines = open_input(source, max_line_bytes=self.settings.max_line_bytes, fmt=input_format,
-                           input_column=input_column)
-        first = next(lines, None)  # an empty or unreadable input fails here, before a job exists
-        if first is None:
-            raise InputError(f"{input_name(source)}: no requests (the input is empty)")
-        # the record first, with the script the scheduler runs for `op open`: status reads it at once
-        if not open_job(self.redis, self.keys, op, self.settings):
-            raise ValueError(f"job {job_id} already exists")
+        open_op = functools.partial(JobOp.open, job_id, model=model, completion_window=window,
+                                    priority=priority, output=output, output_format=output_format,
+                                    metadata=metadata, error_output=error_output, tenant=tenant)
+        dataset = bool(template is not None or keep_columns or partition_by or where or partitions or unit
+                       or is_dataset(source))
+        # an output producers may not name is refused before anything is read or listed
+        check_open(open_op(kept=bool(keep_columns or partition_by), partition_by=partition_by, unit=unit),
+                   self.settings)
+        kept: KeptWriter | None = None
+        if dataset:
+            name, lines, kept, extra = self._dataset_input(
+                source, job_id, model, template=template, keep_columns=keep_columns or (),
+                partition_by=partition_by or (), where=where, partitions=partitions, unit=unit,
+                input_format=input_format, input_column=input_column)
+        else:
+            name, extra = input_name(source), {}
+            lines = open_input(source,  # type: ignore[arg-type]  # not a dataset: a file, records, pandas
+                               max_line_bytes=self.settings.max_line_bytes, fmt=input_format,
+                               input_column=input_column)
         try:
-            total = self._send(op, itertools.chain([first], lines), on_progress)
+            op = open_op(input_name=name, **extra)
+            first = next(lines, None)  # an empty or unreadable input fails here, before a job exists
+            if first is None:
+                raise InputError(f"{name}: no requests (the input is empty)")
+            # the record first, with the script the scheduler runs for `op open`: status reads it at once
+            if not open_job(self.redis, self.keys, op, self.settings):
+                raise ValueError(f"job {job_id} already exists")
+        except BaseException:
+            if kept is not None:
+                with contextlib.suppress(Exception):  # the original error matters more
+                    kept.abort()
+            raise
+        try:
+            # the kept table is complete before `op close`: from then on an export may read it
+            total = self._send(op, itertools.chain([first], lines), on_progress,
+                               before_close=kept.close if kept is not None else None)
         except BaseException as e:
+            if kept is not None:
+                with contextlib.suppress(Exception):
+                    kept.abort()
             with contextlib.suppress(Exception):  # the original error matters more
                 append_job_error(self.redis, self.keys, job_id,
                                  f"submission interrupted: {type(e).__name__}: {e}")
@@ -142,14 +202,96 @@ class Client:
         finish_then_export(self.publisher, job_id, total, self._enqueue_export)
         return job_id
 
-    def _send(self, op: JobOp, lines: Iterator[InputLine], on_progress: Callable[[int], None] | None) -> int:
-        """The hot loop: ``op open``, one XADD per line, flushed every ``SUBMIT_CHUNK``, ``op close``."""
+    def _dataset_input(self, source: Any, job_id: str, model: str | None, *,
+                       template: RequestTemplate | None, keep_columns: Sequence[str],
+                       partition_by: Sequence[str], where: str | None, partitions: Sequence[str],
+                       unit: str | None, input_format: str | None, input_column: str | None,
+                       ) -> tuple[str, Iterator[InputLine], KeptWriter | None, dict[str, Any]]:
+        """A dataset's input name, request lines, kept table writer (None when nothing is kept) and
+        the ``op open`` parameters it adds (kept, partition_by, unit)."""
+        import pyarrow as pa
+
+        from batchinfer.client.inputs import InputError, dataset_lines
+        from batchinfer.datasets.kept import KeptWriter, kept_location
+        from batchinfer.datasets.manifest import unit_id
+        from batchinfer.datasets.source import DatasetSource
+
+        if isinstance(source, DatasetSource):
+            if where or partitions or input_format:
+                raise ValueError("where, partitions and input_format are the DatasetSource's own: give them "
+                                 "to it")
+            ds = source
+        else:
+            fmt = {"jsonl": "json"}.get(input_format or "", input_format)
+            ds = DatasetSource(source, where=where, partitions=partitions, format=fmt)
+        schema = ds.schema
+        for what, names in (("partition_by", partition_by), ("keep", keep_columns)):
+            unknown = [c for c in names if c not in schema.names]
+            if unknown:
+                raise InputError(f"{ds.name}: {what} column(s) {', '.join(unknown)} are not columns of the "
+                                 f"input (columns: {', '.join(schema.names)})")
+        kept_names = list(dict.fromkeys([*keep_columns, *partition_by]))
+        _check_kept_names(kept_names)
+        if template is not None and template.kind == "prompt" and template.prompt_as == "auto":
+            template = template.with_prompt_as(self.prompt_as(model))
+        files = ds.files()
+        unit = unit or unit_id([ds.root, *sorted(f.relative for f in files)])
+        kept = None
+        if kept_names:
+            meta = {"input": ds.root, "unit": unit, "keep_columns": list(keep_columns),
+                    "partition_by": list(partition_by),
+                    "files": [{"location": f.location, "relative": f.relative, "size": f.size}
+                              for f in files]}
+            kept = KeptWriter(kept_location(self.settings.files_root(), job_id),
+                              pa.schema([schema.field(c) for c in kept_names]), meta)
+        lines = dataset_lines(ds, template=template, keep=kept, keep_columns=kept_names, files=files,
+                              input_column=input_column, max_line_bytes=self.settings.max_line_bytes)
+        extra = {"kept": kept is not None, "partition_by": list(partition_by) or None, "unit": unit}
+        return ds.name, lines, kept, extra
+
+    def prompt_as(self, model: str | None) -> str:
+        """How a prompt template's text reaches ``model`` ("auto" resolved against its registration):
+        ``input`` for an embedding model, ``messages`` for a model with a chat template (or no
+        registration yet: chat models are the common case), else ``prompt``."""
+        info = Registry(self.redis, self.keys).get_model(model) if model else None
+        if info is None:
+            return "messages"
+        if info.task == "embed":
+            return "input"
+        if "chat_template.jinja" in info.files:
+            return "messages"
+        try:
+            config = json.loads(info.files.get("tokenizer_config.json", b"{}"))
+        except ValueError:
+            config = {}
+        return "messages" if isinstance(config, dict) and config.get("chat_template") else "prompt"
+
+    def _send(self, op: JobOp, lines: Iterator[InputLine], on_progress: Callable[[int], None] | None,
+              before_close: Callable[[], object] | None = None) -> int:
+        """The hot loop: ``op open``, the lines' entries in chunks (``SUBMIT_CHUNK`` entries or
+        ``SUBMIT_CHUNK_BYTES`` of bodies, whichever comes first; one ``add_requests`` script call and
+        round trip each), ``op close`` (``before_close()`` called just before it is sent)."""
+        from batchinfer.client.inputs import DuplicateIds
+
         job_id, stream = op.job_id, self.keys.requests
         limit = self.settings.max_requests_per_job
+        # The script XADDs each entry as a producer would (same fields, same order); a chunk is four
+        # arguments (its numbers as one text, its bodies as one string): redis-py then packs four
+        # arguments, not a command per entry, which is what makes a large submit fast.
+        add_requests = scripts.register(self.redis, "add_requests")
         pipe = self.redis.pipeline(transaction=False)
         pipe.xadd(stream, replies.xadd_fields(op.to_fields()))  # a no-op for the scheduler: the job exists
         duplicates = DuplicateIds()
-        idx = pending = 0
+        bodies: list[bytes] = []
+        numbers: list[int] = []  # idx, line and size in bytes of each body
+
+        def add() -> None:  # queued on the pipeline; sent by its next execute
+            add_requests(keys=[stream], client=pipe,
+                         args=[PROTOCOL_VERSION, job_id, " ".join(map(str, numbers)), b"".join(bodies)])
+            bodies.clear()
+            numbers.clear()
+
+        idx = size = 0
         for item in lines:
             if idx >= limit:
                 raise ValueError(f"job has more than {limit} requests (BATCHINFER_MAX_REQUESTS_PER_JOB)")
@@ -157,19 +299,25 @@ class Client:
                 self._reject(job_id, idx, item)
             else:
                 assert item.body is not None  # an InputLine holds a body or an error
-                pipe.xadd(stream, {"v": PROTOCOL_VERSION, "body": item.body, "job": job_id, "idx": idx,
-                                   "line": item.line})
+                body = item.body.encode()  # as redis-py would encode it (UTF-8, strict)
+                bodies.append(body)
+                numbers += (idx, item.line, len(body))
                 duplicates.add(item.line, item.body)
-                pending += 1
+                size += len(body)
             idx += 1
-            if pending >= SUBMIT_CHUNK:
+            if len(bodies) >= SUBMIT_CHUNK or size >= SUBMIT_CHUNK_BYTES:
+                add()
                 pipe.execute()
-                pending = 0
+                size = 0
                 if on_progress:
                     on_progress(idx)
         warning = duplicates.warning()
         if warning:  # before the submission ends, so no export can race with it
             append_job_error(self.redis, self.keys, job_id, warning)
+        if before_close is not None:
+            before_close()
+        if bodies:
+            add()
         # the scheduler takes the close in after every entry above (stream order), then sets `total`
         pipe.xadd(stream, replies.xadd_fields(JobOp.close(job_id, idx).to_fields()))
         pipe.execute()
@@ -248,10 +396,18 @@ class Client:
             yield from _exported_rows(record)
 
     def results_table(self, job_id: str) -> pa.Table:
-        """The job's results as a pyarrow Table of the result schema, sorted by input order."""
+        """The job's results as a pyarrow Table of the result schema, sorted by input order; a dataset
+        job's kept input columns follow the result columns, with their types."""
         from batchinfer.jobs.formats import arrow_table
 
+        record = self.status(job_id)
         rows = sorted(self.result_rows(job_id), key=lambda r: (r.get("idx") is None, r.get("idx") or 0))
+        if record.kept:
+            from batchinfer.datasets.kept import KeptReader, kept_location
+            from batchinfer.jobs.partitioned import join_kept
+
+            reader = KeptReader(kept_location(self.settings.files_root(), job_id))
+            return arrow_table(join_kept(rows, reader, record.total), kept=reader.schema)
         return arrow_table(rows)
 
     def results(self, job_id: str) -> pd.DataFrame:
@@ -274,7 +430,8 @@ class Client:
         Returns the location written. Memory stays bounded: rows are sorted through spill files.
         ``on_row()`` is called for each row written (progress). ``error_file``: the rows that did
         not complete go to that file (same format) and ``path_or_uri`` holds the completed ones
-        (OpenAI's output and error files).
+        (OpenAI's output and error files). A dataset job's kept input columns are in every row, as
+        in its export (one file, whatever its ``partition_by``).
         """
         import tempfile
 
@@ -291,10 +448,20 @@ class Client:
             from batchinfer.jobs.vectors import parquet_vector_type
 
             return write_rows(_counted(_exported_rows(record), on_row), path_or_uri, fmt,
-                              vector=parquet_vector_type(record.output), errors=error_file)
+                              vector="auto" if record.manifest else parquet_vector_type(record.output),
+                              errors=error_file)
         with tempfile.TemporaryDirectory(prefix="batchinfer-results-") as spill:
             rows = sorted_rows(self.redis, key, spill, record.total)
-            return write_rows(_counted(rows, on_row), path_or_uri, fmt, vector=rows.vector, errors=error_file)
+            joined: Iterable[Any] = rows
+            kept_schema = None
+            if record.kept:  # the job's kept input columns, as its export writes them
+                from batchinfer.datasets.kept import KeptReader, kept_location
+                from batchinfer.jobs.partitioned import join_kept
+
+                reader = KeptReader(kept_location(self.settings.files_root(), job_id))
+                joined, kept_schema = join_kept(rows, reader, record.total), reader.schema
+            return write_rows(_counted(joined, on_row), path_or_uri, fmt, vector=rows.vector,
+                              errors=error_file, kept_schema=kept_schema)
 
     # -- direct requests -------------------------------------------------------------------------
 
@@ -452,6 +619,10 @@ def _exported_rows(record: JobRecord) -> Iterator[dict[str, Any]]:
     output holds the completed rows and the error file the others, merged back by ``idx``."""
     import heapq
 
+    if record.manifest:  # a partitioned export: the files its unit's manifest lists
+        from batchinfer.jobs.partitioned import manifest_rows
+
+        return manifest_rows(record.output or "", record.manifest, record.id)
     if not record.error_output:
         return _rows_from_parquet(record.output or "")
     return heapq.merge(_rows_from_parquet(record.output or ""), _rows_from_parquet(record.error_output),
@@ -476,6 +647,25 @@ def _open_uri(uri: str):
 
     fs, path = pafs.FileSystem.from_uri(uri)
     return pq.ParquetFile(fs.open_input_file(path))
+
+
+def _check_kept_names(names: Sequence[str]) -> None:
+    """Kept columns sit beside the result columns in every output (the Parquet columns, and a JSONL
+    line's keys: every field a protocol row may have): a shared name is refused."""
+    import dataclasses
+
+    import pyarrow as pa
+
+    from batchinfer.client.inputs import InputError
+    from batchinfer.datasets.kept import FILE_COLUMN, ROW_COLUMN
+    from batchinfer.jobs.formats import result_schema
+
+    reserved = {*result_schema(pa.list_(pa.float32())).names,
+                *(f.name for f in dataclasses.fields(ResultRow)), FILE_COLUMN, ROW_COLUMN}
+    clash = [c for c in names if c in reserved]
+    if clash:
+        raise InputError(f"keep column(s) {', '.join(clash)} clash with result columns of the same name "
+                         f"(result columns: {', '.join(sorted(reserved))})")
 
 
 def _counted(rows: Iterable[Any], on_row: Callable[[], None] | None) -> Iterable[Any]:

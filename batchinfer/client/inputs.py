@@ -12,21 +12,26 @@ Anthropic Message Batches requests are lines ``{"custom_id", "params"}``, or Par
 Embedding requests are lines or rows with ``input`` (a string, a list of strings, token ids or
 lists of token ids) instead of a prompt; a table whose texts sit in another column (``text``)
 names it with ``input_column``.
+
+Datasets (a folder of Hive partitions, a glob, a URI, a pyarrow or polars table:
+:class:`~batchinfer.datasets.source.DatasetSource`) are read by :func:`dataset_lines`: one line per
+scanned row, its body rendered by a request template or taken from the request-field columns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gzip
+import itertools
 import json
 import stat
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
+from batchinfer.datasets.errors import InputError  # the one class (no pyarrow): every reader raises it
 from batchinfer.protocol.bodies import custom_id_of
 from batchinfer.protocol.entries import REQUEST_FIELDS, RequestError
 from batchinfer.workers.pooling_params import PoolingParams
@@ -35,6 +40,10 @@ from batchinfer.workers.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
+
+    from batchinfer.datasets.kept import KeptWriter
+    from batchinfer.datasets.source import DatasetFile, DatasetSource
+    from batchinfer.datasets.templates import RequestTemplate
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 PARQUET_BATCH_ROWS = 4096
@@ -46,13 +55,9 @@ _INT_COLUMNS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "top_k
                 "priority", "dimensions", "truncate_prompt_tokens")
 
 
-class InputError(ValueError):
-    """The input as a whole cannot be read (missing file, a Parquet file without a prompt column)."""
-
-
-@dataclass(frozen=True)
-class InputLine:
-    """One request-to-be: ``body`` (raw JSON text) or ``error``, at 1-based ``line``."""
+class InputLine(NamedTuple):
+    """One request-to-be: ``body`` (raw JSON text) or ``error``, at 1-based ``line``. A named tuple:
+    a dataset yields millions of them, and a frozen dataclass costs several times more to make."""
 
     line: int
     body: str | None = None
@@ -359,19 +364,134 @@ def _arrow_rows(batches: Iterable[pa.RecordBatch],
         values = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
         for row in zip(*values, strict=True):
             number += 1
-            record = {c: v for c, v in zip(columns, row, strict=True) if v is not None}
-            for c in _INT_COLUMNS:
-                v = record.get(c)
-                if isinstance(v, float) and v.is_integer():
-                    record[c] = int(v)
-            for name in ("messages", "params"):
-                if isinstance(record.get(name), str):
-                    # left as text when it is not JSON: the scheduler reports the bad field
-                    with contextlib.suppress(ValueError):
-                        record[name] = json.loads(record[name])
-            body = _json_body(record, number, "row")
+            body = _row_body(columns, row, number, "row")
             yield body if isinstance(body, InputLine) else InputLine(number, body=body)
 
 
-__all__ = ["DuplicateIds", "InputError", "InputLine", "check_columns", "input_name", "open_input",
-           "read_dataframe", "read_jsonl", "read_parquet", "read_records"]
+def _row_body(columns: list[str], row: tuple[Any, ...], number: int, what: str) -> str | InputLine:
+    """One table row as a request body's JSON text (nulls left out), or its error line."""
+    record = {c: v for c, v in zip(columns, row, strict=True) if v is not None}
+    for c in _INT_COLUMNS:
+        v = record.get(c)
+        if isinstance(v, float) and v.is_integer():
+            record[c] = int(v)
+    for name in ("messages", "params"):
+        if isinstance(record.get(name), str):
+            # left as text when it is not JSON: the scheduler reports the bad field
+            with contextlib.suppress(ValueError):
+                record[name] = json.loads(record[name])
+    return _json_body(record, number, what)
+
+
+# -- datasets ----------------------------------------------------------------------------------------
+
+_GLOB_CHARS = ("*", "?", "[")
+
+
+def is_dataset(source: Any) -> bool:
+    """Whether ``source`` is read as a dataset (:class:`~batchinfer.datasets.source.DatasetSource`)
+    whatever the options: a DatasetSource, a pyarrow Dataset or Table, a polars DataFrame, a folder,
+    a glob, a URI (``s3://``, ``file://`` ...) or a list of paths. A single local file, stdin, a
+    pandas DataFrame and records are read as before unless a dataset option (a template, kept
+    columns, a filter) asks for the dataset reader."""
+    module = type(source).__module__.split(".")[0]
+    if module == "polars":
+        return True
+    if module == "pyarrow":  # loaded already, then
+        import pyarrow as pa
+        import pyarrow.dataset as pads
+
+        return isinstance(source, (pa.Table, pa.RecordBatch, pads.Dataset))
+    from batchinfer.datasets.source import DatasetSource
+
+    if isinstance(source, DatasetSource):
+        return True
+    if isinstance(source, Path):
+        return source.is_dir()
+    if isinstance(source, str):
+        return source != "-" and ("://" in source or any(c in source for c in _GLOB_CHARS)
+                                  or Path(source).is_dir())
+    if isinstance(source, (list, tuple)) and source:
+        # a list of paths, not of records (dicts, or JSON objects as text)
+        return all(isinstance(x, Path) or (isinstance(x, str) and not x.lstrip().startswith("{"))
+                   for x in source)
+    return False
+
+
+def dataset_lines(source: DatasetSource, *, template: RequestTemplate | None = None,
+                  keep: KeptWriter | None = None, keep_columns: Sequence[str] = (),
+                  files: Sequence[DatasetFile] | None = None, input_column: str | None = None,
+                  max_line_bytes: int = 10 * 1024 * 1024,
+                  batch_rows: int = PARQUET_BATCH_ROWS) -> Iterator[InputLine]:
+    """Yield exactly one :class:`InputLine` per scanned row of ``source``, files in ``files`` order
+    (default ``source.files()``), rows in file order; ``line`` = the row's number in its file.
+
+    Only the columns needed are read: ``template.columns`` (those the input has; a variable that is
+    no column fails per row) or, without a template, the request-field columns (as a Parquet file's;
+    ``input_column`` read as ``input``), plus ``keep_columns``. Kept columns that are not request
+    fields stay out of the bodies; Hive partition keys neither kept nor request fields are not read.
+    A row the template cannot render is an error row ``"<file> row <n>: <reason>"``. ``keep``
+    receives each batch's ``keep_columns``, file index and row numbers before its rows are
+    yielded, so the kept table's rows follow the requests' order.
+    """
+    from batchinfer.datasets.templates import RowError
+
+    names = source.schema.names
+    keep_set = set(keep_columns)
+    missing = [c for c in keep_columns if c not in names]
+    if missing:
+        raise InputError(f"{source.name}: keep column(s) {', '.join(missing)} are not columns of the input "
+                         f"(columns: {', '.join(names)})")
+    renames: dict[str, str] = {}
+    if template is not None:
+        body_columns = [c for c in names if c in template.columns]
+    else:
+        renames = _input_renames(names, input_column, source.name)
+        allowed, partition_keys = allowed_columns(), set(source.partition_keys)
+        body_columns = [c for c in names if renames.get(c, c) in allowed
+                        or (c not in keep_set and c not in partition_keys)]
+        check_columns([renames.get(c, c) for c in body_columns], source.name)
+    wanted = set(body_columns) | keep_set
+    scan_columns = [c for c in names if c in wanted]
+    files = list(source.files() if files is None else files)
+    index = {f.location: i for i, f in enumerate(files)}
+    fields = [renames.get(c, c) for c in body_columns]
+    render = template.renderer(fields, all_columns=names) if template is not None else None
+    for scanned in source.scan(scan_columns, batch_rows=batch_rows):
+        batch, location = scanned.rows, scanned.file.location
+        n = batch.num_rows
+        if keep is not None:
+            if location not in index:
+                raise InputError(f"{location}: scanned a file that is not in the input's file list")
+            keep.add(batch.select(list(keep_columns)), index[location], scanned.row_numbers)
+        numbers: list[int] = scanned.row_numbers.to_pylist()  # type: ignore[assignment]  # never null
+        values = [batch.column(c).to_pylist() for c in body_columns]
+        rows = zip(*values, strict=True) if values else itertools.repeat((), n)
+        pairs = zip(numbers, rows, strict=False)
+        if render is not None:
+            for number, row in pairs:
+                try:
+                    body = render(row)
+                except RowError as e:
+                    message = f"{location} row {number}: {e}"
+                    yield InputLine(number, None, RequestError("invalid_request", message, line=number))
+                    continue
+                yield InputLine(number, body) if len(body) <= max_line_bytes else _sized(
+                    body, number, location, max_line_bytes)
+        else:
+            for number, row in pairs:
+                made = _row_body(fields, row, number, f"{location} row {number}")
+                yield made if isinstance(made, InputLine) else _sized(made, number, location, max_line_bytes)
+
+
+def _sized(body: str, number: int, location: str, max_line_bytes: int) -> InputLine:
+    """``body``'s line, or a line_too_long error line when its UTF-8 is over the limit."""
+    if len(body) > max_line_bytes and len(body.encode("utf-8")) > max_line_bytes:
+        return InputLine(number, None, RequestError(
+            "line_too_long", f"{location} row {number}: the request is more than the limit of "
+            f"{max_line_bytes} bytes", line=number))
+    return InputLine(number, body)
+
+
+__all__ = ["DuplicateIds", "InputError", "InputLine", "check_columns", "dataset_lines", "input_name",
+           "is_dataset", "open_input", "read_dataframe", "read_jsonl", "read_parquet", "read_records"]

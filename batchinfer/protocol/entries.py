@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["PROTOCOL_VERSION", "IntakeEntry", "JobOp", "RequestError", "parse_duration", "parse_entry",
-           "valid_job_id"]
+           "parse_partition_by", "valid_job_id"]
 
 PROTOCOL_VERSION = "1"
 
@@ -65,10 +65,13 @@ ENTRY_FIELDS = ("v", "body", "job", "idx", "line", "reply_to", "client_request_i
                 "priority")
 # Job control entries (`op`): what each takes besides v, op, job and reply_to.
 OP_FIELDS = {"open": ("model", "completion_window", "priority", "output", "output_format", "metadata",
-                      "input_name", "error_output", "tenant"),
+                      "input_name", "error_output", "tenant", "kept", "partition_by", "unit"),
              "close": ("total",),
              "cancel": ()}
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai", "anthropic")
+MAX_PARTITION_COLUMNS = 8  # partition_by columns of a job: each is a folder level of its output
+MAX_COLUMN_CHARS = 128
+_FLAGS = {"1": True, "true": True, "0": False, "false": False}
 _DURATION = re.compile(r"^\s*(\d+)\s*([smhd]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -254,8 +257,11 @@ class JobOp:
     ``params`` are validated values: ``open`` takes ``model`` (str), ``completion_window`` (int s),
     ``priority`` (int), ``output``, ``output_format``, ``input_name`` (str), ``metadata``
     (dict of str), ``error_output`` (str: OpenAI's error file, the rows that did not complete; the
-    ``output`` then gets the completed ones only) and ``tenant`` (a job-id-like name: the jobs of one
-    tenant share one fair-share group in the scheduler); ``close`` takes ``total`` (int).
+    ``output`` then gets the completed ones only), ``tenant`` (a job-id-like name: the jobs of one
+    tenant share one fair-share group in the scheduler), ``kept`` (bool: the submitter wrote a kept
+    table of input columns that the exporter joins to the rows by idx), ``partition_by`` (list of
+    column names: the output is a Hive-partitioned dataset on those kept columns) and ``unit`` (a
+    job-id-like name: the unit of work whose manifest the export writes); ``close`` takes ``total`` (int).
     """
 
     op: str
@@ -267,12 +273,15 @@ class JobOp:
     def open(cls, job_id: str, *, model: str | None = None, completion_window: int | str = 24 * 3600,
              priority: int = 0, output: str | None = None, output_format: str = "parquet",
              metadata: Mapping[str, str] | None = None, input_name: str | None = None,
-             error_output: str | None = None, tenant: str | None = None) -> JobOp:
+             error_output: str | None = None, tenant: str | None = None, kept: bool = False,
+             partition_by: Sequence[str] | None = None, unit: str | None = None) -> JobOp:
         """An ``open`` op; the values are checked as the scheduler checks them (``RequestError``)."""
         given = {"model": model, "completion_window": completion_window, "priority": priority,
                  "output": output, "output_format": output_format, "input_name": input_name,
                  "error_output": error_output, "tenant": tenant,
-                 "metadata": json.dumps(dict(metadata), ensure_ascii=False) if metadata else None}
+                 "metadata": json.dumps(dict(metadata), ensure_ascii=False) if metadata else None,
+                 "kept": "1" if kept else None, "unit": unit,
+                 "partition_by": ",".join(partition_by) if partition_by else None}
         return cls("open", job_id, _op_params("open", {k: str(v) for k, v in given.items() if v is not None},
                                               {}))
 
@@ -363,8 +372,17 @@ def _op_params(op: str, given: Mapping[str, str], context: dict[str, Any]) -> di
             if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
                 raise bad(name, "must be a JSON object whose values are strings")
             out[name] = meta
-        elif name == "tenant" and text and not valid_job_id(text):
+        elif name in ("tenant", "unit") and text and not valid_job_id(text):
             raise bad(name, f"{_clip(text)} is invalid (letters, digits, '.', '_', '-'; at most 128)")
+        elif name == "kept":
+            if text.lower() not in _FLAGS:
+                raise bad(name, f"must be 1, 0, true or false, got {_clip(text)}")
+            out[name] = _FLAGS[text.lower()]
+        elif name == "partition_by" and text:
+            try:
+                out[name] = parse_partition_by(text)
+            except ValueError as e:
+                raise bad(name, str(e)) from None
         elif text:
             out[name] = text
     if op == "close" and "total" not in out:
@@ -374,7 +392,34 @@ def _op_params(op: str, given: Mapping[str, str], context: dict[str, Any]) -> di
 
 
 def _text(value: Any) -> str:
+    """A parameter's field text: JSON for a dict, ``1`` / ``0`` for a flag, a list comma-joined."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, list):
+        return ",".join(value)
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else str(value)
+
+
+def parse_partition_by(text: str) -> list[str]:
+    """The column names of a ``partition_by`` field (comma-separated): at most
+    :data:`MAX_PARTITION_COLUMNS`, none repeated, each a usable Hive folder key (not empty, at most
+    :data:`MAX_COLUMN_CHARS` characters, no ``/``, ``=``, ``,`` or control character, not starting with
+    ``.`` or ``_``, which readers take for hidden files); ``ValueError`` naming the bad one."""
+    names = text.split(",")
+    if len(names) > MAX_PARTITION_COLUMNS:
+        raise ValueError(f"at most {MAX_PARTITION_COLUMNS} columns, got {len(names)}")
+    for name in names:
+        if not name:
+            raise ValueError(f"an empty column name in {_clip(text)}")
+        if len(name) > MAX_COLUMN_CHARS:
+            raise ValueError(f"column name {_clip(name)} is longer than {MAX_COLUMN_CHARS} characters")
+        if any(c in "/=" or not c.isprintable() for c in name):
+            raise ValueError(f"column name {_clip(name)} holds '/', '=' or a control character")
+        if name[0] in "._":
+            raise ValueError(f"column name {_clip(name)} starts with '.' or '_' (hidden in a dataset)")
+    if len(set(names)) < len(names):
+        raise ValueError(f"a column is named twice in {_clip(text)}")
+    return names
 
 
 def parse_duration(value: str | int) -> int:

@@ -18,7 +18,9 @@ MAX_JOB_ERRORS = 100  # lines kept in a job's `errors`
 def check_open(op: JobOp, settings: Settings) -> None:
     """Refuse an ``open`` whose ``output`` or ``error_output`` is not a destination a producer may
     name (:func:`batchinfer.protocol.destinations.check_output` against ``settings.output_prefixes()``),
-    or whose two are one file: ``RequestError`` ``invalid_request``, field ``output`` / ``error_output``."""
+    or whose two are one file: ``RequestError`` ``invalid_request``, field ``output`` / ``error_output``.
+    A ``partition_by`` needs ``kept``, an ``output`` and the ``parquet`` or ``jsonl`` format (field
+    ``partition_by``)."""
     context = {"job": op.job_id, "reply_to": op.reply_to}
     for name in ("output", "error_output"):
         value = op.params.get(name)
@@ -32,6 +34,22 @@ def check_open(op: JobOp, settings: Settings) -> None:
     if op.params.get("error_output") is not None and op.params.get("error_output") == op.params.get("output"):
         raise RequestError("invalid_request", "error_output must not be the output itself",
                            field="error_output", context=context)
+    if op.params.get("partition_by"):
+        _check_partitioned(op, context)
+
+
+def _check_partitioned(op: JobOp, context: dict) -> None:
+    """A partitioned output is a dataset root of Parquet or JSONL files partitioned on kept columns."""
+    fmt = op.params.get("output_format", "parquet")
+    problem = ("needs kept columns (kept): the partition values come from the kept table"
+               if not op.params.get("kept") else
+               "needs an output (the dataset root: a folder or URI)" if not op.params.get("output") else
+               f"needs output_format parquet or jsonl, not {fmt}" if fmt not in ("parquet", "jsonl") else
+               "does not take an error_output (every row goes to its partition)"
+               if op.params.get("error_output") else None)
+    if problem:
+        raise RequestError("invalid_request", f"partition_by {problem}", field="partition_by",
+                           context=context)
 
 
 def open_job(r: redis.Redis, keys: Keys, op: JobOp, settings: Settings) -> bool:

@@ -108,6 +108,13 @@ class JobField(str, Enum):
     PROMPT_TOKENS = "prompt_tokens"
     COMPLETION_TOKENS = "completion_tokens"
     CACHED_TOKENS = "cached_tokens"
+    # dataset jobs (op open): the submitter wrote a kept table of input columns (``1``), the output is
+    # Hive-partitioned on these kept columns (comma-separated), the unit of work the job covers; and,
+    # written by the export, the location of the unit's manifest below the output root
+    KEPT = "kept"
+    PARTITION_BY = "partition_by"
+    UNIT = "unit"
+    MANIFEST = "manifest"
 
     def __str__(self) -> str:
         return self.value
@@ -125,6 +132,7 @@ _INT_FIELDS = frozenset({JobField.HELD, JobField.MODELS_OVERRIDDEN,
                          JobField.EXPORT_REQUESTED_AT, JobField.EXPORTED_AT,
                          JobField.PROMPT_TOKENS, JobField.COMPLETION_TOKENS, JobField.CACHED_TOKENS})
 _JSON_FIELDS = frozenset({JobField.METADATA, JobField.ERRORS, JobField.OVERRIDDEN_MODELS})
+_DATASET_FIELDS = frozenset({JobField.KEPT, JobField.PARTITION_BY})
 
 
 def parse_status(raw: bytes | str | None) -> JobStatus | None:
@@ -142,7 +150,8 @@ def parse_status(raw: bytes | str | None) -> JobStatus | None:
 
 def parse_field(name: JobField, raw: bytes | str | None) -> Any:
     """One raw hash value in its type: status -> :class:`JobStatus` (see :func:`parse_status`),
-    counters and times -> ``int``, ``metadata`` / ``errors`` -> JSON, others -> ``str``.
+    counters and times -> ``int``, ``metadata`` / ``errors`` -> JSON, ``kept`` -> ``bool``,
+    ``partition_by`` -> ``list[str]`` (comma-separated), others -> ``str``.
     Absent or empty -> None. A counter or time that is not an integer is a ``ValueError``.
     """
     if raw is None:
@@ -156,6 +165,10 @@ def parse_field(name: JobField, raw: bytes | str | None) -> Any:
         return int(text)
     if name in _JSON_FIELDS:
         return json.loads(text)
+    if name is JobField.KEPT:
+        return text.lower() in ("1", "true")
+    if name is JobField.PARTITION_BY:
+        return text.split(",")
     return text
 
 
@@ -219,6 +232,10 @@ class JobRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    kept: bool = False  # a kept table of input columns is joined to the rows by idx at export
+    partition_by: list[str] = field(default_factory=list)  # kept columns the output is partitioned on
+    unit: str | None = None  # the unit of work (its manifest's name below the output root)
+    manifest: str | None = None  # the unit's manifest, once exported (partitioned output)
 
     @property
     def request_counts(self) -> dict[str, int]:
@@ -314,9 +331,28 @@ def openai_batch(record: JobRecord) -> dict[str, Any]:
     }
 
 
-def _encode(value: Any) -> str:
+def delete_kept(files_root: str, job_id: str) -> bool:
+    """Delete job ``job_id``'s kept table under ``files_root`` (the file store root); whether one was
+    there."""
+    # here, not at the top: pyarrow is no import of the daemons that only read and write records
+    from batchinfer.datasets.kept import kept_location
+    from batchinfer.datasets.uris import filesystem_for
+
+    fs, path = filesystem_for(kept_location(files_root, job_id))
+    try:
+        fs.delete_file(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _encode(value: Any, name: str = "") -> str:
     if isinstance(value, Enum):
         return str(value.value)
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if name == JobField.PARTITION_BY:
+        return ",".join(value)
     if isinstance(value, (dict, list)):
         return json.dumps(value, ensure_ascii=False)
     return str(value)
@@ -349,8 +385,9 @@ class JobStore:
         if not self.redis.hsetnx(key, JobField.ID, job_id):
             raise ValueError(f"job {job_id} already exists")
         mapping: dict[FieldT, EncodableT] = {
-            f.name: _encode(getattr(record, f.name)) for f in fields(record)
-            if getattr(record, f.name) is not None and f.name != JobField.TOTAL}
+            f.name: _encode(getattr(record, f.name), f.name) for f in fields(record)
+            if getattr(record, f.name) is not None and f.name != JobField.TOTAL
+            and not (f.name in _DATASET_FIELDS and not getattr(record, f.name))}  # a plain job has none
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, mapping=mapping)
         pipe.zadd(self.keys.jobs, {job_id: created})
@@ -373,9 +410,14 @@ class JobStore:
         ids = replies.members(self.redis.zrevrange(self.keys.jobs, offset, offset + limit - 1))
         return [r for r in self.get_many(as_text(job_id) for job_id in ids) if r is not None]
 
-    def delete(self, job_id: str) -> None:
+    def delete(self, job_id: str, *, files_root: str | None = None) -> None:
         """Delete the job: its record, results, bookkeeping and index entries (one MULTI). For an
-        ended job only: a live one's daemons would go on writing its keys."""
+        ended job only: a live one's daemons would go on writing its keys.
+
+        ``files_root`` (``Settings.files_root()``): a dataset job's kept table there goes first (a
+        missing one is no error), so that no table outlives its record unnoticed."""
+        if files_root is not None:
+            delete_kept(files_root, job_id)
         keys = self.keys
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(keys.job(job_id), keys.results(job_id), keys.published(job_id), keys.attempts(job_id),
@@ -395,6 +437,11 @@ class JobStore:
         if absent:
             pipe.hdel(key, *absent)
         pipe.execute()
+
+    def set_manifest(self, job_id: str, location: str | None) -> None:
+        """Record where the export wrote the manifest of the job's unit (None: remove it); the
+        record's ``output`` (the dataset root) is written with the export's status change."""
+        self.update(job_id, **{JobField.MANIFEST.value: location})
 
     def set_status(self, job_id: str, status: JobStatus | str, *,
                    expect: Iterable[JobStatus | str] | None = None, **values: Any) -> bool:

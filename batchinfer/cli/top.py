@@ -108,10 +108,21 @@ def _table(title: str, columns: tuple[tuple[str, JustifyMethod], ...], wide: boo
     return table
 
 
+def _spec_cell(w: WorkerView) -> str:
+    """``71% 2.85``: the share of draft tokens accepted and the mean accepted length (tokens a
+    drafting sequence gains per step); ``-`` for a worker that has not drafted."""
+    if w.spec_acceptance is None or w.spec_accepted_len is None:
+        return "-"
+    return f"{w.spec_acceptance:.0%} {w.spec_accepted_len:.2f}"
+
+
 def _workers_table(snap: Snapshot, wide: bool) -> Table:
+    # the speculation column only while a worker speculates: others never need the room
+    spec = any(w.spec_acceptance is not None for w in snap.workers)
     columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("worker", "left"), ("model", "left"), ("device", "left"), ("load", "right"),
         ("waiting" if wide else "wait", "right"), ("tokens/s" if wide else "tok/s", "right"),
+        *((("spec acc/len" if wide else "spec", "right"),) if spec else ()),
         ("KV use" if wide else "KV", "left"), ("heartbeat" if wide else "seen", "right"))
     table = _table("workers", columns, wide)
     for w in snap.workers:
@@ -123,6 +134,7 @@ def _workers_table(snap: Snapshot, wide: bool) -> Table:
         table.add_row(
             w.name, w.model, w.device or "-", load, "-" if w.waiting is None else str(w.waiting),
             "-" if w.tokens_per_s is None else f"{w.tokens_per_s:,.1f}" if wide else f"{w.tokens_per_s:,.0f}",
+            *((_spec_cell(w),) if spec else ()),
             _usage_cell(w.kv_usage, wide),
             Text(duration_text(age) + (" ago" if wide else ""), style="bold red" if stale else ""),
         )

@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -77,6 +77,13 @@ class Spec:
 
 
 M = ("model",)
+SPEC_LABELS = ("model", "method")
+# Engine.spec_stats() keys -> the counters they feed: per method, then per engine
+SPEC_METHOD_COUNTERS = {"drafts": "batchinfer_spec_drafts_total",
+                        "draft_tokens": "batchinfer_spec_draft_tokens_total",
+                        "accepted_tokens": "batchinfer_spec_accepted_tokens_total"}
+SPEC_STEP_COUNTERS = {"steps": "batchinfer_spec_steps_total",
+                      "disabled_steps": "batchinfer_spec_disabled_steps_total"}
 # Every metric the daemons update (QueueCollector's scrape-time gauges are listed in it).
 C, G, H = Counter, Gauge, Histogram
 SPECS: dict[str, Spec] = {
@@ -123,6 +130,15 @@ SPECS: dict[str, Spec] = {
     "batchinfer_waiting_sequences": Spec(G, "Sequences waiting for admission into the engine.", M),
     "batchinfer_kv_cache_usage_ratio": Spec(G, "Fraction of KV cache blocks in use (0..1).", M),
     "batchinfer_preemptions_total": Spec(C, "Sequences preempted (KV cache full), to be recomputed.", M),
+    # worker, speculative decoding; method: the proposer (ngram, suffix, prediction, draft)
+    "batchinfer_spec_drafts_total": Spec(C, "Sequence-steps that carried draft tokens.", SPEC_LABELS),
+    "batchinfer_spec_draft_tokens_total": Spec(C, "Draft tokens verified by the target model.", SPEC_LABELS),
+    "batchinfer_spec_accepted_tokens_total": Spec(C, "Draft tokens accepted (acceptance rate = ratio of "
+                                                     "this rate to the draft tokens' rate).", SPEC_LABELS),
+    "batchinfer_spec_steps_total": Spec(C, "Engine steps that verified at least one draft.", M),
+    "batchinfer_spec_disabled_steps_total": Spec(
+        C, "Engine steps without drafts: more sequences ran than speculative_config's "
+           "disable_by_batch_size.", M),
     # the HTTP API (batchinfer/api/app.py); route: the path template, e.g. /v1/batches/{batch_id}
     "batchinfer_api_requests_total": Spec(C, "HTTP requests answered, by route, method and status.",
                                           ("route", "method", "status")),
@@ -276,6 +292,8 @@ class WorkerMetrics(_DaemonMetrics):
         self.kv_usage = mine("batchinfer_kv_cache_usage_ratio")
         self.preemptions = mine("batchinfer_preemptions_total")
         self._preemptions_seen = 0
+        # speculative decoding: (stats key, method or "") -> [bound counter, cumulative value seen]
+        self._spec_seen: dict[tuple[str, str], list[Any]] = {}
         self.throughput = ThroughputWindow(clock=clock)
         self._state: dict[str, Any] = {}
         # request id -> [admitted at (clock), first token at or None, tokens seen so far]
@@ -394,6 +412,35 @@ class WorkerMetrics(_DaemonMetrics):
                 raise ValueError(f"kv_usage must be within 0..1, got {kv_usage}")
             self.kv_usage.set(kv_usage)
             self._state["kv_usage"] = round(kv_usage, 4)
+
+    def set_spec_stats(self, stats: Mapping[str, Any] | None) -> None:
+        """The engine's cumulative speculative-decoding counters (``Engine.spec_stats()``), now: their
+        growth since the last call moves the ``batchinfer_spec_*`` counters, and the acceptance so far
+        goes to the heartbeat. ``{}`` (an engine that never speculates) moves nothing."""
+        if not stats:
+            return
+        drafts = draft_tokens = accepted = 0
+        for method, counts in stats.get("methods", {}).items():
+            for key, name in SPEC_METHOD_COUNTERS.items():
+                self._spec_advance(key, method, name, counts.get(key, 0))
+            drafts += counts.get("drafts", 0)
+            draft_tokens += counts.get("draft_tokens", 0)
+            accepted += counts.get("accepted_tokens", 0)
+        for key, name in SPEC_STEP_COUNTERS.items():
+            self._spec_advance(key, "", name, stats.get(key, 0))
+        if drafts and draft_tokens:  # nothing drafted yet: no rates to show
+            self._state.update(spec_acceptance=round(accepted / draft_tokens, 4),
+                               spec_accepted_len=round(1 + accepted / drafts, 3))
+
+    def _spec_advance(self, key: str, method: str, name: str, value: int) -> None:
+        """Move counter ``name`` (``method``'s child, or the model's for ``""``) to cumulative ``value``."""
+        seen = self._spec_seen.get((key, method))
+        if seen is None:  # first sight: bind the labels once (this runs every step)
+            labels = {"model": self.model, "method": method} if method else {"model": self.model}
+            seen = self._spec_seen[(key, method)] = [_metric(self.registry, name).labels(**labels), 0]
+        if value > seen[1]:
+            seen[0].inc(value - seen[1])
+            seen[1] = value
 
     def row_published(self, row: Row) -> None:
         """Count a row this worker published, with its prefix cache use and end-to-end latency."""

@@ -278,6 +278,8 @@ class WorkerView:
     max_num_seqs: int | None = None
     kv_usage: float | None = None
     tokens_per_s: float | None = None
+    spec_acceptance: float | None = None  # draft tokens accepted / verified (None: never drafted)
+    spec_accepted_len: float | None = None  # tokens a drafting sequence gains per step, on average
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -296,7 +298,7 @@ def _num(value: Any, cast=float) -> Any:
 
 
 _WORKER_FIELDS = ("model", "device", "running", "waiting", "kv_usage", "tokens_per_s", "heartbeat_at",
-                  "capacity")
+                  "capacity", "spec_acceptance", "spec_accepted_len")
 
 
 def live_workers(r: redis.Redis, keys: Keys) -> list[WorkerView]:
@@ -312,6 +314,8 @@ def live_workers(r: redis.Redis, keys: Keys) -> list[WorkerView]:
             running=_num(info.get("running"), int), waiting=_num(info.get("waiting"), int),
             max_num_seqs=_num(capacity.get("max_num_seqs"), int),
             kv_usage=_num(info.get("kv_usage")), tokens_per_s=_num(info.get("tokens_per_s")),
+            spec_acceptance=_num(info.get("spec_acceptance")),
+            spec_accepted_len=_num(info.get("spec_accepted_len")),
             extra={k: v for k, v in info.items() if k not in _WORKER_FIELDS},
         ))
     return views

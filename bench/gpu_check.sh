@@ -42,6 +42,7 @@ SECTIONS=(
   "tp|8|n=\$($PY -P -c 'import torch; print(torch.cuda.device_count())'); if [ \"\$n\" -lt 2 ]; then echo \"== tp: skipped, \$n GPU(s) (needs 2)\"; else $PY -P -m pytest -q -p no:cacheprovider tests/test_tp_engine.py -m gpu && $PY -P bench/tp_cpu.py --device cuda --quick --tp \$([ \$n -ge 8 ] && echo 8 || ([ \$n -ge 4 ] && echo 4 || echo 2)); fi"
   "host|18|$PY bench/host_overhead.py --device cuda --vocabs 49152 --running 256 --modes greedy sampled --steps 30 --output-kind final_only"
   "structured|45|$PY -P -m pytest -q -p no:cacheprovider tests/test_structured_backend.py -m gpu && $PY -P bench/structured.py --quick --device cuda --engine-backends llguidance,xgrammar --json $LOG_DIR/structured.json"
+  "spec|40|$PY -P bench/spec_decode.py --quick --device cuda --json $LOG_DIR/spec.json"
 )
 
 summary=()

@@ -87,6 +87,9 @@ RESULT_SCHEMA = pa.schema((  # a tuple: pyarrow's stubs type a list of mixed fie
     pa.field("structured_complete", pa.bool_()),
     # The first completion's tool calls; null when the request had no tools or made no call.
     pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)),
+    # Predicted outputs, over all completions: the prediction's tokens kept and rejected; null without one.
+    pa.field("accepted_prediction_tokens", pa.int32()),
+    pa.field("rejected_prediction_tokens", pa.int32()),
 ))
 
 _JSON_COLUMNS = ("sampling_params", "metadata", "pooling_params")

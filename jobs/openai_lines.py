@@ -107,11 +107,14 @@ def openai_body(row: Mapping[str, Any]) -> dict[str, Any]:
 
 def _usage(row: Mapping[str, Any]) -> dict[str, Any]:
     prompt, completion = row.get("prompt_tokens") or 0, row.get("completion_tokens") or 0
+    # a request without a prediction (null counts) kept and rejected none of it
+    accepted = row.get("accepted_prediction_tokens") or 0
+    rejected = row.get("rejected_prediction_tokens") or 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": row.get("cached_tokens") or 0, "audio_tokens": 0},
-            # nothing here reasons, predicts or speaks: OpenAI's zeros, not absent keys
-            "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": 0,
-                                          "rejected_prediction_tokens": 0, "audio_tokens": 0}}
+            # nothing here reasons or speaks: OpenAI's zeros, not absent keys
+            "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": rejected, "audio_tokens": 0}}
 
 
 def _created(row: Mapping[str, Any]) -> int:

@@ -17,6 +17,7 @@ from batchinfer.workers.engine_config import (
     StepSchedulerConfig,
     StructuredConfig,
 )
+from batchinfer.workers.speculative_config import SpeculativeConfig
 from batchinfer.workers.structured_params import StructuredLimits
 
 # part attribute -> (its class, its fields in order); a field reads the flat field of its name
@@ -32,6 +33,8 @@ PARTS = {
                                       "limits"]),
 }
 RENAMED = {"devices": "device", "backend": "structured_outputs_backend", "limits": "structured_limits"}
+# Flat fields that hold a frozen config of their own, which the component reads as is.
+WHOLE = {"speculative_config": SpeculativeConfig}
 
 # Every flat field set away from its default (but the device: CPUs only), so that a part reading
 # the wrong field shows.
@@ -43,7 +46,8 @@ NON_DEFAULT = dict(model="some/model", dtype="bfloat16", device="cpu", block_siz
                    grammar_cache_size=3, grammar_threads=2,
                    structured_limits=StructuredLimits(max_spec_bytes=1000),
                    tensor_parallel_size=2, tp_port=29555, tp_timeout_s=5.0, lora_modules={},
-                   enable_lora=False, max_loras=2, max_cpu_loras=5, max_lora_rank=8)
+                   enable_lora=False, max_loras=2, max_cpu_loras=5, max_lora_rank=8,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 
 
 def test_each_part_holds_exactly_its_fields_and_the_parts_cover_every_flat_field_once():
@@ -53,7 +57,9 @@ def test_each_part_holds_exactly_its_fields_and_the_parts_cover_every_flat_field
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name  # type: ignore[attr-defined]
         assert [f.name for f in dataclasses.fields(cls)] == fields, name
         covered += [RENAMED.get(f, f) for f in fields]
-    assert sorted(covered) == sorted(flat)
+    for name, cls in WHOLE.items():
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name  # type: ignore[attr-defined]
+    assert sorted(covered + list(WHOLE)) == sorted(flat)
     assert set(NON_DEFAULT) == set(flat)
 
 
@@ -68,6 +74,7 @@ def test_the_parts_agree_with_the_flat_config():
     assert config.parallel.devices == ("cpu", "cpu")  # one per rank
     assert config.model_load.dtype is torch.bfloat16
     assert config.structured.limits.max_spec_bytes == 1000
+    assert config.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.cache.block_size = 4  # type: ignore[misc]
 

@@ -30,7 +30,7 @@ def test_the_protocol_holds_what_the_daemon_drives():
     assert protocol_members() == {
         "task", "model_name", "eos_token_ids", "tokenizer_files", "capacity", "add_request", "abort", "step",
         "has_unfinished", "num_unfinished", "num_running", "num_waiting", "num_preemptions", "kv_usage",
-        "num_computed_tokens", "lora_adapters", "resident_adapters", "step_stats"}
+        "num_computed_tokens", "lora_adapters", "resident_adapters", "step_stats", "spec_stats"}
 
 
 @pytest.fixture(scope="module")

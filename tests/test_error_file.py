@@ -80,9 +80,11 @@ def test_a_failed_write_leaves_neither_file(tmp_path):
 
 
 def test_tool_calls_column_round_trips(tmp_path):
-    assert RESULT_SCHEMA.names[-1] == "tool_calls"  # appended: the older columns keep their places
+    # appended, as each later column: the older columns keep their places
+    later = ["tool_calls", "accepted_prediction_tokens", "rejected_prediction_tokens"]
+    assert RESULT_SCHEMA.names[-3:] == later
     assert RESULT_SCHEMA.field("tool_calls").type == pa.list_(TOOL_CALL_TYPE)
-    assert result_schema(pa.list_(pa.float32())).names.index("tool_calls") == len(RESULT_SCHEMA) - 1
+    assert result_schema(pa.list_(pa.float32())).names.index("tool_calls") == len(RESULT_SCHEMA) - 3
     calls = completed(CHAT, output(text="", finish="tool_calls", calls=[WEATHER, TIME]))
     path = write_rows([calls, completed(CHAT, request_id="job-1:1"), failed()], str(tmp_path / "r.parquet"))
     back = [protocol_row(r) for r in pq.read_table(path).to_pylist()]

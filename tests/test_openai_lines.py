@@ -48,6 +48,17 @@ def test_chat_text_completion_parses_and_carries_usage_and_fingerprint():
     assert body(completed(CHAT, model="other"))["system_fingerprint"] != chat.system_fingerprint
 
 
+def test_chat_usage_carries_the_rows_prediction_counts():
+    row = completed(CHAT, accepted_prediction_tokens=9, rejected_prediction_tokens=4)
+    details = parse_exactly(ChatCompletion, body(row)).usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (9, 4)
+    # no prediction (null counts, or a row written before the fields): OpenAI's zeros, still ints
+    for plain in (completed(CHAT, accepted_prediction_tokens=None, rejected_prediction_tokens=None),
+                  completed(CHAT)):
+        got = body(plain)["usage"]["completion_tokens_details"]
+        assert (got["accepted_prediction_tokens"], got["rejected_prediction_tokens"]) == (0, 0)
+
+
 def test_chat_tool_calls_only_have_null_content():
     row = completed(CHAT, output(text="", finish="tool_calls", calls=[WEATHER, TIME]))
     chat = parse_exactly(ChatCompletion, body(row))

@@ -116,6 +116,18 @@ def test_result_row_for_request():
     assert [t["token_id"] for t in two.outputs[0]["logprobs"][1]["top_logprobs"]] == [5, 6]
     again = ResultRow.from_json(row.to_json())
     assert again == row
+    assert (row.accepted_prediction_tokens, row.rejected_prediction_tokens) == (None, None)  # no prediction
+
+
+def test_result_row_sums_the_completions_prediction_counts():
+    out = RequestOutput(request_id="j:3", prompt_token_ids=[1, 2, 3], finished=True, outputs=[
+        CompletionOutput(index=0, text="ab", token_ids=[7, 8], finish_reason="length",
+                         accepted_prediction_tokens=2, rejected_prediction_tokens=1),
+        CompletionOutput(index=1, text="c", token_ids=[9], finish_reason="stop",
+                         accepted_prediction_tokens=0, rejected_prediction_tokens=3)])
+    row = generation_row(batch_request(), out)
+    assert (row.accepted_prediction_tokens, row.rejected_prediction_tokens) == (2, 4)
+    assert ResultRow.from_json(row.to_json()) == row
 
 
 def test_result_row_error():

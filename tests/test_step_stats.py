@@ -225,11 +225,11 @@ class RecordingEngine(Engine):
     unfinished_outputs: int
 
     def add_request(self, request_id, prompt=None, prompt_token_ids=None, sampling_params=None, *,
-                    lora=None, arrival_time=None):
+                    lora=None, spec_group=None, arrival_time=None):
         assert isinstance(sampling_params, SamplingParams)
         self.kinds.append(sampling_params.output_kind)
         super().add_request(request_id, prompt, prompt_token_ids, sampling_params, lora=lora,
-                            arrival_time=arrival_time)
+                            spec_group=spec_group, arrival_time=arrival_time)
 
     def step(self):
         outputs = super().step()

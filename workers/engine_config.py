@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from batchinfer.workers.speculative_config import SpeculativeConfig
 from batchinfer.workers.structured_params import BACKENDS, StructuredLimits
 
 if TYPE_CHECKING:
@@ -206,6 +207,10 @@ class EngineConfig:
     max_loras: int = 4
     max_cpu_loras: int | None = None
     max_lora_rank: int | None = None
+    # Speculative decoding (batchinfer.workers.spec): the proposer method and its settings, as a
+    # SpeculativeConfig, its dict (vLLM's keys) or JSON text; None: its defaults (no method: only a
+    # request's own `prediction` drafts). A draft model runs unsharded on rank 0's device.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -243,6 +248,7 @@ class EngineConfig:
         if not isinstance(self.structured_limits, StructuredLimits):
             raise ValueError(f"structured_limits must be StructuredLimits, got {self.structured_limits!r}")
         self._check_lora()
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         for name in ("enable_prefix_caching", "enforce_eager", "jump_forward", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
@@ -319,7 +325,9 @@ class EngineConfig:
         return rank_devices(self.device, self.tensor_parallel_size)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (dtype as its name)."""
+        """JSON-ready fields (dtype as its name, speculative_config as its dict)."""
         d = asdict(self)
         d["dtype"] = str(self.dtype).removeprefix("torch.")
+        if self.speculative_config is not None:
+            d["speculative_config"] = self.speculative_config.to_dict()
         return d

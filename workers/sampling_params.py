@@ -70,6 +70,11 @@ class SamplingParams:
     # "final_only": no RequestOutput until the request finishes (callers that read only final
     # outputs skip building one per step); see OUTPUT_KINDS.
     output_kind: str = "cumulative"
+    # Speculative decoding (batchinfer.workers.spec), which never changes the output: False keeps
+    # this request from getting draft tokens; `prediction` is OpenAI's predicted output text, which
+    # drafts for the request when the engine speculates.
+    speculative: bool = True
+    prediction: str | None = None
 
     FIELDS: ClassVar[tuple[str, ...]]  # the allowed field names, set below the class
 
@@ -102,7 +107,7 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty (null allows every token)")
         if self.bad_words is not None:
             self.bad_words = _normalise_bad_words(self.bad_words)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.logprobs is not None:
@@ -113,6 +118,9 @@ class SamplingParams:
             if not isinstance(so, Mapping):
                 raise ValueError(f"structured_outputs must be an object, got {so!r}")
             self.structured_outputs = StructuredOutputsParams.from_dict(so)
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            raise ValueError(f"prediction must be a string (the predicted output text) or null, "
+                             f"got {type(self.prediction).__name__}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {', '.join(map(repr, OUTPUT_KINDS))}, "
                              f"got {self.output_kind!r}")
@@ -201,7 +209,7 @@ class SamplingParams:
 
 SamplingParams.FIELDS = tuple(f.name for f in fields(SamplingParams))
 _NULLABLE = frozenset({"max_tokens", "seed", "stop", "stop_token_ids", "logprobs", "structured_outputs",
-                       "logit_bias", "allowed_token_ids", "bad_words"})
+                       "logit_bias", "allowed_token_ids", "bad_words", "prediction"})
 
 
 def _token_key(key: Any) -> int:

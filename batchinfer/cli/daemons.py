@@ -100,6 +100,32 @@ def lora_options(modules: dict[str, str], max_loras: int | None, max_cpu_loras: 
     return options
 
 
+def speculative_options(value: str | None, model: str | None = None) -> dict[str, Any]:
+    """The engine setting of ``--speculative-config JSON`` (vLLM's flag) and ``--speculative-model
+    DIR`` (the draft model: method "draft" unless the JSON names another, which is refused):
+    ``{"speculative_config": {...}}`` once ``SpeculativeConfig`` accepts it, ``{}`` without either;
+    a usage error naming the flag for text that is not JSON or a config that is wrong."""
+    if value is None and model is None:
+        return {}
+    from batchinfer.workers.speculative_config import SpeculativeConfig
+
+    hint = "--speculative-config" if model is None else "--speculative-config / --speculative-model"
+    try:
+        config = SpeculativeConfig.from_value(value if value is not None else "{}")
+        assert config is not None  # a string never gives None
+        if model is not None:
+            config = SpeculativeConfig.from_value({**config.to_dict(), "model": model})
+            assert config is not None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint=hint) from None
+    return {"speculative_config": config.to_dict()}
+
+
+SPECULATIVE_HELP = ("Speculative decoding, as vLLM's flag: a JSON object such as '{\"method\": \"ngram\", "
+                    "\"num_speculative_tokens\": 4}' (methods ngram, suffix, draft with \"model\": DIR); "
+                    "outputs are unchanged [off].")
+
+
 def lora_flags(func: Callable[..., Any]) -> Callable[..., Any]:
     """The LoRA flags of ``worker`` and ``run``: ``--lora`` (repeatable), ``--max-loras``,
     ``--max-cpu-loras``, ``--max-lora-rank``."""
@@ -221,6 +247,10 @@ def worker_model(model: str, served_model_names: tuple[str, ...],
 @click.option("--tool-call-parser", type=click.Choice(TOOL_PARSERS),
               help="Format the model writes tool calls in, read for tool_choice 'auto' "
                    "[the chat template's, when it makes one unambiguous].")
+@click.option("--speculative-config", "speculative_config", metavar="JSON", help=SPECULATIVE_HELP)
+@click.option("--speculative-model", "speculative_model", metavar="DIR",
+              help="Draft model folder for speculative decoding (same tokenizer as --model): method "
+                   "\"draft\", with --speculative-config's other settings.")
 @lora_flags
 @click.pass_obj
 def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names: tuple[str, ...],
@@ -229,7 +259,8 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
            engine_option: tuple[str, ...], structured_outputs_backend: str | None,
            no_jump_forward: bool, tool_call_parser: str | None, tensor_parallel_size: int | None,
            lora: tuple[str, ...], max_loras: int | None, max_cpu_loras: int | None,
-           max_lora_rank: int | None) -> None:
+           max_lora_rank: int | None, speculative_config: str | None,
+           speculative_model: str | None) -> None:
     """Run a worker daemon: pull batches, run the engine, publish results.
 
     With ``--lora NAME=DIR`` it also serves each adapter, as model ``BASE:NAME`` (aliases ``NAME``
@@ -242,6 +273,9 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
         model_dir, served_model_names = worker_model(model_dir, served_model_names, model_name)
     if echo and (structured_outputs_backend or no_jump_forward):
         raise click.UsageError("--structured-outputs-backend and --no-jump-forward are engine settings: "
+                               "the echo engine has none")
+    if echo and (speculative_config is not None or speculative_model is not None):
+        raise click.UsageError("--speculative-config and --speculative-model are engine settings: "
                                "the echo engine has none")
     if echo_class and not echo:
         raise click.UsageError("--echo-class names the echo engine's class: give --echo too")
@@ -262,6 +296,7 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
         options["jump_forward"] = False
     if tensor_parallel_size:
         options["tensor_parallel_size"] = tensor_parallel_size
+    options.update(speculative_options(speculative_config, speculative_model))
     options.update(lora_options(parse_lora_modules(lora), max_loras, max_cpu_loras, max_lora_rank, echo))
     run_daemon(main, ctx.settings, model_dir, name, device, echo, model_name=model_name,
                served_model_names=served_model_names, engine_options=options, echo_class=echo_class,

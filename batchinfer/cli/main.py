@@ -29,6 +29,7 @@ from batchinfer.cli.context import (
 )
 from batchinfer.cli.daemons import (
     POSITIVE,
+    SPECULATIVE_HELP,
     TOOL_PARSERS,
     default_device,
     exporter,
@@ -37,6 +38,7 @@ from batchinfer.cli.daemons import (
     override_settings,
     parse_lora_modules,
     scheduler,
+    speculative_options,
     worker,
 )
 from batchinfer.cli.datasets import DatasetArgs, dataset_options, nightly
@@ -496,6 +498,7 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 @click.option("--tool-call-parser", type=click.Choice(TOOL_PARSERS),
               help="Format the model writes tool calls in, read for tool_choice 'auto' "
                    "[the chat template's, when it makes one unambiguous].")
+@click.option("--speculative-config", "speculative_config", metavar="JSON", help=SPECULATIVE_HELP)
 @click.option("--echo", is_flag=True, help="Echo engine instead of the model (no generation).")
 @click.option("--timeout", type=float, help="Give up after this many seconds (exit 6).")
 @click.option("--no-partial", is_flag=True,
@@ -510,7 +513,7 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[str, ...], fmt: str | None,
         error_file: str | None, force: bool, input_column: str | None, device: str | None, num_workers: int,
         tensor_parallel_size: int | None, structured_outputs_backend: str | None,
-        tool_call_parser: str | None, echo: bool,
+        tool_call_parser: str | None, speculative_config: str | None, echo: bool,
         timeout: float | None, no_partial: bool, log_dir: str | None, lora: tuple[str, ...],
         max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int | None,
         progress_every: float, dataset: DatasetArgs, json_flag: bool) -> None:
@@ -559,9 +562,9 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
 
             filesystem, path = pafs.FileSystem.from_uri(destination)
             filesystem.delete_file(path)
-    if echo and (tensor_parallel_size or structured_outputs_backend):
-        raise click.UsageError("--tensor-parallel-size and --structured-outputs-backend are engine "
-                               "settings: the echo engine has none")
+    if echo and (tensor_parallel_size or structured_outputs_backend or speculative_config is not None):
+        raise click.UsageError("--tensor-parallel-size, --structured-outputs-backend and "
+                               "--speculative-config are engine settings: the echo engine has none")
     worker_args: list[str] = []  # passed on to every worker `run` starts
     if tensor_parallel_size:
         worker_args += ["--tensor-parallel-size", str(tensor_parallel_size)]
@@ -571,6 +574,9 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
         worker_args += ["--structured-outputs-backend", structured_outputs_backend]
     if tool_call_parser:
         worker_args += ["--tool-call-parser", tool_call_parser]
+    if speculative_config is not None:  # checked here first, before anything starts
+        checked = speculative_options(speculative_config)["speculative_config"]
+        worker_args += ["--speculative-config", json.dumps(checked)]
     # the LoRA flags go to every worker as given, checked here first (before anything starts)
     modules = parse_lora_modules(lora)
     lora_options(modules, max_loras, max_cpu_loras, max_lora_rank, echo)

@@ -305,6 +305,8 @@ def _parse_plain(body: dict[str, Any], url: str | None, max_tokens_limit: int | 
         body["structured_outputs"] = constraint  # required / a named function: the call is forced
         structured_field = "tools"
     prediction = _output_options(extras, messages is not None)
+    if prediction is not None:  # the engine's speculative decoder drafts from it
+        body["prediction"] = prediction
     try:
         params = SamplingParams.from_dict(body)
     except (ValueError, TypeError, OverflowError) as e:

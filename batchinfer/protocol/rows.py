@@ -158,6 +158,10 @@ class ResultRow:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None  # over all completions
     cached_tokens: int | None = None
+    # Predicted outputs (a chat line's ``prediction``), over all completions: the prediction's draft
+    # tokens the model kept and those it verified and rejected; None when the request gave none.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
     error_code: str | None = None
     error_message: str | None = None
     line: int | None = None

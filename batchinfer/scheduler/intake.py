@@ -89,9 +89,16 @@ class _Tally:
     held: int = 0
 
 
+# Fields left out of a batch element at their default (from_dict restores it), so that a line that
+# does not use them is written as before speculative decoding and older workers read it unchanged.
+_OMITTED_AT_DEFAULT = {"speculative": True, "prediction": None}
+
+
 def params_dict(params: SamplingParams) -> dict[str, Any]:
-    """``params.to_dict()`` without its deep copy (values are JSON-encoded right away)."""
-    out = {name: getattr(params, name) for name in SamplingParams.FIELDS}
+    """``params.to_dict()`` without its deep copy (values are JSON-encoded right away), less the
+    speculative-decoding fields at their defaults."""
+    out = {name: getattr(params, name) for name in SamplingParams.FIELDS
+           if name not in _OMITTED_AT_DEFAULT or getattr(params, name) != _OMITTED_AT_DEFAULT[name]}
     if params.structured_outputs is not None:  # a dataclass: its JSON form
         out["structured_outputs"] = params.structured_outputs.to_dict()
     return out

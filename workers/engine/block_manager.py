@@ -110,22 +110,25 @@ class BlockManager:
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         return needed + revived <= len(self.free_queue)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = (),
+                 num_lookahead_tokens: int = 0) -> bool:
         """Grow ``seq``'s block table so that ``num_new_tokens`` more tokens fit; False if they can't.
 
         ``cached_blocks`` (from ``find_cached_prefix``, only for a sequence holding no blocks) are
         referenced first; the caller then counts their tokens as computed. Blocks that the step
-        fills up completely are registered in the prefix cache.
+        fills up completely are registered in the prefix cache. ``num_lookahead_tokens`` more slots
+        are made room for after them (draft tokens of speculative decoding): never registered, as
+        their tokens are not the sequence's until verified.
         """
         if not cached_blocks:  # the decode fast path: the tokens fit the blocks the sequence holds
             total = seq.num_computed_tokens + num_new_tokens
-            if total <= len(seq.block_table) * self.block_size:
+            if total + num_lookahead_tokens <= len(seq.block_table) * self.block_size:
                 if self.enable_prefix_caching and total // self.block_size > seq.num_hashed_blocks:
                     self._register_full_blocks(seq, total // self.block_size)
                 return True
         elif seq.block_table:
             raise ValueError("cached_blocks can only start an empty block table")
-        if not self.can_allocate(seq, num_new_tokens, cached_blocks):
+        if not self.can_allocate(seq, num_new_tokens + num_lookahead_tokens, cached_blocks):
             return False
         table = seq.block_table
         if self.enable_prefix_caching and not table:  # a (re)admission: count the prefix lookup
@@ -135,7 +138,7 @@ class BlockManager:
             self._ref(b)
             table.append(b)
         total = seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        for _ in range(self.blocks_needed(total) - len(table)):
+        for _ in range(self.blocks_needed(total + num_lookahead_tokens) - len(table)):
             table.append(self._take_free_block())
         if cached_blocks:
             seq.num_hashed_blocks = len(cached_blocks)
@@ -156,6 +159,23 @@ class BlockManager:
                     self.free_queue.move_to_end(b, last=False)  # nothing worth keeping: reuse first
         seq.block_table = []
         seq.num_hashed_blocks = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free ``seq``'s blocks past the first ``num_tokens`` tokens (the slots of rejected draft
+        tokens): they were never registered, so they go to the front of the free queue."""
+        table, keep = seq.block_table, self.blocks_needed(num_tokens)
+        if len(table) <= keep:
+            return
+        for b in reversed(table[keep:]):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free_queue[b] = None
+                if self.block_hash[b] is None:
+                    self.free_queue.move_to_end(b, last=False)
+        # A new list, not a shortened one: the runner's kept rows (BlockTableRows) tell a changed
+        # table by identity, and this one may grow back past its old length before the next step.
+        seq.block_table = table[:keep]
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, keep)
 
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:

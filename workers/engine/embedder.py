@@ -127,10 +127,12 @@ class EmbeddingEngine(ModelFolderState, NoQueueStats, WorkerEngine):
 
     def add_request(self, request_id: str, prompt: str | None = None,
                     prompt_token_ids: Seq[int] | None = None, sampling_params: Any = None, *,
-                    lora: str | None = None, inputs: Seq[Seq[int] | str] | None = None,
+                    lora: str | None = None, spec_group: str | None = None,
+                    inputs: Seq[Seq[int] | str] | None = None,
                     pooling_params: PoolingParams | Mapping[str, Any] | None = None) -> None:
         """Validate and queue one request of ``inputs`` (token-id lists, one vector each; ``prompt``
-        or ``prompt_token_ids`` is one input). ``ValueError`` naming the field when it is bad."""
+        or ``prompt_token_ids`` is one input). ``ValueError`` naming the field when it is bad;
+        ``spec_group`` is ignored (nothing is decoded)."""
         if lora is not None:
             raise ValueError(f"lora: {self.model_name} is an embedding model; it serves no adapters")
         if not isinstance(request_id, str) or not request_id:

@@ -13,6 +13,11 @@ LoRA (``config.lora.enabled``): a ``LoRAManager`` holds the served adapters and 
 (a request waits while its adapter loads); requests of different adapters and of the base model
 share every step. A request whose adapter fails to load in the background ends aborted with
 the loader's error.
+
+Speculative decoding (``workers/spec``): before scheduling, the ``SpecDecoder`` proposes draft
+tokens for decoding sequences; the step runs them after each one's owed token, samples every
+position, keeps the drafts the target sampled itself and the token after them, and frees the
+blocks of the rest. Outputs are the same tokens as without it; only the number of steps changes.
 """
 
 from __future__ import annotations
@@ -27,14 +32,17 @@ import torch
 from batchinfer.workers.engine.block_manager import BlockManager
 from batchinfer.workers.engine.interface import ModelFolderState, WorkerEngine
 from batchinfer.workers.engine.model_runner import ModelRunner
-from batchinfer.workers.engine.outputs import RequestOutput
-from batchinfer.workers.engine.processors import InputProcessor, OutputProcessor, sampling_row
+from batchinfer.workers.engine.outputs import RequestOutput, SampleLogprobs
+from batchinfer.workers.engine.processors import InputProcessor, OutputProcessor, draft_rows, sampling_row
 from batchinfer.workers.engine.sampler import Sampler
-from batchinfer.workers.engine.sequence import Request
-from batchinfer.workers.engine.step_scheduler import StepScheduler
+from batchinfer.workers.engine.sequence import Request, Sequence
+from batchinfer.workers.engine.step_scheduler import ScheduledSequence, StepScheduler
 from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.models import Decoder, ModelConfig, load_model
 from batchinfer.workers.sampling_params import SamplingParams
+from batchinfer.workers.spec.decoder import SpecDecoder, num_accepted
+from batchinfer.workers.spec.draft import EngineParts
+from batchinfer.workers.speculative_config import SpeculativeConfig
 from batchinfer.workers.structured.manager import StructuredOutputManager
 from batchinfer.workers.text.tokenizer import Tokenizer
 
@@ -77,6 +85,7 @@ class Engine(ModelFolderState, WorkerEngine):
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.scheduler,
                                                 self.structured)
         self.requests: dict[str, Request] = self.output_processor.requests  # queued or running
+        self.spec = self._build_spec(config, mc.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
                                               self.structured, self.lora, self.requests)
         self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
@@ -119,6 +128,20 @@ class Engine(ModelFolderState, WorkerEngine):
         self.max_model_len = min(wanted_len, self.kv_tokens)
         self.runner.max_model_len = self.max_model_len
 
+    def _build_spec(self, config: EngineConfig, vocab_size: int) -> SpecDecoder | None:
+        """The speculative decoder: ``config.speculative_config``'s method and, unless it turns
+        them off, requests' own predicted outputs (also with no config). None: nothing speculates."""
+        spec_config = config.speculative_config or SpeculativeConfig()
+        if spec_config.method is None and not spec_config.use_predictions:
+            return None
+        # The draft model's proposer runs the engine's own parts (handed in: spec imports no engine)
+        parts = EngineParts(ModelRunner, BlockManager, Sequence, ScheduledSequence)
+        spec = SpecDecoder.build(spec_config, max_model_len=self.max_model_len, engine_config=config,
+                                 tokenizer=self.tokenizer, vocab_size=vocab_size, engine_parts=parts)
+        self.scheduler.on_finish = spec.release
+        spec.cut = self.structured.cut_drafts  # a constrained completion's drafts end where its grammar says
+        return spec
+
     @classmethod
     def from_model(cls, model: str | Path, **config: Any) -> Engine:
         """``Engine.from_model(DIR, dtype=..., num_kv_blocks=...)``: the config's fields as keywords."""
@@ -129,13 +152,15 @@ class Engine(ModelFolderState, WorkerEngine):
     def make_request(self, request_id: str, prompt: str | None = None,
                      prompt_token_ids: Seq[int] | None = None,
                      sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-                     arrival_time: float | None = None, *, lora: str | LoRARequest | None = None) -> Request:
+                     arrival_time: float | None = None, *, lora: str | LoRARequest | None = None,
+                     spec_group: str | None = None) -> Request:
         """Validate a request without queueing it: ``ValueError`` naming the bad field.
 
         ``lora``: the name of a served adapter, or a ``LoRARequest`` (served from then on);
-        None: the base model."""
+        None: the base model. ``spec_group``: the group (the worker's job id) whose finished outputs
+        the suffix proposer drafts from; None: none."""
         return self.input_processor.make_request(request_id, prompt, prompt_token_ids, sampling_params,
-                                                 arrival_time, lora=lora)
+                                                 arrival_time, lora=lora, spec_group=spec_group)
 
     def enqueue(self, req: Request) -> None:
         """Queue a request built by ``make_request``."""
@@ -148,11 +173,12 @@ class Engine(ModelFolderState, WorkerEngine):
     def add_request(self, request_id: str, prompt: str | None = None,
                     prompt_token_ids: Seq[int] | None = None,
                     sampling_params: SamplingParams | Mapping[str, Any] | None = None, *,
-                    lora: str | LoRARequest | None = None, arrival_time: float | None = None) -> None:
+                    lora: str | LoRARequest | None = None, spec_group: str | None = None,
+                    arrival_time: float | None = None) -> None:
         """Validate and queue one request (``ValueError`` naming the field when it is bad);
-        ``lora`` as in ``make_request``."""
+        ``lora`` and ``spec_group`` as in ``make_request``."""
         self.enqueue(self.make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time,
-                                       lora=lora))
+                                       lora=lora, spec_group=spec_group))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its final output (finish_reason "abort") comes with the next ``step()``.
@@ -171,21 +197,65 @@ class Engine(ModelFolderState, WorkerEngine):
         ``final_only`` request: only the one when it finishes)."""
         outputs, self._pending = self._pending, []
         self.step_stats = self.output_processor.begin_step()  # postprocessing records into it
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # drafts for the decoding sequences
         plan = self.scheduler.schedule()  # who runs how many tokens; their blocks are allocated
         outputs += self._lora_failures()
         if plan.is_empty:
             self._idle()
             return outputs
-        seqs = [s.seq for s in plan.scheduled if s.samples]  # the sampling rows, in logits order
-        self.structured.begin(seqs)  # grammar masks fill on a helper thread during the forward
-        logits = self.runner.execute(plan.scheduled)  # [N, V] for the sequences that sample
-        self.scheduler.commit(plan)  # those tokens are now in the KV cache
+        sampling = [s for s in plan.scheduled if s.samples]
+        seqs = [s.seq for s in sampling]  # the sampling sequences, in logits order
+        verifies = any(s.spec_token_ids for s in sampling)
+        # grammar masks fill on a helper thread during the forward (k drafts: k + 1 rows)
+        self.structured.begin(seqs, [s.spec_token_ids for s in sampling] if verifies else None)
+        logits = self.runner.execute(plan.scheduled)  # [N, V]: a row per sampling position
+        self.scheduler.commit(plan)  # those tokens are now in the KV cache (drafts once verified)
         self.structured.apply(logits)  # constrained rows only, before every sampling stage
-        sampled = self.sampler(logits, [sampling_row(seq) for seq in seqs])
-        outputs += self.output_processor.postprocess(seqs, sampled.token_ids, sampled.logprobs)
+        if verifies:
+            outputs += self._verify(sampling, logits)
+        else:
+            sampled = self.sampler(logits, [sampling_row(seq) for seq in seqs])
+            outputs += self.output_processor.postprocess(seqs, sampled.token_ids, sampled.logprobs)
         self.num_steps += 1
         self.num_computed_tokens += plan.num_batched_tokens
         return outputs
+
+    def _verify(self, sampling: list[ScheduledSequence], logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample every position of a step that ran draft tokens and keep, per sequence, the drafts
+        the target sampled itself and the token after them (``SpecDecoder``'s accept rule)."""
+        assert self.spec is not None
+        rows = []
+        for s in sampling:
+            rows.append(sampling_row(s.seq))
+            if s.spec_token_ids:
+                rows += draft_rows(s.seq, s.spec_token_ids)
+        sampled = self.sampler(logits, rows)
+        tokens: list[list[int]] = []
+        logprobs: list[list[SampleLogprobs | None]] = []
+        accepted: list[int] = []
+        i = 0
+        for s in sampling:
+            n = 1 + len(s.spec_token_ids)
+            ids = sampled.token_ids[i:i + n]
+            a = num_accepted(s.spec_token_ids, ids)
+            tokens.append(ids[:a + 1])
+            logprobs.append(sampled.logprobs[i:i + a + 1])
+            accepted.append(a)
+            i += n
+        outputs = self.output_processor.postprocess_verified([s.seq for s in sampling], tokens, logprobs)
+        for s, a in zip(sampling, accepted, strict=True):
+            if s.spec_token_ids:
+                self.spec.record(s.seq, len(s.spec_token_ids), a)
+                self.scheduler.accept_drafts(s.seq, a)
+        self.spec.step_done(True)
+        return outputs
+
+    def spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding's cumulative counters ({} when this engine does not speculate):
+        ``{"methods": {method: {"drafts", "draft_tokens", "accepted_tokens"}}, "steps",
+        "disabled_steps"}``."""
+        return {} if self.spec is None else self.spec.summary()
 
     def _lora_failures(self) -> list[RequestOutput]:
         """The outputs of the waiting requests whose adapter failed to load (they end aborted)."""

@@ -70,11 +70,13 @@ class WorkerEngine(Protocol):
     def add_request(self, request_id: str, prompt: str | None = None,
                     prompt_token_ids: Sequence[int] | None = None,
                     sampling_params: SamplingParams | Mapping[str, Any] | None = None, *,
-                    lora: str | None = None) -> None:
+                    lora: str | None = None, spec_group: str | None = None) -> None:
         """Queue one request under a fresh ``request_id``, with the served adapter named ``lora``
-        (None: the base model; a name it does not serve is a ValueError). ``ValueError`` (with a
-        message naming the field) means the request itself is bad: the daemon publishes it as
-        ``invalid_request``; any other exception counts as an engine failure of that request."""
+        (None: the base model; a name it does not serve is a ValueError). ``spec_group``: the job the
+        request belongs to, whose finished outputs speculative decoding may draft from (an engine
+        that does not speculate ignores it). ``ValueError`` (with a message naming the field) means
+        the request itself is bad: the daemon publishes it as ``invalid_request``; any other
+        exception counts as an engine failure of that request."""
         ...
 
     def abort(self, request_id: str) -> None:
@@ -126,6 +128,14 @@ class WorkerEngine(Protocol):
         """Fraction (0..1) of the KV cache held by live requests; None for an engine without one."""
         ...
 
+    def spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding's counters since the engine started (cumulative), ``{}`` when it never
+        speculates: ``{"methods": {METHOD: {"drafts", "draft_tokens", "accepted_tokens"}}, "steps",
+        "disabled_steps"}`` — per proposer method (``ngram``, ``suffix``, ``prediction``, ``draft``)
+        the sequence-steps that carried drafts, the draft tokens verified and those accepted; the
+        steps that verified a draft and those the batch-size switch kept from drafting."""
+        ...
+
     num_computed_tokens: int
     """Tokens computed since the engine started (cumulative); its growth over a step is the step's
     batch size in tokens."""
@@ -164,8 +174,8 @@ class ModelFolderState:
 
 
 class NoQueueStats:
-    """The statistics of an engine with no waiting queue, no preemption and no KV cache (the
-    embedding and echo engines): every unanswered request counts as running."""
+    """The statistics of an engine with no waiting queue, no preemption, no KV cache and no
+    speculation (the embedding and echo engines): every unanswered request counts as running."""
 
     def num_unfinished(self) -> int:
         """The engine's own (every class that mixes this in defines it)."""
@@ -186,3 +196,6 @@ class NoQueueStats:
     @property
     def kv_usage(self) -> float | None:
         return None
+
+    def spec_stats(self) -> dict[str, Any]:
+        return {}

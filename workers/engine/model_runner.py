@@ -212,17 +212,17 @@ class ModelRunner:
             # plus where the chunk begins in the sequence.
             positions = np.arange(T, dtype=np.int64) - np.repeat(cu[:-1] - starts, nums)
             seq_of_token = np.repeat(np.arange(S), nums)
-            ids = np.fromiter(chain.from_iterable(s.seq.token_ids[s.start:s.start + s.num_new_tokens]
-                                                  for s in scheduled), np.int64, T)
+            ids = np.fromiter(chain.from_iterable(map(_step_tokens, scheduled)), np.int64, T)
         max_blocks = int(-(-seq_lens.max() // bs))
         tables = self.table_rows.gather(rows, max_blocks)  # [S, M] int32
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs  # [T]
         last = cu[1:] - 1  # each sequence's last token in the step
         if order is not None:  # back to the caller's order: row i of the layout is its order[i]
             last[order], samples[order] = last.copy(), samples.copy()
+            scheduled = [scheduled[i] for i in np.argsort(order)]
         host = {"input_ids": ids, "positions": positions, "slot_mapping": slots, "block_tables": tables,
                 "cu_seqlens_q": cu.astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
-                "sample_indices": last[samples]}
+                "sample_indices": _sample_indices(last, samples, scheduled)}
         return host, max_q, int(seq_lens.max())
 
     def _build(self, rows: list[tuple[list[int], int, int, bool]], tokens: list[list[int]]) -> StepInputs:
@@ -324,6 +324,28 @@ class ModelRunner:
         inputs = self._tensors(host, max_seqlen_q, max_seqlen_k)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         return self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V]
+
+
+def _step_tokens(s: ScheduledSequence) -> list[int]:
+    """The token ids ``s`` runs this step: its owed tokens, then its draft tokens (speculation)."""
+    drafts = s.spec_token_ids
+    if not drafts:
+        return s.seq.token_ids[s.start:s.start + s.num_new_tokens]
+    return s.seq.token_ids[s.start:s.start + s.num_new_tokens - len(drafts)] + drafts
+
+
+def _sample_indices(last: np.ndarray, samples: np.ndarray, scheduled: list[ScheduledSequence]) -> np.ndarray:
+    """The hidden-state rows that go through the vocabulary projection, in the caller's order: each
+    sampling sequence's last token and, when it carries k draft tokens, the k + 1 positions ending
+    there (one distribution per draft to verify, and the one after them). ``last`` [S], ``samples`` [S]
+    and ``scheduled`` are in the caller's order."""
+    if not any(s.spec_token_ids for s in scheduled):
+        return last[samples]
+    counts = np.fromiter((1 + len(s.spec_token_ids) for s in scheduled), np.int64, len(scheduled))
+    counts *= samples  # [S]: rows per sequence, 0 for a prefill chunk that does not sample
+    R = int(counts.sum())
+    ends = np.repeat(last + 1 - counts, counts)  # [R]: where each sequence's rows begin
+    return ends + (np.arange(R, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts))
 
 
 class BlockTableRows:

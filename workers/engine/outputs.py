@@ -49,6 +49,10 @@ class CompletionOutput:
     # "function", "function": {"name", "arguments"}}``; ``text`` is then the content outside the
     # calls); None without tools or when no call was made. Set by ``LLM.chat(tools=...)``.
     tool_calls: list[dict[str, Any]] | None = None
+    # Predicted outputs (``SamplingParams.prediction``): the prediction's draft tokens the model
+    # kept and those it verified and rejected; None when the request gave no prediction.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -60,8 +60,9 @@ class InputProcessor:
     def make_request(self, request_id: str, prompt: str | None = None,
                      prompt_token_ids: Seq[int] | None = None,
                      sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-                     arrival_time: float | None = None, *, lora: str | LoRARequest | None = None) -> Request:
-        """A validated request, not queued; ``lora`` as in ``Engine.make_request``."""
+                     arrival_time: float | None = None, *, lora: str | LoRARequest | None = None,
+                     spec_group: str | None = None) -> Request:
+        """A validated request, not queued; ``lora`` and ``spec_group`` as in ``Engine.make_request``."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
@@ -89,6 +90,12 @@ class InputProcessor:
         req = Request(request_id, prompt, ids, params, arrival, self._next_seq_id)
         self._next_seq_id += params.n
         req.lora = adapter
+        if spec_group is not None and not isinstance(spec_group, str):
+            raise ValueError(f"spec_group must be a string or None, got {type(spec_group).__name__}")
+        req.spec_group = spec_group
+        if params.prediction:  # tokenised once; the speculative decoder drafts from it
+            predicted = self.tokenizer.encode(params.prediction, add_special_tokens=False)
+            req.prediction_token_ids = predicted or None
         if params.bad_words:
             req.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         for seq in req.seqs:
@@ -162,15 +169,35 @@ class OutputProcessor:
         """Append each sampled row's token (``seqs[j]`` got ``token_ids[j]``) and return the
         outputs of the requests that moved. A request that raises here ends aborted with its error;
         the others carry on."""
+        return self._postprocess(seqs, token_ids, logprobs, self._bulk_texts(seqs, token_ids))
+
+    def postprocess_verified(self, seqs: list[Sequence], token_ids: list[list[int]],
+                             logprobs: list[list[SampleLogprobs | None]]) -> list[RequestOutput]:
+        """As ``postprocess``, for a step that verified draft tokens: ``seqs[j]`` gets the tokens
+        ``token_ids[j]`` (its accepted drafts and the token after them), one by one, until one
+        of them stops it (the rest are dropped)."""
+        return self._postprocess(seqs, token_ids, logprobs, {})
+
+    def _postprocess(self, seqs: list[Sequence], token_ids: Seq[int | list[int]], logprobs: Seq[Any],
+                     texts: dict[int, str]) -> list[RequestOutput]:
+        """``postprocess``'s loop: a row's token, or its list of tokens (with a list of logprobs)."""
         generated = self.num_generated_tokens
         moved: dict[str, Request] = {}
-        texts = self._bulk_texts(seqs, token_ids)
         for j, (seq, token, lp) in enumerate(zip(seqs, token_ids, logprobs, strict=True)):
             req = request_of(seq)
             if seq.is_finished:  # a sibling's failure aborted the whole request
                 continue
             try:
-                self._append_token(seq, token, lp, texts.get(j))
+                if isinstance(token, int):
+                    self._append_token(seq, token, lp, texts.get(j))
+                else:
+                    last = len(token) - 1
+                    for i, (t, one) in enumerate(zip(token, lp, strict=True)):
+                        # jump-forward only after the step's last token: the drafts before it were
+                        # cut where the grammar forces text (StructuredOutputManager.cut_drafts)
+                        self._append_token(seq, t, one, jump=i == last)
+                        if seq.is_finished:
+                            break
             except StructuredOutputError as e:  # the request's own grammar: its invalid_request row
                 log.info("request %s: its output constraint failed after %d tokens; ending it: %s",
                          req.request_id, len(seq.output_token_ids), e)
@@ -222,7 +249,7 @@ class OutputProcessor:
             return {}
 
     def _append_token(self, seq: Sequence, token: int, logprobs: SampleLogprobs | None,
-                      text: str | None = None) -> None:
+                      text: str | None = None, jump: bool = True) -> None:
         """Add a sampled token (then, under jump-forward, the tokens its grammar forces after it),
         grow the text, and finish the sequence if it stops here. ``text``: what the token added to
         the text when ``_bulk_texts`` detokenised it already."""
@@ -234,7 +261,7 @@ class OutputProcessor:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + logprobs[token].logprob
         self._add_token(seq, token, text)
-        if seq.matcher is not None:
+        if seq.matcher is not None and jump:
             self.structured.jump_forward(seq, self._add_token)
 
     def _add_token(self, seq: Sequence, token: int, text: str | None = None) -> None:
@@ -276,11 +303,20 @@ class OutputProcessor:
                              logprobs=list(s.logprobs) if s.logprobs is not None else None,
                              cumulative_logprob=s.cumulative_logprob,
                              structured=so.kind if so is not None else None,
-                             structured_complete=self.structured.complete(s))
+                             structured_complete=self.structured.complete(s),
+                             **_prediction_usage(req, s))
             for s in req.seqs
         ]
         return RequestOutput(req.request_id, req.prompt_token_ids, outputs, req.num_cached_tokens,
                              req.prompt, finished, error=req.error, error_code=req.error_code)
+
+
+def _prediction_usage(req: Request, seq: Sequence) -> dict[str, int]:
+    """A completion's accepted / rejected prediction tokens, when its request gave a prediction."""
+    if req.params.prediction is None:
+        return {}
+    return {"accepted_prediction_tokens": seq.num_prediction_accepted,
+            "rejected_prediction_tokens": seq.num_prediction_drafts - seq.num_prediction_accepted}
 
 
 def _text(seq: Sequence) -> str:
@@ -312,6 +348,15 @@ def sampling_row(seq: Sequence) -> SamplingRow:
         row = seq.sampling_row = SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
                                              seq.generator, req.bad_words_token_ids)
     return row
+
+
+def draft_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
+    """The sampling rows of ``seq``'s draft positions: row i samples the token after
+    ``drafts[:i + 1]``, so it sees them as output already (penalties, ``min_tokens``, bad words and
+    a seeded draw's position all count them)."""
+    req, out = request_of(seq), seq.output_token_ids
+    return [SamplingRow(req.params, req.prompt_token_ids, out + drafts[:i + 1], seq.generator,
+                        req.bad_words_token_ids) for i in range(len(drafts))]
 
 
 def params_of(value: Any, cls: type[P], name: str) -> P:

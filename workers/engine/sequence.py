@@ -35,6 +35,8 @@ class Sequence:
         "num_cached_tokens", "num_preemptions", "sort_key", "generator", "detokenizer",
         "logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "matcher", "forced_tokens",
         "sampling_row", "lora", "lora_slot", "hash_root", "deferred_text", "deferred_fed",
+        "spec_token_ids", "num_draft_tokens", "num_accepted_tokens", "num_prediction_drafts",
+        "num_prediction_accepted",
     )
 
     def __init__(self, seq_id: int, request: Request | None, index: int, prompt_token_ids: list[int],
@@ -80,6 +82,15 @@ class Sequence:
         self.lora: str | None = None
         self.lora_slot = -1
         self.hash_root = b""
+        # Speculative decoding (batchinfer.workers.spec): the draft tokens proposed for the next
+        # step (never part of token_ids until verified), and how many drafts this completion was
+        # given and how many of them the target accepted; of them, those its request's prediction
+        # drafted (OpenAI's accepted / rejected prediction tokens).
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_prediction_drafts = 0
+        self.num_prediction_accepted = 0
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +138,10 @@ class Request:
         self.lora: str | None = None  # the adapter its sequences run with (None: the base model)
         # params.bad_words as the token sequences the sampler bans (InputProcessor.bad_words_token_ids)
         self.bad_words_token_ids: list[list[int]] = []
+        # Speculative decoding: params.prediction tokenised once (None: no predicted output), and
+        # the group whose earlier outputs the suffix proposer learns from (the job; None: none).
+        self.prediction_token_ids: list[int] | None = None
+        self.spec_group: str | None = None
 
     @property
     def is_finished(self) -> bool:

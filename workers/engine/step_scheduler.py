@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,12 +35,16 @@ class ScheduledSequence:
     """``seq`` runs its tokens ``[start, start + num_new_tokens)`` this step.
 
     ``samples``: the step reaches the sequence's last token, so a new one is sampled from it.
+    ``spec_token_ids``: draft tokens run after it (speculative decoding); they are the last
+    ``len(spec_token_ids)`` of ``num_new_tokens`` and count in the step's budget, but are not the
+    sequence's tokens until verified.
     """
 
     seq: Sequence
     start: int
     num_new_tokens: int
     samples: bool
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -75,6 +80,8 @@ class StepScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by sort_key: oldest first
         self.num_preemptions = 0
+        # Told of every sequence that finishes (the speculative decoder forgets its state then).
+        self.on_finish: Callable[[Sequence], None] | None = None
 
     @classmethod
     def from_config(cls, block_manager: BlockManager, config: StepSchedulerConfig,
@@ -106,7 +113,11 @@ class StepScheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             n = min(seq.num_tokens_owed, budget)
-            while not bm.allocate(seq, n):
+            drafts = self._drafts(seq, n, budget)
+            while not bm.allocate(seq, n, num_lookahead_tokens=len(drafts)):
+                if drafts:  # no room for the drafts: decode without them before preempting anyone
+                    drafts = []
+                    continue
                 victim = running.pop()  # the newest; never one already scheduled (they are < i)
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -114,8 +125,9 @@ class StepScheduler:
                     break
             else:
                 start = seq.num_computed_tokens
-                out.scheduled.append(ScheduledSequence(seq, start, n, start + n == seq.num_tokens))
-                budget -= n
+                out.scheduled.append(ScheduledSequence(seq, start, n + len(drafts),
+                                                       start + n == seq.num_tokens, drafts))
+                budget -= n + len(drafts)
                 i += 1
         # Admitting new work while preempting would only thrash.
         gate = self.gate
@@ -145,13 +157,36 @@ class StepScheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
+    @staticmethod
+    def _drafts(seq: Sequence, n: int, budget: int) -> list[int]:
+        """The draft tokens ``seq`` runs after its ``n`` owed tokens: its proposal when it is
+        decoding (owes one token), cut to the budget left."""
+        drafts = seq.spec_token_ids
+        if not drafts:
+            return drafts
+        seq.spec_token_ids = []  # a proposal is for one step only
+        if n != 1 or seq.num_tokens_owed != 1:
+            return []
+        return drafts[:budget - 1]
+
     def commit(self, out: SchedulerOutput) -> None:
-        """The step ran: its tokens are now in the KV cache."""
+        """The step ran: its tokens are now in the KV cache (drafts only once verified:
+        ``accept_drafts``)."""
         for s in out.scheduled:
-            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens - len(s.spec_token_ids)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """``num_accepted`` of the drafts ``seq`` ran this step were verified (and appended to its
+        tokens): their K/V count as computed; the blocks that only rejected drafts used are freed."""
+        if seq.status is not SequenceStatus.RUNNING:  # it finished on one of them: blocks already freed
+            return
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.trim(seq, seq.num_computed_tokens)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks (idempotent)."""
+        if seq.status is not SequenceStatus.FINISHED and self.on_finish is not None:
+            self.on_finish(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             if self.gate is not None:
@@ -163,6 +198,7 @@ class StepScheduler:
         seq.status = SequenceStatus.FINISHED
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.spec_token_ids = []
         if self.gate is not None:
             self.gate.released(seq)
         self.block_manager.free(seq)

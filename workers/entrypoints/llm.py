@@ -81,7 +81,9 @@ class LLM:
         ``device`` "cpu" (gloo), "cuda" (cuda:0 .. cuda:N-1) or a list "cuda:0,cuda:2"; ``close()``
         ends them and leaves the torch.distributed group; an ``LLM`` deleted unclosed does both when
         it is collected (``del llm`` and a new TP ``LLM`` in the same process works), else they end
-        with this process."""
+        with this process. ``engine_kwargs`` are ``EngineConfig``'s other fields, e.g.
+        ``speculative_config={"method": "ngram", "num_speculative_tokens": 4}`` (vLLM's dict, its
+        JSON text or a ``SpeculativeConfig``): speculative decoding, which changes no output."""
         if str(model) in NAMES:  # demo, tiny, minilm: the checkpoints `batchinfer run --model` names
             model = resolve_model(model)[0]
         config = EngineConfig(

@@ -157,9 +157,10 @@ class EchoEngine(NoQueueStats, WorkerEngine):
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         *,
         lora: str | None = None,
+        spec_group: str | None = None,
     ) -> None:
         """Queue a request; ``ValueError`` naming what is wrong (duplicate id, bad prompt, too long,
-        an adapter not served)."""
+        an adapter not served). ``spec_group`` is ignored: nothing is drafted here."""
         if request_id in self._waiting:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         if lora is not None and lora not in self._adapters:

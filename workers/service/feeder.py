@@ -156,7 +156,7 @@ class Feeder:
                 # builds no per-step output of every running request.
                 params.output_kind = "final_only"
                 self.engine.add_request(engine_id, prompt_token_ids=req.prompt_token_ids,
-                                        sampling_params=params, **lora)
+                                        sampling_params=params, spec_group=req.job_id, **lora)
             self.engine_s += time.perf_counter() - t0
             self.metrics.request_started(engine_id)
         except ValueError as e:
@@ -210,6 +210,7 @@ class Feeder:
                                stats=engine.step_stats)
         self.metrics.set_engine_state(engine.num_running, engine.num_waiting, engine.kv_usage,
                                       engine.num_preemptions)
+        self.metrics.set_spec_stats(engine.spec_stats())
         self.failed_steps = 0
         self.steps += 1
 

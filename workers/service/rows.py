@@ -6,6 +6,7 @@ module, on the worker service's side, is where the two meet.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from batchinfer.protocol.rows import BatchRequest, ResultRow, encode_vector, now_ms
@@ -83,11 +84,20 @@ def generation_row(request: BatchRequest, output: RequestOutput, *, worker: str 
         structured=first["structured"], structured_complete=first["structured_complete"],
         prompt_tokens=len(output.prompt_token_ids),
         completion_tokens=sum(len(o["token_ids"]) for o in outs),
-        cached_tokens=output.num_cached_tokens, line=request.line, created_at=request.created_at,
+        cached_tokens=output.num_cached_tokens,
+        accepted_prediction_tokens=_total(o.accepted_prediction_tokens for o in output.outputs),
+        rejected_prediction_tokens=_total(o.rejected_prediction_tokens for o in output.outputs),
+        line=request.line, created_at=request.created_at,
         started_at=started_at, finished_at=finished_at if finished_at is not None else now_ms(),
         worker=worker, sampling_params=request.sampling_params, metadata=dict(request.metadata),
         url=request.url, tool_calls=first["tool_calls"],
     )
+
+
+def _total(counts: Iterable[int | None]) -> int | None:
+    """The completions' counts summed; None when none has one (the request gave no prediction)."""
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None
 
 
 def embedding_row(request: BatchRequest, output: PooledRequestOutput, *, worker: str | None = None,

@@ -54,6 +54,11 @@ class Matcher(ABC):
         """Undo the last ``num_tokens`` accepted tokens."""
 
     @abstractmethod
+    def validate(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids``, in order from the current state, the grammar accepts; the
+        matcher's state is left as it was (speculative decoding checks its drafts with it)."""
+
+    @abstractmethod
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar forces next, in the tokenizer's own tokenization of the forced
         text (jump-forward); [] when the next token is a choice."""

@@ -56,6 +56,11 @@ class LLGuidanceMatcher(Matcher):
         if num_tokens and not self.ll.rollback(num_tokens):
             raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self.ll.get_error()}")
 
+    def validate(self, token_ids: Sequence[int]) -> int:
+        if not token_ids or self.ll.is_error():
+            return 0
+        return int(self.ll.validate_tokens(list(token_ids)))
+
     def forced_tokens(self) -> list[int]:
         return list(self.ll.compute_ff_tokens())
 

@@ -3,7 +3,9 @@
 Per step, for the rows that sample this step and carry a matcher:
 
 1. ``begin(seqs)`` (before the forward) fills the token bitmask of those rows on a helper thread
-   (llguidance computes masks without the GIL, so the fill overlaps the model's forward);
+   (llguidance computes masks without the GIL, so the fill overlaps the model's forward); a step
+   that verifies draft tokens (speculative decoding) adds a row per draft, the mask of the state
+   after the drafts before it (``cut_drafts`` keeps only drafts the grammar accepts);
 2. ``apply(logits)`` (after it) joins the fill and sets the banned logits of just those rows to
    ``-inf``, before the sampler's penalties / top-k / top-p. Free rows are never touched.
 
@@ -101,12 +103,25 @@ class StructuredOutputManager:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def begin(self, seqs: Sequence[Seq]) -> None:
+    def begin(self, seqs: Sequence[Seq], drafts: Sequence[Sequence[int]] | None = None) -> None:
         """Start filling the masks of the constrained rows among this step's sampling rows
-        (``seqs``, in logits-row order) on the helper thread."""
+        (``seqs``, in logits-row order) on the helper thread.
+
+        ``drafts`` (a step that verifies draft tokens): ``seqs[j]``'s drafts, whose rows follow its
+        own in the logits; a constrained sequence's row i gets the mask of the state after its
+        first i drafts (which ``cut_drafts`` checked)."""
         self._join()  # a fill left over from a step whose forward raised
         self._rows = None
-        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if drafts is None:
+            rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+            work: list[tuple[Seq, Sequence[int]]] = [(seqs[i], ()) for i in rows]
+        else:
+            rows, work, at = [], [], 0
+            for seq, d in zip(seqs, drafts, strict=True):
+                if seq.matcher is not None:
+                    rows.extend(range(at, at + 1 + len(d)))
+                    work.append((seq, d))
+                at += 1 + len(d)
         if not rows:
             return
         if self._bitmask is None:
@@ -116,41 +131,101 @@ class StructuredOutputManager:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self._rows = torch.tensor(rows, dtype=torch.int64)
-        self._fill = self._pool.submit(self._fill_masks, [seqs[i] for i in rows], self._bitmask)
+        self._fill = self._pool.submit(self._fill_masks, work, self._bitmask)
         self.num_steps += 1
 
-    def _fill_masks(self, seqs: list[Seq], bitmask: torch.Tensor) -> float:
-        """Row j of ``bitmask`` for ``seqs[j]``: one token where the text is forced, else the
-        backend's mask. Runs on the helper thread; returns its wall time."""
+    def _fill_masks(self, work: list[tuple[Seq, Sequence[int]]], bitmask: torch.Tensor) -> float:
+        """The rows of ``bitmask``, in ``work``'s order: a sequence's own row (one token where the
+        text is forced, else the backend's mask) and one per draft token it runs. Runs on the
+        helper thread; returns its wall time."""
         t0 = time.perf_counter()
         words = bitmask.numpy()  # a view: single-word writes without tensor indexing overhead
         fill: list[tuple[Matcher, int]] = []
-        for j, seq in enumerate(seqs):
+        next_row = 0
+        for seq, drafts in work:
+            row, next_row = next_row, next_row + 1 + len(drafts)
+            if drafts:  # the matcher walks through them: filled one row at a time, now
+                self._fill_draft_rows(seq, drafts, words, bitmask, row)
+                continue
             matcher = _matcher(seq)
             try:
                 forced = seq.forced_tokens
                 if forced is None:  # not known at this state yet
                     forced = seq.forced_tokens = matcher.forced_tokens()
             except Exception as e:  # noqa: BLE001 - one broken matcher must not fail the step
-                self._fail(seq, e, words[j])
+                self._fail(seq, e, words[row])
                 continue
             if forced:
-                token = forced[0]
-                words[j] = 0
-                words[j, token // 32] = _bit(token % 32)
-                self.num_rows_forced += 1
+                self._force(words, row, forced[0])
             else:
-                fill.append((matcher, j))
+                fill.append((matcher, row))
         try:
             self.backend.fill_bitmask(fill, bitmask)
         except Exception:  # noqa: BLE001 - find the row that fails; the others still get their masks
-            for matcher, j in fill:
+            seq_of = {id(seq.matcher): seq for seq, _ in work}
+            for matcher, row in fill:
                 try:
-                    self.backend.fill_bitmask([(matcher, j)], bitmask)
+                    self.backend.fill_bitmask([(matcher, row)], bitmask)
                 except Exception as e:  # noqa: BLE001
-                    self._fail(seqs[j], e, words[j])
+                    self._fail(seq_of[id(matcher)], e, words[row])
         self.num_rows_filled += len(fill)
         return time.perf_counter() - t0
+
+    def _force(self, words: Any, row: int, token: int) -> None:
+        """A one-token mask: the first token of the forced text."""
+        words[row] = 0
+        words[row, token // 32] = _bit(token % 32)
+        self.num_rows_forced += 1
+
+    def _fill_draft_rows(self, seq: Seq, drafts: Sequence[int], words: Any, bitmask: torch.Tensor,
+                         first: int) -> None:
+        """Rows ``first .. first + len(drafts)`` of a sequence that runs ``drafts``: row i is the
+        mask after ``drafts[:i]``, filled while the matcher walks through them (then rolled back)."""
+        matcher = _matcher(seq)
+        walked = 0
+        try:
+            for i in range(len(drafts) + 1):
+                forced = seq.forced_tokens if i == 0 else None
+                if forced is None:
+                    forced = matcher.forced_tokens()
+                    if i == 0:
+                        seq.forced_tokens = forced
+                if forced:
+                    self._force(words, first + i, forced[0])
+                else:
+                    self.backend.fill_bitmask([(matcher, first + i)], bitmask)
+                    self.num_rows_filled += 1
+                if i < len(drafts):
+                    if not matcher.accept(drafts[i]):  # cut_drafts checked them: a backend fault
+                        raise StructuredOutputError(f"draft token {drafts[i]} was refused after validation")
+                    walked += 1
+        except Exception as e:  # noqa: BLE001 - one broken matcher must not fail the step
+            for i in range(len(drafts) + 1):
+                self._fail(seq, e, words[first + i])
+        finally:
+            if walked:
+                matcher.rollback(walked)
+
+    def cut_drafts(self, seq: Seq, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` that ``seq``'s grammar accepts and that walks through
+        no state whose next text is forced (there jump-forward appends tokens without sampling,
+        so no draft after it could line up). Called before the step, on the engine's thread."""
+        matcher = _matcher(seq)
+        drafts = drafts[:matcher.validate(drafts)]
+        walked = 0
+        try:
+            for token in drafts:
+                if walked and matcher.forced_tokens():
+                    break
+                if not matcher.accept(token):
+                    break
+                walked += 1
+        except Exception:  # noqa: BLE001 - no drafts then; the step itself reports the failure
+            walked = 0
+        finally:
+            if walked:
+                matcher.rollback(walked)
+        return drafts[:walked]
 
     def _fail(self, seq: Seq, error: Exception, row: Any) -> None:
         """Remember why ``seq``'s mask could not be made (``accept`` raises it, which aborts only its

@@ -121,6 +121,18 @@ class XGrammarMatcher(Matcher):
         self._terminal = None
         self._forced = None
 
+    def validate(self, token_ids: Sequence[int]) -> int:
+        if self._error is not None:
+            return 0
+        n = 0
+        for token in token_ids:
+            if not self.accept(token):
+                self._error = None  # a rejected token changed no state (xgrammar's contract)
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
     def forced_tokens(self) -> list[int]:
         if self._forced is None:
             self._forced = self.backend.forced_tokens(self)

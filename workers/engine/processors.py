@@ -304,19 +304,19 @@ class OutputProcessor:
                              cumulative_logprob=s.cumulative_logprob,
                              structured=so.kind if so is not None else None,
                              structured_complete=self.structured.complete(s),
-                             **_prediction_usage(req, s))
+                             accepted_prediction_tokens=_prediction_usage(req, s)[0],
+                             rejected_prediction_tokens=_prediction_usage(req, s)[1])
             for s in req.seqs
         ]
         return RequestOutput(req.request_id, req.prompt_token_ids, outputs, req.num_cached_tokens,
                              req.prompt, finished, error=req.error, error_code=req.error_code)
 
 
-def _prediction_usage(req: Request, seq: Sequence) -> dict[str, int]:
-    """A completion's accepted / rejected prediction tokens, when its request gave a prediction."""
+def _prediction_usage(req: Request, seq: Sequence) -> tuple[int | None, int | None]:
+    """A completion's accepted and rejected prediction tokens; None, None without a prediction."""
     if req.params.prediction is None:
-        return {}
-    return {"accepted_prediction_tokens": seq.num_prediction_accepted,
-            "rejected_prediction_tokens": seq.num_prediction_drafts - seq.num_prediction_accepted}
+        return None, None
+    return seq.num_prediction_accepted, seq.num_prediction_drafts - seq.num_prediction_accepted
 
 
 def _text(seq: Sequence) -> str:

@@ -165,8 +165,9 @@ def test_cancel_mid_run_keeps_the_partial_output(stack):
 def test_a_batch_past_its_window_expires_with_partial_output(stack):
     client = new_client(stack)
     # 40 s of work for the slow echo worker: the 20 s window closes first, with some done (the batch
-    # start, intake and dispatch come before the first row: a loaded machine once took 6 s for them,
-    # and CI once finished none inside a 12 s window)
+    # start, intake and dispatch come before the first row: a loaded machine once took 6 s for them).
+    # The cancel before leaves deleted unread batches on the echo stream: CI twice finished none here
+    # while dispatch trusted Redis's lag, which stays too high after those (dispatch.undelivered).
     n = 160
     batch = client.batches.create(input_file_id=upload(client, [chat_line(f"x{i}", model="echo")
                                                                for i in range(n)]),
@@ -174,7 +175,7 @@ def test_a_batch_past_its_window_expires_with_partial_output(stack):
     done = wait(stack, client, batch.id)
     assert done.status == "expired" and done.expired_at, done
     counts = done.request_counts
-    if counts.completed < 1:  # CI once saw none done in a 12 s window: keep the daemons' story
+    if counts.completed < 1:  # keep the daemons' story
         print(stack.logs()[-8000:])
     assert 1 <= counts.completed < n and counts.completed + counts.failed == n, done  # its timestamps
     assert len(file_lines(client, done.output_file_id)) == counts.completed

@@ -30,7 +30,7 @@ from batchinfer.redis_conn import as_text, ensure_group
 from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
 from batchinfer.scheduler.packing import Budget, Candidate, Packer
 from batchinfer.scheduler.staging import Staged, Staging, parse_member
-from batchinfer.store import replies
+from batchinfer.store import replies, scripts
 from batchinfer.store.registry import Registry, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,10 @@ ENDED_ROWS_PER_PASS = 2000  # cancelled / expired rows published per model per p
 
 
 def undelivered(r: redis.Redis, stream: str, cap: int) -> int:
-    """Entries of ``stream`` the workers' group has not read yet (counted up to ``cap``)."""
+    """Entries of ``stream`` the workers' group has not read yet (counted up to ``cap``).
+
+    A lag of 0 is taken as it is; any other lag is counted again in the server
+    (``count_after.lua``): after a deleted unread entry Redis 7.0's lag stays too high for good."""
     try:
         groups = r.xinfo_groups(stream)
     except redis.ResponseError:
@@ -51,10 +54,10 @@ def undelivered(r: redis.Redis, stream: str, cap: int) -> int:
         info = {as_text(k): v for k, v in g.items()}
         if as_text(info.get("name")) != WORKERS_GROUP:
             continue
-        if info.get("lag") is not None:
-            return int(info["lag"])
-        last = as_text(info.get("last-delivered-id", b"0-0"))  # Redis < 7, or deleted entries hide the lag
-        return len(replies.entries(r.xrange(stream, min=f"({last}", max="+", count=cap)))
+        if info.get("lag") == 0:
+            return 0
+        last = as_text(info.get("last-delivered-id", b"0-0"))
+        return int(scripts.register(r, "count_after")(keys=[stream], args=[last, cap]))
     return r.xlen(stream)
 
 

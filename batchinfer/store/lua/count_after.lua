@@ -1,0 +1,11 @@
+-- How many entries of a stream follow an id, counted up to a cap inside the server (no entry is sent
+-- back): the batches the workers' group has not read yet (scheduler/dispatch.py `undelivered`).
+--
+-- Redis's own `lag` is not enough for this: once an entry past the group's position is deleted (a
+-- cancelled job's unread batch) and the group reads past the gap, Redis 7.0 keeps counting the
+-- deleted entry, and the lag stays too high for good; dispatch trusting it would stop feeding the
+-- model's workers.
+--
+-- KEYS[1] the stream
+-- ARGV[1] the id after which to count (exclusive), ARGV[2] the cap
+return #redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', tonumber(ARGV[2]))

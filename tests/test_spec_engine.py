@@ -6,6 +6,7 @@ the block pool as it was; the switches (per request, by batch size) turn it off.
 from __future__ import annotations
 
 import pytest
+from test_structured_engine import run  # step until idle: each request's final output
 
 from batchinfer.workers.engine.engine import Engine
 from batchinfer.workers.sampling_params import SamplingParams
@@ -24,16 +25,6 @@ METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "suffix": {"method": "suffix", "num_speculative_tokens": 4},
 }
-
-
-def run(engine: Engine) -> dict[str, object]:
-    """Step until idle: each request's final output."""
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def completions(engine: Engine, params: SamplingParams, prompts=PROMPTS, **kwargs) -> dict[str, tuple]:

@@ -151,12 +151,7 @@ class BlockManager:
 
         Tail blocks are freed first so that they are evicted before the shared prefix.
         """
-        for b in reversed(seq.block_table):
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                self.free_queue[b] = None
-                if self.block_hash[b] is None:
-                    self.free_queue.move_to_end(b, last=False)  # nothing worth keeping: reuse first
+        self._release(seq.block_table)
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
@@ -166,16 +161,22 @@ class BlockManager:
         table, keep = seq.block_table, self.blocks_needed(num_tokens)
         if len(table) <= keep:
             return
-        for b in reversed(table[keep:]):
+        self._release(table[keep:])
+        # A new list, not a shortened one: the runner's kept rows (BlockTableRows) tell a changed
+        # table by identity, and this one may grow back past its old length before the next step.
+        seq.block_table = table[:keep]
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, keep)
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference to each of ``blocks``, the last first; a block no longer referenced
+        joins the free queue: at its end when it holds a cached prefix (evicted last), else at its
+        front (nothing worth keeping: reused first)."""
+        for b in reversed(blocks):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free_queue[b] = None
                 if self.block_hash[b] is None:
                     self.free_queue.move_to_end(b, last=False)
-        # A new list, not a shortened one: the runner's kept rows (BlockTableRows) tell a changed
-        # table by identity, and this one may grow back past its old length before the next step.
-        seq.block_table = table[:keep]
-        seq.num_hashed_blocks = min(seq.num_hashed_blocks, keep)
 
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:

@@ -248,7 +248,7 @@ class Engine(ModelFolderState, WorkerEngine):
             if s.spec_token_ids:
                 self.spec.record(s.seq, len(s.spec_token_ids), a)
                 self.scheduler.accept_drafts(s.seq, a)
-        self.spec.step_done(True)
+        self.spec.step_verified()
         return outputs
 
     def spec_stats(self) -> dict[str, Any]:

@@ -219,10 +219,9 @@ class ModelRunner:
         last = cu[1:] - 1  # each sequence's last token in the step
         if order is not None:  # back to the caller's order: row i of the layout is its order[i]
             last[order], samples[order] = last.copy(), samples.copy()
-            scheduled = [scheduled[i] for i in np.argsort(order)]
         host = {"input_ids": ids, "positions": positions, "slot_mapping": slots, "block_tables": tables,
                 "cu_seqlens_q": cu.astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
-                "sample_indices": _sample_indices(last, samples, scheduled)}
+                "sample_indices": _sample_indices(last, samples, scheduled, order)}
         return host, max_q, int(seq_lens.max())
 
     def _build(self, rows: list[tuple[list[int], int, int, bool]], tokens: list[list[int]]) -> StepInputs:
@@ -334,13 +333,16 @@ def _step_tokens(s: ScheduledSequence) -> list[int]:
     return s.seq.token_ids[s.start:s.start + s.num_new_tokens - len(drafts)] + drafts
 
 
-def _sample_indices(last: np.ndarray, samples: np.ndarray, scheduled: list[ScheduledSequence]) -> np.ndarray:
+def _sample_indices(last: np.ndarray, samples: np.ndarray, scheduled: list[ScheduledSequence],
+                    order: np.ndarray | None) -> np.ndarray:
     """The hidden-state rows that go through the vocabulary projection, in the caller's order: each
     sampling sequence's last token and, when it carries k draft tokens, the k + 1 positions ending
-    there (one distribution per draft to verify, and the one after them). ``last`` [S], ``samples`` [S]
-    and ``scheduled`` are in the caller's order."""
+    there (one distribution per draft to verify, and the one after them). ``last`` [S] and
+    ``samples`` [S] are in the caller's order, ``scheduled`` in the layout's (``order``)."""
     if not any(s.spec_token_ids for s in scheduled):
         return last[samples]
+    if order is not None:
+        scheduled = [scheduled[i] for i in np.argsort(order)]
     counts = np.fromiter((1 + len(s.spec_token_ids) for s in scheduled), np.int64, len(scheduled))
     counts *= samples  # [S]: rows per sequence, 0 for a prefill chunk that does not sample
     R = int(counts.sum())

@@ -297,6 +297,7 @@ class OutputProcessor:
         if finished:
             self.requests.pop(req.request_id, None)
         so = req.params.structured_outputs
+        predicted = req.params.prediction is not None  # its completions report prediction usage
         outputs = [
             CompletionOutput(index=s.index, text=_text(s), token_ids=list(s.output_token_ids),
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason,
@@ -304,19 +305,13 @@ class OutputProcessor:
                              cumulative_logprob=s.cumulative_logprob,
                              structured=so.kind if so is not None else None,
                              structured_complete=self.structured.complete(s),
-                             accepted_prediction_tokens=_prediction_usage(req, s)[0],
-                             rejected_prediction_tokens=_prediction_usage(req, s)[1])
+                             accepted_prediction_tokens=s.num_prediction_accepted if predicted else None,
+                             rejected_prediction_tokens=(s.num_prediction_drafts - s.num_prediction_accepted
+                                                         if predicted else None))
             for s in req.seqs
         ]
         return RequestOutput(req.request_id, req.prompt_token_ids, outputs, req.num_cached_tokens,
                              req.prompt, finished, error=req.error, error_code=req.error_code)
-
-
-def _prediction_usage(req: Request, seq: Sequence) -> tuple[int | None, int | None]:
-    """A completion's accepted and rejected prediction tokens; None, None without a prediction."""
-    if req.params.prediction is None:
-        return None, None
-    return seq.num_prediction_accepted, seq.num_prediction_drafts - seq.num_prediction_accepted
 
 
 def _text(seq: Sequence) -> str:

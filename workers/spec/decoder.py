@@ -165,9 +165,9 @@ class SpecDecoder:
         s.draft_tokens += num_drafts
         s.accepted_tokens += accepted
 
-    def step_done(self, verified: bool) -> None:
-        """The step ended; ``verified``: it ran at least one draft."""
-        self.num_steps += verified
+    def step_verified(self) -> None:
+        """A step ran (and verified) at least one draft."""
+        self.num_steps += 1
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished: the proposers that saw it forget it (the suffix one files its output)."""

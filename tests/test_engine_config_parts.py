@@ -23,7 +23,8 @@ from batchinfer.workers.structured_params import StructuredLimits
 # part attribute -> (its class, its fields in order); a field reads the flat field of its name
 # unless RENAMED says otherwise.
 PARTS = {
-    "model_load": (ModelLoadConfig, ["model", "dtype", "attention_backend", "enforce_eager", "seed"]),
+    "model_load": (ModelLoadConfig, ["model", "dtype", "attention_backend", "enforce_eager", "seed",
+                                     "quantization"]),
     "cache": (CacheConfig, ["block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                             "enable_prefix_caching"]),
     "scheduler": (StepSchedulerConfig, ["max_num_batched_tokens", "max_num_seqs", "max_model_len"]),
@@ -47,7 +48,8 @@ NON_DEFAULT = dict(model="some/model", dtype="bfloat16", device="cpu", block_siz
                    structured_limits=StructuredLimits(max_spec_bytes=1000),
                    tensor_parallel_size=2, tp_port=29555, tp_timeout_s=5.0, lora_modules={},
                    enable_lora=False, max_loras=2, max_cpu_loras=5, max_lora_rank=8,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                   quantization="auto")  # int8 / int4 refuse tensor_parallel_size 2
 
 
 def test_each_part_holds_exactly_its_fields_and_the_parts_cover_every_flat_field_once():

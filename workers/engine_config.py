@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from batchinfer.workers.quantization_config import check_quantization
 from batchinfer.workers.speculative_config import SpeculativeConfig
 from batchinfer.workers.structured_params import BACKENDS, StructuredLimits
 
@@ -35,7 +36,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
             return dtype
     elif isinstance(dtype, str) and dtype in dtypes:
         return dtypes[dtype]
-    raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    raise ValueError(f"dtype must be 'auto' or one of {sorted(dtypes)}, got {dtype!r}")
 
 
 def _one_device(name: str) -> torch.device:
@@ -103,6 +104,7 @@ class ModelLoadConfig:
     attention_backend: str | None
     enforce_eager: bool
     seed: int
+    quantization: str  # none, int8, int4 or auto (batchinfer.workers.quant)
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,8 @@ class EngineConfig:
     """How one engine is built: the model, the KV cache size and the step budget."""
 
     model: str  # a Hugging Face model directory
+    # "auto": the fast dtype for the device (bfloat16 on CPUs with avx512_bf16 / AMX: see
+    # batchinfer.workers.auto_dtype), resolved when the config is built; float32 is the reference.
     dtype: str | torch.dtype = "float32"
     device: str = "cpu"
     block_size: int = 16  # tokens per KV block
@@ -211,11 +215,16 @@ class EngineConfig:
     # SpeculativeConfig, its dict (vLLM's keys) or JSON text; None: its defaults (no method: only a
     # request's own `prediction` drafts). A draft model runs unsharded on rank 0's device.
     speculative_config: SpeculativeConfig | None = None
+    # Weight-only quantization of the linear layers on the CPU (batchinfer.workers.quant): "none",
+    # "int8", "int4" or "auto" (a GGUF keeps its precision class: Q4_* int4, Q5_* / Q6_K / Q8_0 int8;
+    # none for a Hugging Face folder, a GPU or tensor parallelism). int8 / int4 run in bfloat16:
+    # dtype float32 (the default) becomes bfloat16 here, float16 is refused; so do a CUDA device
+    # and tensor_parallel_size > 1. "auto" is settled, and bfloat16 chosen, when the engine loads.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a model directory path, got {self.model!r}")
-        self.dtype = resolve_dtype(self.dtype)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.tp_port is not None and (isinstance(self.tp_port, bool) or not isinstance(self.tp_port, int)
                                          or not 0 < self.tp_port < 65536):
@@ -229,6 +238,11 @@ class EngineConfig:
                 self.device = "cpu"
         else:
             self.device = str(rank_devices(self.device, 1)[0])
+        if isinstance(self.dtype, str) and self.dtype == "auto":  # from here on, the dtype that runs
+            from batchinfer.workers.auto_dtype import auto_dtype
+
+            self.dtype = auto_dtype(self.torch_device, self.model)
+        self.dtype = resolve_dtype(self.dtype)
         _positive_int("block_size", self.block_size)
         _positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
@@ -249,6 +263,7 @@ class EngineConfig:
             raise ValueError(f"structured_limits must be StructuredLimits, got {self.structured_limits!r}")
         self._check_lora()
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        self.dtype = check_quantization(self.quantization, self.dtype, self.device, self.tensor_parallel_size)
         for name in ("enable_prefix_caching", "enforce_eager", "jump_forward", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
@@ -288,7 +303,7 @@ class EngineConfig:
     @property
     def model_load(self) -> ModelLoadConfig:
         return ModelLoadConfig(self.model, resolve_dtype(self.dtype), self.attention_backend,
-                               self.enforce_eager, self.seed)
+                               self.enforce_eager, self.seed, self.quantization)
 
     @property
     def cache(self) -> CacheConfig:

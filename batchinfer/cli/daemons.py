@@ -17,6 +17,7 @@ import click
 
 from batchinfer.cli.context import global_options
 from batchinfer.config import Settings
+from batchinfer.workers.quantization_config import QUANTIZATION_MODES
 from batchinfer.workers.tools import TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -26,6 +27,11 @@ POSITIVE = click.IntRange(min=1)
 PORT = click.IntRange(min=1, max=65535)
 SECONDS = click.FloatRange(min=0, min_open=True)
 log = logging.getLogger("batchinfer.cli")
+# --quantization (worker, run): EngineConfig.quantization
+quantization_option = click.option(
+    "--quantization", type=click.Choice(QUANTIZATION_MODES),
+    help="Weight-only quantization of the linear layers, CPU only: int8, int4 (both run in bfloat16), "
+         "auto (a GGUF keeps its precision class: Q4_* int4, Q5_*/Q6_K/Q8_0 int8; else none) [none].")
 
 
 def default_device() -> str:
@@ -251,6 +257,7 @@ def worker_model(model: str, served_model_names: tuple[str, ...],
 @click.option("--speculative-model", "speculative_model", metavar="DIR",
               help="Draft model folder for speculative decoding (same tokenizer as --model): method "
                    "\"draft\", with --speculative-config's other settings.")
+@quantization_option
 @lora_flags
 @click.pass_obj
 def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names: tuple[str, ...],
@@ -260,7 +267,7 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
            no_jump_forward: bool, tool_call_parser: str | None, tensor_parallel_size: int | None,
            lora: tuple[str, ...], max_loras: int | None, max_cpu_loras: int | None,
            max_lora_rank: int | None, speculative_config: str | None,
-           speculative_model: str | None) -> None:
+           speculative_model: str | None, quantization: str | None) -> None:
     """Run a worker daemon: pull batches, run the engine, publish results.
 
     With ``--lora NAME=DIR`` it also serves each adapter, as model ``BASE:NAME`` (aliases ``NAME``
@@ -277,6 +284,8 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
     if echo and (speculative_config is not None or speculative_model is not None):
         raise click.UsageError("--speculative-config and --speculative-model are engine settings: "
                                "the echo engine has none")
+    if echo and quantization:
+        raise click.UsageError("--quantization is an engine setting: the echo engine has none")
     if echo_class and not echo:
         raise click.UsageError("--echo-class names the echo engine's class: give --echo too")
     if echo and tensor_parallel_size:
@@ -296,6 +305,8 @@ def worker(ctx: Ctx, model_dir: str | None, name: str | None, served_model_names
         options["jump_forward"] = False
     if tensor_parallel_size:
         options["tensor_parallel_size"] = tensor_parallel_size
+    if quantization:
+        options["quantization"] = quantization
     options.update(speculative_options(speculative_config, speculative_model))
     options.update(lora_options(parse_lora_modules(lora), max_loras, max_cpu_loras, max_lora_rank, echo))
     run_daemon(main, ctx.settings, model_dir, name, device, echo, model_name=model_name,

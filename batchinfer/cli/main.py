@@ -37,6 +37,7 @@ from batchinfer.cli.daemons import (
     lora_options,
     override_settings,
     parse_lora_modules,
+    quantization_option,
     scheduler,
     speculative_options,
     worker,
@@ -499,6 +500,7 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
               help="Format the model writes tool calls in, read for tool_choice 'auto' "
                    "[the chat template's, when it makes one unambiguous].")
 @click.option("--speculative-config", "speculative_config", metavar="JSON", help=SPECULATIVE_HELP)
+@quantization_option
 @click.option("--echo", is_flag=True, help="Echo engine instead of the model (no generation).")
 @click.option("--timeout", type=float, help="Give up after this many seconds (exit 6).")
 @click.option("--no-partial", is_flag=True,
@@ -513,7 +515,7 @@ def convert(ctx: Ctx, source: str, outdir: str, dtype: str, shard_gb: float, for
 def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[str, ...], fmt: str | None,
         error_file: str | None, force: bool, input_column: str | None, device: str | None, num_workers: int,
         tensor_parallel_size: int | None, structured_outputs_backend: str | None,
-        tool_call_parser: str | None, speculative_config: str | None, echo: bool,
+        tool_call_parser: str | None, speculative_config: str | None, quantization: str | None, echo: bool,
         timeout: float | None, no_partial: bool, log_dir: str | None, lora: tuple[str, ...],
         max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int | None,
         progress_every: float, dataset: DatasetArgs, json_flag: bool) -> None:
@@ -565,7 +567,17 @@ def run(ctx: Ctx, file: str, output: str, model: str, served_model_names: tuple[
     if echo and (tensor_parallel_size or structured_outputs_backend or speculative_config is not None):
         raise click.UsageError("--tensor-parallel-size, --structured-outputs-backend and "
                                "--speculative-config are engine settings: the echo engine has none")
+    if echo and quantization:
+        raise click.UsageError("--quantization is an engine setting: the echo engine has none")
     worker_args: list[str] = []  # passed on to every worker `run` starts
+    if quantization:  # checked here first (a GPU, tensor parallelism), before anything starts
+        from batchinfer.workers.quantization_config import check_quantization
+
+        try:
+            check_quantization(quantization, "float32", device or default_device(), tensor_parallel_size or 1)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--quantization") from None
+        worker_args += ["--quantization", quantization]
     if tensor_parallel_size:
         worker_args += ["--tensor-parallel-size", str(tensor_parallel_size)]
         if device is None and default_device() != "cpu":

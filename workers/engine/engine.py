@@ -18,10 +18,15 @@ Speculative decoding (``workers/spec``): before scheduling, the ``SpecDecoder`` 
 tokens for decoding sequences; the step runs them after each one's owed token, samples every
 position, keeps the drafts the target sampled itself and the token after them, and frees the
 blocks of the rest. Outputs are the same tokens as without it; only the number of steps changes.
+
+Quantization (``config.quantization``, ``workers/quant``): right after loading, the layers'
+projections and the LM head are swapped for int8 / int4 ``QuantizedLinear`` modules (``auto``
+settled from the GGUF's tensor types first); the model then runs in bfloat16.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -39,6 +44,9 @@ from batchinfer.workers.engine.sequence import Request, Sequence
 from batchinfer.workers.engine.step_scheduler import ScheduledSequence, StepScheduler
 from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.models import Decoder, ModelConfig, load_model
+from batchinfer.workers.quant.apply import quantize_model
+from batchinfer.workers.quant.plan import plan_quantization
+from batchinfer.workers.quantization_config import quantized_dtype
 from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.spec.decoder import SpecDecoder, num_accepted
 from batchinfer.workers.spec.draft import EngineParts
@@ -57,6 +65,12 @@ class Engine(ModelFolderState, WorkerEngine):
     def __init__(self, config: EngineConfig, model: Decoder | None = None,
                  tokenizer: Tokenizer | None = None) -> None:
         """Load ``config.model`` (or use ``model`` / ``tokenizer`` already loaded) and size the KV cache."""
+        # Quantization (workers/quant): "auto" is settled from the checkpoint's tensor types; a
+        # quantized model runs in bfloat16 (int8 / int4 already made the config's dtype that).
+        self.quantization = plan_quantization(config.quantization, config.model, config.device,
+                                              config.tensor_parallel_size)
+        if self.quantization.active and config.dtype != torch.bfloat16:
+            config = dataclasses.replace(config, dtype=quantized_dtype(config.quantization, config.dtype))
         self.config = config
         self.ranks = None  # tensor parallelism: the other ranks' processes (workers/engine/tp_ranks.py)
         if model is None and config.tensor_parallel_size > 1:
@@ -65,6 +79,11 @@ class Engine(ModelFolderState, WorkerEngine):
             self.ranks = RankProcesses.start(config)  # spawns ranks 1..N-1, loads rank 0's shard
             model = self.ranks.model
         self.model = model if model is not None else load_model(config.model, config.dtype, config.device)
+        if self.quantization.active:  # right after loading: the KV cache is sized on what it leaves
+            if self.model.dtype != torch.bfloat16:  # a model handed in, quantized in place
+                raise ValueError(f"quantization {config.quantization!r} runs in bfloat16; the model handed "
+                                 f"in is {self.model.dtype}: load it in bfloat16 (or let the engine load it)")
+            quantize_model(self.model, self.quantization.layers, self.quantization.head)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         path = Path(config.model)
         self.model_name = path.stem if path.is_file() else path.name  # x.gguf is served as "x"

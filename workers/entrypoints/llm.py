@@ -75,6 +75,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         tensor_parallel_size: int = 1,
+        quantization: str = "none",
         **engine_kwargs: Any,
     ) -> None:
         """``tensor_parallel_size`` N > 1: the model split over N processes (this one is rank 0),
@@ -83,14 +84,16 @@ class LLM:
         it is collected (``del llm`` and a new TP ``LLM`` in the same process works), else they end
         with this process. ``engine_kwargs`` are ``EngineConfig``'s other fields, e.g.
         ``speculative_config={"method": "ngram", "num_speculative_tokens": 4}`` (vLLM's dict, its
-        JSON text or a ``SpeculativeConfig``): speculative decoding, which changes no output."""
+        JSON text or a ``SpeculativeConfig``): speculative decoding, which changes no output.
+        ``quantization`` "int8" / "int4" / "auto": weight-only quantized linears on the CPU, run in
+        bfloat16 (``EngineConfig.quantization``; docs/engine.md, Quantized and bfloat16 weights)."""
         if str(model) in NAMES:  # demo, tiny, minilm: the checkpoints `batchinfer run --model` names
             model = resolve_model(model)[0]
         config = EngineConfig(
             model=str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size, **engine_kwargs,
+            tensor_parallel_size=tensor_parallel_size, quantization=quantization, **engine_kwargs,
         )
         self.engine: Engine | EmbeddingEngine = engine_for(config)
         self._ids = itertools.count()

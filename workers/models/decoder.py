@@ -222,7 +222,7 @@ class Decoder(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(rank_config, i, self.tp)
                                         for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
-            self.lm_head = None
+            self.lm_head: nn.Module | None = None  # workers/quant may replace it (or set a tied one)
             if lm_head and not config.tie_word_embeddings:  # lm_head=False: an embedder's hidden states only
                 self.lm_head = nn.Linear(config.hidden_size, rank_config.vocab_size, bias=False)
         self.to(dtype).to_empty(device=device)
@@ -305,8 +305,9 @@ class Decoder(nn.Module):
         """Vocabulary logits of the selected hidden states (usually each sequence's last token).
 
         With ``tp`` a collective: every rank computes its vocabulary rows and all get all ``V``."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)  # [N, V / ranks] with tp
+        # lm_head: an nn.Linear, or workers/quant's QuantizedLinear (also for a tied head)
+        logits = (torch.nn.functional.linear(hidden, self.embed_tokens.weight) if self.lm_head is None
+                  else self.lm_head(hidden))  # [N, V / ranks] with tp
         if self.tp is not None:  # rank order = vocabulary order; the last rank's padding is cut
             logits = self.tp.all_gather(logits, dim=-1)  # [N, ranks * ceil(V / ranks)]
             if logits.shape[-1] != self.config.vocab_size:

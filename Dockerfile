@@ -9,6 +9,10 @@ ENV PYTHONUNBUFFERED=1 \
     BATCHINFER_RESULTS_ROOT=/results
 
 WORKDIR /app
+# g++ and ninja: the CPU decode-attention kernel (kernels/cpu_ext) is compiled on first use; without
+# them the workers answer on the slower torch path.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build \
+    && rm -rf /var/lib/apt/lists/*
 # Dependencies first, so code changes do not reinstall torch.
 COPY pyproject.toml README.md ./
 RUN mkdir -p batchinfer workers/models kernels jobs \
@@ -21,6 +25,8 @@ COPY jobs jobs
 RUN pip install --no-deps . && useradd --create-home --uid 1000 batchinfer \
     && mkdir -p /results /models && chown batchinfer /results
 USER batchinfer
+# Build the CPU decode kernel into the user's torch extensions cache now, not in a worker's first step.
+RUN python -P -c "from batchinfer.kernels.cpu_ext import decode; print('cpu decode kernel:', decode.available())"
 
 ENTRYPOINT ["batchinfer"]
 CMD ["--help"]

@@ -1,4 +1,6 @@
-"""Typed configuration. The only module that reads ``BATCHINFER_*`` environment variables."""
+"""Typed configuration. The only module that reads ``BATCHINFER_*`` environment variables, but for
+the inference library's kernel switch ``BATCHINFER_CPU_DECODE_KERNEL`` (kernels/cpu_ext/decode.py:
+the library imports nothing of this side)."""
 
 from __future__ import annotations
 

@@ -10,13 +10,21 @@ every 4th step is replayed through ``Decoder.forward`` + ``compute_logits`` alon
 and efficiency is bare time / engine step time over those steps, i.e. the share of the step loop
 spent running the model rather than scheduling, building inputs, sampling and detokenising.
 
-Matmul efficiency = model FLOP/s the engine achieved over the whole run / FLOP/s of plain fp32
-matmuls of the model's own shapes, timed in the same run. Model FLOPs are counted per step from
-its inputs: 2 x tokens x (every layer's projection and MLP weights), 2 x sampled rows x the LM
-head, and attention's QK and PV (4 x heads x head_dim per query-key pair, over the keys each
-causal query sees). The ceiling replays, on the same replayed steps, ``F.linear`` of a [T, in]
-input with each of the model's weights (all layers, then the LM head at the step's sampled rows),
-so it sees the same token counts, thread count and machine load as the engine.
+Roofline efficiency = the sum over the replayed steps of each step's ceiling time ÷ the engine's
+time on them, where a step's ceiling = max(FLOPs ÷ matmul rate, bytes ÷ copy bandwidth). FLOPs are
+counted from the step's inputs: 2 x tokens x (every layer's projection and MLP weights), 2 x sampled
+rows x the LM head, and attention's QK and PV (4 x heads x head_dim per query-key pair, over the
+keys each causal query sees). The matmul rate is the step's own: its replay through ``F.linear`` of
+a [T, in] input with each of the model's weights (all layers, then the LM head at the step's sampled
+rows), so it sees the same token counts, thread count and machine load as the engine. Bytes = every
+weight once per step (the LM head when the step samples) + the K/V the step's attention reads (each
+sequence's context, once per layer); the copy bandwidth is the read + write traffic of a large
+``copy_`` timed before and after the runs.
+
+The engine runs twice, with the compiled CPU decode kernel (``BATCHINFER_CPU_DECODE_KERNEL=1``) and
+without it (``0``): tokens/s and the roofline of each (``--decode-kernel on|off``: one of them).
+``--attention`` runs only a micro-bench of decode attention alone (kernel vs the torch gather path,
+per-head vs per-sequence work items, our cache layout vs vLLM's) at the model's head shapes.
 
 On a machine shared with other work, ``--threads 1`` gives steadier figures: OpenMP threads that
 wait at barriers for a descheduled sibling make multi-threaded timings swing by 10x.
@@ -27,24 +35,32 @@ wait at barriers for a descheduled sibling make multi-threaded timings swing by 
     python bench/engine_cpu.py --model PATH               # any HF folder or .gguf file
     python bench/engine_cpu.py --model demo --workload small --threads 2 --no-transformers
     python bench/engine_cpu.py --workload small --profile   # + torch profiler table by op
+    python bench/engine_cpu.py --workload small --threads 1 --cpu-clock --no-transformers
+    python bench/engine_cpu.py --attention --threads 1 --cpu-clock   # decode attention alone
 
 With ``--model``, both sides load that checkpoint in float32 (transformers a GGUF file through
 ``from_pretrained(folder, gguf_file=...)``, which dequantizes it); the workload stays token ids
 below 300, valid in any vocabulary.
 
-The last line printed is one JSON object: tokens_per_s, transformers_tokens_per_s, ratio, efficiency,
-model_gflops_per_s, matmul_gflops_per_s, matmul_efficiency (the two transformers figures are null
-with ``--no-transformers``; the efficiencies and the matmul rate with ``--profile``, which replays
-nothing). ``--profile`` also prints where every 4th step's time went, by op category.
+``--cpu-clock`` (with ``--threads 1``) times with the main thread's CPU time instead of wall time.
+
+The last line printed is one JSON object: tokens_per_s, transformers_tokens_per_s, ratio, efficiency
+(engine), model_gflops_per_s, matmul_gflops_per_s, copy_gb_per_s, roofline_efficiency, decode_kernel
+(on / off: the run those figures are of), tokens_per_s_kernel_off and roofline_efficiency_kernel_off
+(with both runs). The transformers figures are null with ``--no-transformers``; the efficiencies and
+the matmul rate with ``--profile``, which replays nothing. ``--profile`` also prints where every 4th
+step's time went, by op category. With ``--attention``: {"attention": [one object per case]}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -63,6 +79,15 @@ SMALL = {"requests": 64, "prompt": (32, 384), "output": (64, 64), "hf_batch": 32
 WORKLOADS = {"full": FULL, "quick": QUICK, "small": SMALL}
 
 
+def clock() -> float:
+    """The benchmark's clock: wall time, or with ``--cpu-clock`` the main thread's CPU time (steady on a
+    shared machine with one torch thread; it leaves out time spent waiting for a core)."""
+    return time.thread_time() if CPU_CLOCK else time.perf_counter()
+
+
+CPU_CLOCK = False  # set by --cpu-clock
+
+
 def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0):
     rng = random.Random(seed)
     prompts = [[rng.randrange(0, 300) for _ in range(rng.randint(*prompt))] for _ in range(n)]
@@ -71,56 +96,107 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int
 
 
 class FlopModel:
-    """Matmul FLOPs of the steps of a dense decoder, and a timed plain-matmul ceiling of its shapes.
+    """FLOPs and bytes of the steps of a dense decoder, and a timed roofline of them.
 
     Every ``nn.Linear`` of a layer counts for every token, so a mixture-of-experts model is
-    over-counted (all experts); elementwise ops (norms, rotary, SiLU, softmax) count nothing."""
+    over-counted (all experts); elementwise ops (norms, rotary, SiLU, softmax) count nothing.
+    Bytes of a step: every weight read once (the LM head only when the step samples) plus the K/V
+    its attention reads (each sequence's whole context, once per layer)."""
 
-    def __init__(self, model: nn.Module, max_tokens: int):
+    def __init__(self, model: nn.Module, max_tokens: int, cache_dtype: torch.dtype):
         cfg = model.config
         self.layer_weights = [m.weight for layer in model.layers for m in layer.modules()
                               if isinstance(m, nn.Linear)]  # qkv, o, gate_up, down of every layer
         self.layer_macs = sum(w.numel() for w in self.layer_weights)  # per token
+        self.layer_bytes = sum(w.numel() * w.element_size() for w in self.layer_weights)
         self.head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight  # [V, C]
+        self.head_bytes = self.head.numel() * self.head.element_size()
         self.attn_macs = 2 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers  # QK + PV, a pair
-        # K + V bytes of one cached token over all layers: what a decode row reads per key.
-        self.kv_bytes = model.kv_cache_bytes_per_token(torch.float32)
+        # K + V bytes of one cached token over all layers: what attention reads per key.
+        self.kv_bytes = model.kv_cache_bytes_per_token(cache_dtype)
         self.decode_kv_bytes = 0.0  # read by decode rows (one query: memory-bound, no reuse)
         widths = {w.shape[1] for w in self.layer_weights} | {self.head.shape[1]}
         gen = torch.Generator().manual_seed(0)
         self.inputs = {n: torch.randn(max_tokens, n, generator=gen) for n in widths}  # [T, in] per width
         self.flops = {"linear": 0.0, "lm_head": 0.0, "attention": 0.0}
+        self.bytes = 0.0
         self.ceiling_flops = 0.0
         self.ceiling_time = 0.0
+        # Per replayed step: (FLOPs, bytes, matmul FLOP/s at its shapes, engine seconds).
+        self.replayed: list[tuple[float, float, float, float]] = []
 
-    def count(self, inputs) -> None:
-        """Add the step's FLOPs (from its ``StepInputs``)."""
+    def step_cost(self, inputs) -> tuple[dict[str, float], float, float]:
+        """The step's FLOPs by kind, its bytes, and the K/V bytes its decode rows read."""
         meta = inputs.attn_metadata
         cu, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
         T, N = cu[-1], inputs.sample_indices.numel()
         pairs = 0  # (query, visible key) pairs: a chunk's q queries end at position L - 1
+        keys = decode_keys = 0  # cached keys attention reads (per layer)
         for i, length in enumerate(lens):
             q = cu[i + 1] - cu[i]
             pairs += q * (length - q + 1) + q * (q - 1) // 2
-            if q == 1:
-                self.decode_kv_bytes += length * self.kv_bytes
-        self.flops["linear"] += 2.0 * T * self.layer_macs
-        self.flops["lm_head"] += 2.0 * N * self.head.numel()
-        self.flops["attention"] += 2.0 * pairs * self.attn_macs
+            keys += length if q else 0
+            decode_keys += length if q == 1 else 0
+        flops = {"linear": 2.0 * T * self.layer_macs, "lm_head": 2.0 * N * self.head.numel(),
+                 "attention": 2.0 * pairs * self.attn_macs}
+        nbytes = self.layer_bytes + (self.head_bytes if N else 0) + keys * self.kv_bytes
+        return flops, nbytes, decode_keys * self.kv_bytes
+
+    def count(self, inputs) -> None:
+        """Add the step's FLOPs and bytes (from its ``StepInputs``)."""
+        flops, nbytes, decode_bytes = self.step_cost(inputs)
+        for kind, value in flops.items():
+            self.flops[kind] += value
+        self.bytes += nbytes
+        self.decode_kv_bytes += decode_bytes
 
     def time_ceiling(self, inputs) -> float:
         """Time ``F.linear`` of the step's [T, in] inputs with every weight; returns the seconds."""
         T, N = inputs.input_ids.numel(), inputs.sample_indices.numel()
-        t0 = time.perf_counter()
+        t0 = clock()
         with torch.inference_mode():
             for w in self.layer_weights:
                 F.linear(self.inputs[w.shape[1]][:T], w)
             if N:
                 F.linear(self.inputs[self.head.shape[1]][:N], self.head)
-        elapsed = time.perf_counter() - t0
+        elapsed = clock() - t0
         self.ceiling_flops += 2.0 * (T * self.layer_macs + N * self.head.numel())
         self.ceiling_time += elapsed
         return elapsed
+
+    def replay(self, inputs, engine_seconds: float) -> float:
+        """Time the step's matmuls (``time_ceiling``) and keep its roofline terms; returns the seconds."""
+        matmul_flops = self.ceiling_flops
+        elapsed = self.time_ceiling(inputs)
+        rate = (self.ceiling_flops - matmul_flops) / elapsed
+        flops, nbytes, _ = self.step_cost(inputs)
+        self.replayed.append((sum(flops.values()), nbytes, rate, engine_seconds))
+        return elapsed
+
+    def roofline(self, bandwidth: float) -> dict[str, float] | None:
+        """Over the replayed steps: the ceiling time (per step max(FLOPs / its matmul rate, bytes /
+        ``bandwidth``)), the engine's time on them, their ratio, and the share of memory-bound steps."""
+        if not self.replayed:
+            return None
+        ceilings = [(f / rate, b / bandwidth) for f, b, rate, _ in self.replayed]
+        ceiling = sum(max(c) for c in ceilings)
+        engine = sum(e for *_, e in self.replayed)
+        return {"ceiling_s": ceiling, "engine_s": engine, "efficiency": ceiling / engine,
+                "memory_bound_share": sum(m > c for c, m in ceilings) / len(ceilings)}
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Memory traffic of a large ``copy_`` (bytes read + written per second, best of ``repeats``) on
+    torch's threads: the bandwidth term of the roofline."""
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock()
+        dst.copy_(src)
+        best = min(best, clock() - t0)
+    return 2 * nbytes / best
 
 
 def run_engine(model_dir: Path, prompts, outputs, replay_every: int,
@@ -138,7 +214,7 @@ def run_engine(model_dir: Path, prompts, outputs, replay_every: int,
     max_tokens = 2048
     llm = LLM(model_dir, max_num_seqs=256, max_num_batched_tokens=max_tokens, num_kv_blocks=8192)
     engine, runner = llm.engine, llm.engine.runner
-    flops = FlopModel(runner.model, max_tokens)
+    flops = FlopModel(runner.model, max_tokens, runner.kv_caches[0][0].dtype)
     # Warm up (first-call allocations) with a small request.
     llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4), use_tqdm=False)
 
@@ -157,28 +233,28 @@ def run_engine(model_dir: Path, prompts, outputs, replay_every: int,
         return inputs
 
     def timed_step():
-        t0 = time.perf_counter()
+        t0 = clock()
         out = step()
-        elapsed = time.perf_counter() - t0
+        elapsed = clock() - t0
         timing["steps"] += 1
         for inputs in stepped:
             flops.count(inputs)
         stepped.clear()
         if profiler is not None:  # the step's events are summed now, outside the timed span
-            t0 = time.perf_counter()
+            t0 = clock()
             profiler.step()
-            timing["replays"] += time.perf_counter() - t0
+            timing["replays"] += clock() - t0
         if recorded:
             inputs = recorded.pop()
-            t0 = time.perf_counter()
+            t0 = clock()
             with torch.inference_mode():
                 hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches,
                                       inputs.attn_metadata)
                 runner.model.compute_logits(hidden[inputs.sample_indices])
-            bare = time.perf_counter() - t0
+            bare = clock() - t0
             timing["bare"] += bare
             timing["engine"] += elapsed
-            timing["replays"] += bare + flops.time_ceiling(inputs)
+            timing["replays"] += bare + flops.replay(inputs, elapsed)
         return out
 
     runner.prepare, engine.step = recording_prepare, timed_step
@@ -206,9 +282,9 @@ def run_engine(model_dir: Path, prompts, outputs, replay_every: int,
                 return compute_logits(hidden)
 
         runner.model.compute_logits = labelled_logits
-    t0 = time.perf_counter()
+    t0 = clock()
     outs = llm.generate(requests, params, use_tqdm=False)
-    span = time.perf_counter() - t0
+    span = clock() - t0
     wall = span - timing["replays"]
     if profiler is not None:
         profiler.__exit__(None, None, None)
@@ -256,6 +332,8 @@ def print_profile(ops: dict[str, list[float]]) -> None:
         linear = name in ("aten::mm", "aten::addmm")
         cat = "linear" if linear else next((c for c, names in CATEGORIES.items() if name in names),
                                            "other ops")
+        if name.startswith("batchinfer_cpu_decode"):  # the compiled kernel's op: <namespace>::paged_decode
+            cat = "attention: compiled decode kernel (kernels/cpu_ext)"
         spent[cat] = spent.get(cat, 0.0) + self_s
     spent["LM head (linear, under the lm_head label)"] = lm_head
     spent["projections + MLP (linear)"] = spent.pop("linear", 0.0) - lm_head
@@ -281,7 +359,7 @@ def load_transformers(model: Path):
 def run_transformers(model_dir: Path, prompts, outputs, batch: int) -> tuple[float, int]:
     hf = load_transformers(model_dir)
     tokens = 0
-    t0 = time.perf_counter()
+    t0 = clock()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
             group, wants = prompts[i:i + batch], outputs[i:i + batch]
@@ -292,7 +370,86 @@ def run_transformers(model_dir: Path, prompts, outputs, batch: int) -> tuple[flo
                               eos_token_id=None, pad_token_id=0)
             assert out.shape[1] == width + max(wants)
             tokens += sum(wants)  # the padding-generated extra tokens do not count
-    return time.perf_counter() - t0, tokens
+    return clock() - t0, tokens
+
+
+def _timed(fn, min_seconds: float = 0.05, repeats: int = 5) -> float:
+    """Seconds per call of ``fn``: the best of ``repeats`` rounds of enough calls to last
+    ``min_seconds`` (on ``clock``)."""
+    fn()
+    t0 = clock()
+    fn()
+    calls = max(1, int(min_seconds / max(clock() - t0, 1e-6)))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        best = min(best, (clock() - t0) / calls)
+    return best
+
+
+def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: bool) -> list[dict]:
+    """Decode attention alone: the compiled kernel (per (sequence, KV head) items, its default)
+    against the torch gather path and against per-sequence items, and the kernel reading our cache
+    layout ``[blocks, block_size, KVH, D]`` against a copy of the cache in vLLM's CPU layout
+    ``[blocks, KVH, block_size, D]`` (the same kernel, through strides; the better work items of
+    each). B sequences of L tokens each over shuffled blocks of 16; one query per sequence."""
+    from batchinfer.kernels import cpu_attention
+    from batchinfer.kernels.cpu_ext import decode
+
+    if not decode.available():
+        raise SystemExit(f"the CPU decode kernel is unavailable: {decode.unavailable_reason()}")
+    batches, contexts = ((1, 64), (128, 1024)) if quick else ((1, 16, 64, 256), (128, 512, 2048))
+    bs, rows = 16, []
+    print(f"decode attention alone: {num_heads} heads, {num_kv_heads} KV heads, head_dim {head_dim}, "
+          f"block 16, {torch.get_num_threads()} threads; ms per call "
+          f"({'thread CPU' if CPU_CLOCK else 'wall'} time, best of 5)")
+    print(f"  {'cache':8s} {'B':>4s} {'L':>5s} {'K/V MB':>7s} {'gather':>8s} {'kernel':>8s} {'speedup':>7s} "
+          f"{'GB/s':>6s} {'kernel/seq':>11s} {'vLLM layout':>11s} {'vLLM/ours':>9s}")
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for B in batches:
+            for L in contexts:
+                nb = -(-L // bs)
+                shape = (B * nb + 8, bs, num_kv_heads, head_dim)
+                kv_bytes = 2 * B * L * num_kv_heads * head_dim * dtype.itemsize
+                if kv_bytes > (512 << 20):
+                    continue
+                k = torch.randn(shape, generator=gen).to(dtype)
+                v = torch.randn(shape, generator=gen).to(dtype)
+                tables = torch.randperm(shape[0], generator=gen)[:B * nb].view(B, nb).int()
+                q = torch.randn(B, num_heads, head_dim, generator=gen).to(dtype)
+                cu = torch.arange(B + 1, dtype=torch.int32)
+                lens = torch.full((B,), L, dtype=torch.int32)
+                out = torch.empty_like(q)
+                args = (q, k, v, tables, cu, lens)
+                scale = head_dim**-0.5
+                os.environ[decode.ENV] = "0"
+                gather = _timed(partial(cpu_attention.paged_attention, *args))
+                os.environ[decode.ENV] = "1"
+                kernel = _timed(partial(decode.paged_decode, *args, scale, out))  # per (sequence, KV head)
+                per_seq = _timed(partial(decode.paged_decode, *args, scale, out, work=decode.WORK_SEQUENCE))
+                # the same bytes stored head-major per block, viewed back as [blocks, bs, KVH, D]
+                k_alt = k.transpose(1, 2).contiguous().transpose(1, 2)
+                v_alt = v.transpose(1, 2).contiguous().transpose(1, 2)
+                alt_args = (q, k_alt, v_alt, tables, cu, lens)
+                alt = min(_timed(partial(decode.paged_decode, *alt_args, scale, out, work=work))
+                          for work in (decode.WORK_SEQUENCE, decode.WORK_HEAD))
+                ours = min(kernel, per_seq)
+                row = {"dtype": str(dtype).removeprefix("torch."), "batch": B, "context": L,
+                       "kv_mb": kv_bytes / 2**20, "gather_ms": gather * 1e3, "kernel_ms": kernel * 1e3,
+                       "kernel_per_sequence_ms": per_seq * 1e3, "vllm_layout_ms": alt * 1e3,
+                       "speedup": gather / kernel, "kernel_gb_per_s": kv_bytes / kernel / 1e9,
+                       "vllm_over_ours": alt / ours}
+                rows.append(row)
+                print(f"  {row['dtype']:8s} {B:4d} {L:5d} {row['kv_mb']:7.1f} {row['gather_ms']:8.3f} "
+                      f"{row['kernel_ms']:8.3f} {row['speedup']:6.2f}x {row['kernel_gb_per_s']:6.1f} "
+                      f"{row['kernel_per_sequence_ms']:11.3f} {row['vllm_layout_ms']:11.3f} "
+                      f"{row['vllm_over_ours']:9.2f}")
+                del k, v, k_alt, v_alt
+    os.environ.pop(decode.ENV, None)
+    return rows
 
 
 def main() -> None:
@@ -306,7 +463,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--model", default=None,
                     help="HF folder or .gguf file, or 'demo' (SmolLM2-135M-Instruct) [a random ~20M Llama]")
+    ap.add_argument("--decode-kernel", choices=("both", "on", "off"), default="both",
+                    help="run the engine with the compiled CPU decode kernel, without it "
+                         "(BATCHINFER_CPU_DECODE_KERNEL=0), or both one after the other [both]")
+    ap.add_argument("--attention", action="store_true",
+                    help="only the decode-attention micro-bench (kernel vs gather, our layout vs vLLM's) "
+                         "at the model's head shapes")
+    ap.add_argument("--cpu-clock", action="store_true",
+                    help="time with the main thread's CPU time instead of wall time (use with --threads 1 "
+                         "on a shared machine: other processes' load then barely shows)")
     args = ap.parse_args()
+    global CPU_CLOCK
+    CPU_CLOCK = args.cpu_clock
+    if args.cpu_clock and (args.threads or torch.get_num_threads()) != 1:
+        raise SystemExit("--cpu-clock counts the main thread only: use it with --threads 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     w = QUICK if args.quick else WORKLOADS[args.workload]
@@ -320,16 +490,31 @@ def main() -> None:
         params = sum(t.numel() for t in model.parameters())
         print(f"model: {model_dir.name}, {model.config.architecture} {params / 1e6:.1f}M parameters, "
               f"float32, {torch.get_num_threads()} threads")
+        if args.attention:
+            rows = attention_micro(model.config.num_attention_heads, model.num_kv_heads, model.head_dim,
+                                   args.quick)
+            print(json.dumps({"attention": [{k: round(v, 4) if isinstance(v, float) else v
+                                             for k, v in r.items()} for r in rows]}))
+            return
         print(f"workload: {len(prompts)} requests, prompts {w['prompt']}, outputs {w['output']}, "
               f"{sum(map(len, prompts))} prompt and {sum(outputs)} output tokens")
-        # Profiled: no replays, so the profile is the engine's own time (and no efficiencies).
-        replay_every = 0 if args.profile else 4
-        wall, tokens, efficiency, stats, flops = run_engine(model_dir, prompts, outputs, replay_every,
-                                                            profile=args.profile)
+        modes = ("on", "off") if args.decode_kernel == "both" else (args.decode_kernel,)
+        bandwidth = copy_bandwidth()
+        runs = {}
+        for mode in modes:
+            os.environ[decode_kernel_env()] = "1" if mode == "on" else "0"
+            # Profiled: no replays, so the profile is the engine's own time (and no efficiencies).
+            replay_every = 0 if args.profile else 4
+            wall, tokens, efficiency, stats, flops = run_engine(model_dir, prompts, outputs, replay_every,
+                                                                profile=args.profile)
+            runs[mode] = (wall, tokens, efficiency, flops)
+            print(f"batchinfer LLM, decode kernel {mode:3s}: {wall:8.1f} s  {tokens / wall:8.1f} output "
+                  f"tokens/s  ({stats['steps']} steps, {stats['tokens_per_step']:.0f} tokens/step, "
+                  f"{stats['preemptions']} preemptions)")
+        os.environ.pop(decode_kernel_env(), None)
+        bandwidth = max(bandwidth, copy_bandwidth())  # the better of before and after: the stricter ceiling
+        wall, tokens, efficiency, flops = runs[modes[0]]
         engine_tps = tokens / wall
-        print(f"batchinfer LLM:   {wall:8.1f} s  {engine_tps:8.1f} output tokens/s  "
-              f"({stats['steps']} steps, {stats['tokens_per_step']:.0f} tokens/step, "
-              f"{stats['preemptions']} preemptions)")
         total = sum(flops.flops.values())
         if total == 0:  # the step's inputs are counted from ModelRunner.prepare
             raise SystemExit("no step went through ModelRunner.prepare: the FLOP count needs its inputs")
@@ -338,10 +523,20 @@ def main() -> None:
         shares = ", ".join(f"{k} {v / total:.0%}" for k, v in flops.flops.items())
         print(f"model FLOPs: {total / 1e12:.2f} TFLOP ({shares}); engine {model_rate / 1e9:.1f} GFLOP/s"
               + ("" if matmul_rate is None else
-                 f", plain matmuls of the model's shapes {matmul_rate / 1e9:.1f} GFLOP/s: "
-                 f"matmul efficiency {model_rate / matmul_rate:.2f}"))
-        print(f"decode attention: reads {flops.decode_kv_bytes / 1e9:.1f} GB of K/V "
-              f"(~{cfg_intensity(model):.1f} FLOP per byte: memory-bound)")
+                 f"; plain matmuls of the model's shapes {matmul_rate / 1e9:.1f} GFLOP/s"))
+        print(f"bytes: {flops.bytes / 1e9:.1f} GB (weights once per step + the K/V attention reads); "
+              f"decode rows read {flops.decode_kv_bytes / 1e9:.1f} GB of K/V "
+              f"(~{cfg_intensity(model):.1f} FLOP per byte: memory-bound); copy_ {bandwidth / 1e9:.1f} GB/s "
+              f"(read + write)")
+        roofs = {mode: runs[mode][3].roofline(bandwidth) for mode in modes}
+        for mode, roof in roofs.items():
+            if roof is not None:
+                print(f"roofline, decode kernel {mode:3s}: ceiling {roof['ceiling_s']:.2f} s of the replayed "
+                      f"steps' {roof['engine_s']:.2f} s ({roof['memory_bound_share']:.0%} of them "
+                      f"memory-bound): efficiency {roof['efficiency']:.2f} (target >= 0.8)")
+        if len(modes) == 2:
+            on, off = (runs[m][1] / runs[m][0] for m in modes)
+            print(f"decode kernel on vs off: {on:.1f} vs {off:.1f} output tokens/s ({on / off:.2f}x)")
         hf_tps = None
         if not args.no_transformers:
             hf_wall, hf_tokens = run_transformers(model_dir, prompts, outputs, w["hf_batch"])
@@ -355,13 +550,28 @@ def main() -> None:
     def rounded(x: float | None, digits: int) -> float | None:
         return None if x is None else round(x, digits)
 
+    def roof(mode: str) -> float | None:
+        r = roofs.get(mode)
+        return None if r is None else round(r["efficiency"], 3)
+
+    off_tps = runs["off"][1] / runs["off"][0] if "off" in runs else None
     print(json.dumps({"tokens_per_s": round(engine_tps, 2), "transformers_tokens_per_s": rounded(hf_tps, 2),
                       "ratio": None if hf_tps is None else round(engine_tps / hf_tps, 3),
                       "efficiency": rounded(efficiency, 3),
                       "model_gflops_per_s": round(model_rate / 1e9, 2),
                       "matmul_gflops_per_s": None if matmul_rate is None else round(matmul_rate / 1e9, 2),
-                      "matmul_efficiency": None if matmul_rate is None
-                      else round(model_rate / matmul_rate, 3)}))
+                      "copy_gb_per_s": round(bandwidth / 1e9, 2),
+                      "roofline_efficiency": roof(modes[0]),
+                      "decode_kernel": modes[0],
+                      "tokens_per_s_kernel_off": rounded(off_tps, 2) if len(modes) == 2 else None,
+                      "roofline_efficiency_kernel_off": roof("off") if len(modes) == 2 else None}))
+
+
+def decode_kernel_env() -> str:
+    """The decode kernel's switch, ``BATCHINFER_CPU_DECODE_KERNEL`` (read on every attention call)."""
+    from batchinfer.kernels.cpu_ext import decode
+
+    return decode.ENV
 
 
 if __name__ == "__main__":

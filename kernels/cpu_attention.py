@@ -2,7 +2,10 @@
 
 Same contract and results as kernels/reference.py (the specification), but built for CPU speed:
 
-- Decode rows (one query) are sorted by context length and grouped into buckets whose padding
+- Decode rows go to the compiled kernel of ``kernels/cpu_ext`` when it is available (built on
+  first use; ``BATCHINFER_CPU_DECODE_KERNEL``) and takes the tensors: all of them in one call that
+  reads K/V straight from the block table, no gather.
+- Without it, decode rows (one query) are sorted by context length and grouped into buckets whose padding
   stays under ``PAD_WASTE`` and whose gathered K/V stay under ``BUCKET_BYTES``; each bucket
   costs one block gather and one SDPA call instead of a Python iteration per sequence. A row
   alone in its bucket skips the mask and SDPA (slow on one query row): two ``bmm`` and a softmax
@@ -38,6 +41,8 @@ import threading
 
 import torch
 import torch.nn.functional as F
+
+from batchinfer.kernels.cpu_ext import decode as decode_kernel
 
 PAD_WASTE = 1.25  # a decode bucket may attend over at most 25% padded (masked) key slots
 MAX_BUCKET_ROWS = 256  # rows per SDPA call; BUCKET_BYTES bounds the workspace (256 decodes of a 1-layer
@@ -271,6 +276,10 @@ def paged_attention(
     _check(cu, lens, q.shape[0], k_cache.shape[1], block_tables.shape[1])
     out = torch.empty_like(q)
     decodes = [(i, n) for i, n in enumerate(lens) if cu[i + 1] - cu[i] == 1]
+    if decodes and decode_kernel.enabled(q, k_cache, v_cache):  # all decode rows in one compiled call
+        decode_kernel.paged_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out,
+                                   sliding_window, softcap)
+        decodes = []
     slot_bytes = 2 * math.prod(k_cache.shape[2:]) * compute_dtype.itemsize  # one key slot of K + V, gathered
     for bucket in decode_buckets(decodes, max_keys=BUCKET_BYTES // slot_bytes):
         if len(bucket) == 1:

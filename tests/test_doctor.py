@@ -12,6 +12,7 @@ from conftest import RedisServer, free_port
 from batchinfer.cli.doctor import (
     Check,
     check_backends,
+    check_cpu_paths,
     check_device,
     check_model_dir,
     check_redis,
@@ -126,6 +127,25 @@ def test_devices_and_backends():
     assert not missing.ok and "cpu" in missing.fix
     assert not check_device("banana").ok
     assert "reference" in check_backends().detail
+
+
+def test_cpu_fast_paths(monkeypatch):
+    assert check_cpu_paths("cuda:0") is None  # a GPU device: nothing to say about the CPU paths
+    monkeypatch.setenv("BATCHINFER_CPU_BF16", "0")
+    monkeypatch.setenv("BATCHINFER_CPU_DECODE_KERNEL", "0")
+    off = check_cpu_paths("cpu")
+    assert off is not None and off.ok and "off" in off.detail and "dtype auto = float32" in off.detail
+    monkeypatch.setenv("BATCHINFER_CPU_BF16", "1")
+    monkeypatch.setenv("BATCHINFER_CPU_DECODE_KERNEL", "auto")
+    from batchinfer.kernels.cpu_ext import decode
+
+    found = check_cpu_paths("cpu")
+    assert found is not None and "dtype auto = bfloat16" in found.detail
+    # built here (the suite's machines have g++): PASS; elsewhere a WARN that says how to get it
+    assert found.status == ("PASS" if decode.available() else "WARN"), found
+    monkeypatch.setenv("BATCHINFER_CPU_DECODE_KERNEL", "maybe")
+    bad = check_cpu_paths("cpu")
+    assert bad is not None and bad.status == "FAIL" and "BATCHINFER_CPU_DECODE_KERNEL" in bad.detail
 
 
 def test_json_rendering_is_machine_readable(custom_redis, tiny_llama):

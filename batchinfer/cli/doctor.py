@@ -2,8 +2,9 @@
 
 :func:`run_doctor` returns one :class:`Check` per finding: Redis (reachable, version >= 6.2, AOF,
 a memory policy that cannot evict the request streams, memory headroom), a model directory
-(config, safetensors weights, tokenizer, chat template), the torch device and the attention
-backends. :func:`render_text` / :func:`render_json` print them; :func:`exit_code` is 1 when an
+(config, safetensors weights, tokenizer, chat template), the torch device, the attention
+backends and, on the CPU, its fast paths (the compiled decode kernel, native bfloat16).
+:func:`render_text` / :func:`render_json` print them; :func:`exit_code` is 1 when an
 error-level check failed (warnings do not fail).
 """
 
@@ -278,10 +279,38 @@ def check_backends(device: str | None = None) -> Check:
                  "the reference backend is slow", severity="warning" if names else "error")
 
 
+def check_cpu_paths(device: str | None = None) -> Check | None:
+    """On the CPU (None elsewhere): whether the compiled decode-attention kernel builds here
+    (``kernels/cpu_ext``; building it now if needed, ~10 s once per machine) and what
+    ``dtype="auto"`` picks. A warning when the kernel cannot be had: the torch path is slower."""
+    import torch
+
+    target = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not target.startswith("cpu"):
+        return None
+    from batchinfer.kernels.cpu_ext import decode
+    from batchinfer.workers.auto_dtype import cpu_has_bf16
+
+    try:
+        mode = decode.kernel_mode()
+    except ValueError as exc:
+        return Check("cpu fast paths", False, str(exc), f"set {decode.ENV} to auto, 1 or 0")
+    bf16 = ("dtype auto = bfloat16 (native bfloat16 matmuls)" if cpu_has_bf16()
+            else "dtype auto = float32 (no avx512_bf16 / amx_bf16)")
+    if mode == "0":
+        return Check("cpu fast paths", True, f"decode kernel off ({decode.ENV}=0); {bf16}")
+    if decode.available():
+        return Check("cpu fast paths", True, f"decode kernel built; {bf16}")
+    return Check("cpu fast paths", False, f"decode kernel unavailable: {decode.unavailable_reason()}; {bf16}",
+                 "install a C++ compiler and ninja (apt-get install g++ ninja-build) for the compiled "
+                 "decode attention; without them decode attention takes the slower torch path",
+                 severity="warning")
+
+
 # --- the doctor ----------------------------------------------------------------------------------
 def run_doctor(settings: Settings, model_dir: str | Path | None = None, device: str | None = None,
                redis_client: redis.Redis | None = None) -> list[Check]:
-    """Every check, in the order a person fixes things: Redis, model, device, kernels."""
+    """Every check, in the order a person fixes things: Redis, model, device, kernels, CPU paths."""
     where = redact_url(settings.redis_url) or "redis://127.0.0.1:6379/0 (default)"
     checks: list[Check]
     try:
@@ -295,6 +324,9 @@ def run_doctor(settings: Settings, model_dir: str | Path | None = None, device: 
         checks += check_model_dir(model_dir)
     checks.append(check_device(device))
     checks.append(check_backends(device))
+    cpu = check_cpu_paths(device)
+    if cpu is not None:
+        checks.append(cpu)
     return checks
 
 

@@ -1,0 +1,443 @@
+// CPU decode attention straight from the paged KV cache (batchinfer.kernels.cpu_ext.decode).
+//
+// Every sequence of the batch with exactly one query this step (a decode row) attends over its
+// context [lo, len) (lo = len - window with a sliding window, else 0), read block by block from
+// the block table: no gather copy. Per work item (a sequence's KV head by default, or a whole
+// sequence), block by block and head by head: the scores of the head's G query heads (each key row
+// read once for all of them; the per-key partial sums reduced 16 keys at a time), the online-softmax
+// update (running max m and sum l; the output accumulator rescaled by exp(m_old - m_new)), then the
+// values. The next block is prefetched meanwhile. Compute is float32 whatever the cache dtype
+// (float32, bfloat16, float16).
+//
+// Layout (the kernels contract): k_cache, v_cache [num_blocks, block_size, KVH, D], any strides
+// with a unit last one (so a cache stored [num_blocks, KVH, block_size, D], viewed back, is read too).
+//
+// Vectorization: GCC/Clang vector extensions of 16 floats (-O3, no intrinsics), the hot function
+// compiled for x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA) and the baseline, chosen at load by the
+// CPU (GCC's target_clones): no -march=native, so a cached build runs on any x86-64 machine that
+// shares it. head_dim must be a multiple of 16.
+// Threads: torch's intra-op pool (at::parallel_for, torch.set_num_threads), items handed out
+// longest first from an atomic counter, since contexts are ragged.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#ifndef BATCHINFER_OPS_NS
+#define BATCHINFER_OPS_NS batchinfer_cpu_decode
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BATCHINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define BATCHINFER_CLONES
+#endif
+#define BATCHINFER_INLINE inline __attribute__((always_inline))
+
+namespace {
+
+// 16 float lanes: one AVX-512 register, two AVX2 or four SSE ones (GCC/Clang vector extensions, so
+// each target clone lowers the same code to its own instructions).
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+constexpr int64_t LANES = 16;
+
+// Cache element types: 16 elements as floats, one float back as an element.
+struct F32 {
+  using T = float;
+  static BATCHINFER_INLINE vf load(const T* p) {
+    vf v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  static BATCHINFER_INLINE T store(float v) { return v; }
+};
+struct BF16 {  // the high half of a float32
+  using T = uint16_t;
+  static BATCHINFER_INLINE vf load(const T* p) {
+    vh h;
+    std::memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+  }
+  static BATCHINFER_INLINE T store(float v) { return c10::BFloat16(v).x; }
+};
+struct F16 {
+  using T = uint16_t;
+  static BATCHINFER_INLINE vf load(const T* p) {
+    float f[LANES];
+    for (int64_t j = 0; j < LANES; ++j) f[j] = c10::detail::fp16_ieee_to_fp32_value(p[j]);
+    vf v;
+    std::memcpy(&v, f, sizeof v);
+    return v;
+  }
+  static BATCHINFER_INLINE T store(float v) { return c10::detail::fp16_ieee_from_fp32_value(v); }
+};
+
+#if defined(__clang__)
+#define BATCHINFER_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define BATCHINFER_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#endif
+
+BATCHINFER_INLINE float hsum(vf v) {
+  vf8 a, b;
+  std::memcpy(&a, &v, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+  a += b;
+  vf4 c, d;
+  std::memcpy(&c, &a, sizeof c);
+  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// Sums of 16 vectors at once: lane i of the result = the sum of p[i]'s lanes. Four rounds of
+// "shuffle two vectors' halves apart, add": 30 shuffles and 15 adds for 16 dot products, where
+// reducing each alone costs ~8 instructions.
+BATCHINFER_INLINE vf fold8(vf a, vf b) {
+  return BATCHINFER_SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         BATCHINFER_SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+BATCHINFER_INLINE vf fold4(vf a, vf b) {
+  return BATCHINFER_SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         BATCHINFER_SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+BATCHINFER_INLINE vf fold2(vf a, vf b) {
+  return BATCHINFER_SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         BATCHINFER_SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+BATCHINFER_INLINE vf fold1(vf a, vf b) {
+  return BATCHINFER_SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         BATCHINFER_SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+BATCHINFER_INLINE vf reduce16(const vf* __restrict p) {
+  vf a[8], b[4];
+  for (int i = 0; i < 8; ++i) a[i] = fold8(p[2 * i], p[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) b[i] = fold4(a[2 * i], a[2 * i + 1]);
+  return fold1(fold2(b[0], b[1]), fold2(b[2], b[3]));
+}
+
+BATCHINFER_INLINE vf exp_nonpositive(vf x) {  // e^x for x <= 0 (Cephes' expf polynomial); 0 below -87
+  const vf xc = x < -87.0f ? vf{} - 87.0f : x;
+  const vf magic = vf{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vf n = (xc * 1.44269504088896341f + magic) - magic;
+  const vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2 in two parts
+  vf y = vf{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
+  return x < -87.0f ? vf{} : y * (vf)e;
+}
+
+struct Problem {
+  int64_t G, D, bs;
+  int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;  // cache strides (elements): block, token, head
+  int64_t q_sr, q_sh, o_sr, o_sh;  // q / out strides: row, head
+  const void* tables;
+  bool tables64;
+  int64_t table_stride;
+  float scale, softcap;  // softcap 0 = off
+  int64_t window;  // 0 = off
+};
+
+BATCHINFER_INLINE int64_t block_id(const Problem& p, int64_t seq, int64_t b) {
+  return p.tables64 ? static_cast<const int64_t*>(p.tables)[seq * p.table_stride + b]
+                    : static_cast<const int32_t*>(p.tables)[seq * p.table_stride + b];
+}
+
+// Scratch of one work item of `heads` KV heads, in vf units (see `attend`).
+int64_t scratch_size(int64_t heads, int64_t G, int64_t D, int64_t bs) {
+  const int64_t R = heads * G, NV = D / LANES, BP = (bs + LANES - 1) / LANES * LANES;
+  return 2 * R * NV + G * BP + 2 * BP * NV + G * BP / LANES + (2 * R + LANES - 1) / LANES;
+}
+
+// Rows [t0, t1) of one head of a cache block as float rows: the cache itself for float32, else
+// converted into `buf` (each element is then converted once, not once per query head).
+template <class S>
+BATCHINFER_INLINE const float* rows_f32(const typename S::T* base, int64_t st, int64_t t0, int64_t t1, int64_t NV,
+                                        vf* __restrict buf, int64_t* stride) {
+  if constexpr (std::is_same_v<S, F32>) {
+    *stride = st;
+    return base;
+  } else {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t c = 0; c < NV; ++c) buf[t * NV + c] = S::load(base + t * st + c * LANES);
+    }
+    *stride = NV * LANES;
+    return reinterpret_cast<const float*>(buf);
+  }
+}
+
+BATCHINFER_INLINE vf loadf(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Ask for the next block's key and value rows [0, t1) of heads [h0, h1) while this one is computed:
+// one thread reading blocks scattered over the cache cannot keep enough misses in flight otherwise.
+template <class S>
+BATCHINFER_INLINE void prefetch_block(const Problem& p, const typename S::T* k, const typename S::T* v, int64_t blk,
+                                      int64_t t1, int64_t h0, int64_t h1) {
+  const int64_t row_bytes = p.D * static_cast<int64_t>(sizeof(typename S::T));
+  for (int64_t t = 0; t < t1; ++t) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const char* kr = reinterpret_cast<const char*>(k + blk * p.k_sb + t * p.k_st + h * p.k_sh);
+      const char* vr = reinterpret_cast<const char*>(v + blk * p.v_sb + t * p.v_st + h * p.v_sh);
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        __builtin_prefetch(kr + off, 0, 1);  // into L2 (prefetcht2): L1 keeps the block being computed
+        __builtin_prefetch(vr + off, 0, 1);
+      }
+    }
+  }
+}
+
+// One work item: KV heads [h0, h1) of one sequence, whose query is row `row` and context `len`.
+// Block by block, head by head: scores of the head's G query rows (each key row read once into
+// L1 for all of them), the online-softmax update, then the values.
+template <class S>
+BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict q, const typename S::T* __restrict k,
+                              const typename S::T* __restrict v, typename S::T* __restrict out, int64_t row,
+                              int64_t seq, int64_t len, int64_t h0, int64_t h1, vf* __restrict w) {
+  using T = typename S::T;
+  const int64_t G = p.G, NV = p.D / LANES, bs = p.bs, BP = (bs + LANES - 1) / LANES * LANES;
+  const int64_t R = (h1 - h0) * G;  // query heads of the item, row r = (h - h0) * G + g
+  vf* __restrict qf = w;  // [R, NV] scaled queries
+  vf* __restrict acc = qf + R * NV;  // [R, NV] unnormalized outputs
+  vf* __restrict part = acc + R * NV;  // [G, BP] per-key partial dot products of one head
+  vf* __restrict kbuf = part + G * BP;  // [BP, NV] a head's key rows as floats (non-float32 caches)
+  vf* __restrict vbuf = kbuf + BP * NV;  // [BP, NV] its value rows
+  float* __restrict s = reinterpret_cast<float*>(vbuf + BP * NV);  // [G, BP] scores, then weights
+  float* __restrict m = s + G * BP;  // [R] running max
+  float* __restrict l = m + R;  // [R] running sum
+  for (int64_t r = 0; r < R; ++r) {
+    const T* qr = q + row * p.q_sr + (h0 * G + r) * p.q_sh;
+    for (int64_t c = 0; c < NV; ++c) {
+      qf[r * NV + c] = S::load(qr + c * LANES) * p.scale;
+      acc[r * NV + c] = vf{};
+    }
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+  }
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
+  for (int64_t b = lo / bs; b * bs < len; ++b) {
+    const int64_t blk = block_id(p, seq, b);
+    const int64_t t0 = std::max<int64_t>(lo - b * bs, 0), t1 = std::min<int64_t>(len - b * bs, bs);
+    if ((b + 1) * bs < len) {
+      prefetch_block<S>(p, k, v, block_id(p, seq, b + 1), std::min<int64_t>(len - (b + 1) * bs, bs), h0, h1);
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      int64_t kst, vst;
+      const float* kr = rows_f32<S>(k + blk * p.k_sb + h * p.k_sh, p.k_st, t0, t1, NV, kbuf, &kst);
+      // Scores: per key a partial vector per query head, summed 16 keys at a time (reduce16).
+      for (int64_t g = 0; g < G; ++g) {
+        const vf* __restrict qg = qf + ((h - h0) * G + g) * NV;
+        vf* __restrict pg = part + g * BP;
+        for (int64_t t = 0; t < BP; ++t) {
+          if (t < t0 || t >= t1) {
+            pg[t] = vf{};
+            continue;
+          }
+          const float* kt = kr + t * kst;
+          vf x = qg[0] * loadf(kt);
+          for (int64_t c = 1; c < NV; ++c) x += qg[c] * loadf(kt + c * LANES);
+          pg[t] = x;
+        }
+        for (int64_t t = 0; t < BP; t += LANES) {
+          const vf sums = reduce16(pg + t);
+          std::memcpy(s + g * BP + t, &sums, sizeof sums);
+        }
+      }
+      // Online softmax: fold the block into each row's running max and sum; rescale its output.
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = (h - h0) * G + g;
+        float* __restrict sr = s + g * BP;
+        if (p.softcap > 0.0f) {
+          for (int64_t t = t0; t < t1; ++t) sr[t] = p.softcap * std::tanh(sr[t] / p.softcap);
+        }
+        float mx = m[r];
+        for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
+        const float alpha = std::exp(m[r] - mx);  // 0 on the first block (m = -inf)
+        if (alpha != 1.0f) {
+          for (int64_t c = 0; c < NV; ++c) acc[r * NV + c] *= alpha;
+        }
+        vf sum = vf{};
+        for (int64_t c0 = 0; c0 < BP; c0 += LANES) {
+          const vf x = loadf(sr + c0);
+          const vi pos = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + static_cast<int32_t>(c0);
+          // lanes outside [t0, t1) hold no key: weight 0
+          const vf e = (pos >= static_cast<int32_t>(t0)) & (pos < static_cast<int32_t>(t1)) ? exp_nonpositive(x - mx)
+                                                                                              : vf{};
+          std::memcpy(sr + c0, &e, sizeof e);
+          sum += e;
+        }
+        l[r] = l[r] * alpha + hsum(sum);
+        m[r] = mx;
+      }
+      // Values: acc[r] += w[r, t] * v[t], over four independent sums (FMA latency, not throughput).
+      const float* vr = rows_f32<S>(v + blk * p.v_sb + h * p.v_sh, p.v_st, t0, t1, NV, vbuf, &vst);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = (h - h0) * G + g;
+        const float* __restrict sr = s + g * BP;
+        for (int64_t c = 0; c < NV; ++c) {
+          const float* vc = vr + c * LANES;
+          vf a0 = acc[r * NV + c], a1 = vf{}, a2 = vf{}, a3 = vf{};
+          int64_t t = t0;
+          for (; t + 4 <= t1; t += 4) {
+            a0 += sr[t] * loadf(vc + t * vst);
+            a1 += sr[t + 1] * loadf(vc + (t + 1) * vst);
+            a2 += sr[t + 2] * loadf(vc + (t + 2) * vst);
+            a3 += sr[t + 3] * loadf(vc + (t + 3) * vst);
+          }
+          for (; t < t1; ++t) a0 += sr[t] * loadf(vc + t * vst);
+          acc[r * NV + c] = (a0 + a1) + (a2 + a3);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    T* orow = out + row * p.o_sr + (h0 * G + r) * p.o_sh;
+    const float inv = 1.0f / l[r];
+    for (int64_t c = 0; c < NV; ++c) {
+      const vf a = acc[r * NV + c] * inv;
+      for (int64_t j = 0; j < LANES; ++j) orow[c * LANES + j] = S::store(a[j]);
+    }
+  }
+}
+
+// The cloned entry points (one per cache dtype): the CPU picks AVX-512, AVX2 or baseline code.
+#define BATCHINFER_ENTRY(NAME, S)                                                                          \
+  BATCHINFER_CLONES void NAME(const Problem& p, const S::T* q, const S::T* k, const S::T* v, S::T* out, \
+                              int64_t row, int64_t seq, int64_t len, int64_t h0, int64_t h1, vf* w) {     \
+    attend<S>(p, q, k, v, out, row, seq, len, h0, h1, w);                                                   \
+  }
+BATCHINFER_ENTRY(attend_f32, F32)
+BATCHINFER_ENTRY(attend_bf16, BF16)
+BATCHINFER_ENTRY(attend_f16, F16)
+
+int64_t as_index(const at::Tensor& t, int64_t i) {
+  return t.scalar_type() == at::kLong ? t.data_ptr<int64_t>()[i] : t.data_ptr<int32_t>()[i];
+}
+
+// work: 0 = one item per sequence (all its KV heads), 1 = one per (sequence, KV head), -1 = default (1).
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                  double scale, int64_t sliding_window, double softcap, int64_t work, const at::Tensor& out) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  out.device().is_cpu() && block_tables.device().is_cpu() && cu_seqlens_q.device().is_cpu() &&
+                  seq_lens.device().is_cpu(),
+              "paged_decode: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && out.sizes() == q.sizes(),
+              "paged_decode: q/out [T, H, D], k_cache/v_cache [num_blocks, block_size, KVH, D]");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == dtype && v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
+              "paged_decode: q, k_cache, v_cache and out must share a dtype");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "paged_decode: float32, bfloat16 or float16 only, got ", dtype);
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && KVH > 0 && H % KVH == 0, "paged_decode: head_dim / head count mismatch");
+  TORCH_CHECK(D % LANES == 0, "paged_decode: head_dim must be a multiple of ", LANES, ", got ", D);
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_decode: the head_dim axis must be contiguous");
+  for (const auto* t : {&block_tables, &cu_seqlens_q, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "paged_decode: int32/int64 indices");
+    TORCH_CHECK(t->is_contiguous(), "paged_decode: contiguous index tensors");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && seq_lens.dim() == 1 && cu_seqlens_q.dim() == 1 &&
+                  block_tables.size(0) == seq_lens.size(0) && cu_seqlens_q.size(0) == seq_lens.size(0) + 1,
+              "paged_decode: block_tables [S, max_blocks], cu_seqlens_q [S + 1], seq_lens [S]");
+  const int64_t S = seq_lens.size(0), max_blocks = block_tables.size(1), num_blocks = k_cache.size(0);
+  TORCH_CHECK(sliding_window >= 0 && softcap >= 0, "paged_decode: sliding_window and softcap >= 0 (0 = off)");
+
+  // The decode rows, checked before any thread reads a block: every block id they use must exist.
+  struct Row { int64_t row, seq, len; };
+  std::vector<Row> rows;
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t row = as_index(cu_seqlens_q, i);
+    if (as_index(cu_seqlens_q, i + 1) - row != 1) continue;
+    const int64_t len = as_index(seq_lens, i);
+    TORCH_CHECK(len >= 1 && row >= 0 && row < q.size(0), "paged_decode: sequence ", i, ": bad length or row");
+    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    TORCH_CHECK((len + bs - 1) / bs <= max_blocks, "paged_decode: sequence ", i,
+                " needs more blocks than the table has");
+    for (int64_t b = lo / bs; b * bs < len; ++b) {
+      const int64_t id = as_index(block_tables, i * max_blocks + b);
+      TORCH_CHECK_INDEX(id >= 0 && id < num_blocks, "paged_decode: sequence ", i, " block ", b, " is ", id,
+                        ", outside the cache's ", num_blocks, " blocks");
+    }
+    rows.push_back({row, i, len});
+  }
+  if (rows.empty()) return;
+
+  Problem p{H / KVH, D, bs,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            block_tables.data_ptr(), block_tables.scalar_type() == at::kLong, max_blocks,
+            static_cast<float>(scale), static_cast<float>(softcap), sliding_window};
+  const int64_t threads = at::get_num_threads(), n = static_cast<int64_t>(rows.size());
+  // Per (sequence, KV head) by default: as fast or faster than per sequence in every case of the
+  // micro-bench (1.3-1.5x once K/V outgrow the caches: a smaller next-block prefetch), and more items.
+  if (work < 0) work = 1;
+  const int64_t per_item = work == 1 ? 1 : KVH;  // KV heads per work item
+  const int64_t splits = KVH / per_item, items = n * splits;
+  // Longest context first: ragged work handed out greedily balances over the threads.
+  std::vector<int64_t> order(items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return rows[a / splits].len > rows[b / splits].len; });
+  const int64_t scratch = scratch_size(per_item, p.G, D, bs);
+  const void* qp = q.data_ptr();
+  const void* kp = k_cache.data_ptr();
+  const void* vp = v_cache.data_ptr();
+  void* op = out.data_ptr();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
+    std::vector<float> raw((scratch + 1) * LANES);  // aligned by hand below: vf loads/stores assume 64 bytes
+    vf* w = reinterpret_cast<vf*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const Row& r = rows[order[i] / splits];
+      const int64_t h0 = (order[i] % splits) * per_item, h1 = h0 + per_item;
+      if (dtype == at::kFloat) {
+        attend_f32(p, static_cast<const float*>(qp), static_cast<const float*>(kp), static_cast<const float*>(vp),
+                   static_cast<float*>(op), r.row, r.seq, r.len, h0, h1, w);
+      } else if (dtype == at::kBFloat16) {
+        attend_bf16(p, static_cast<const uint16_t*>(qp), static_cast<const uint16_t*>(kp),
+                    static_cast<const uint16_t*>(vp), static_cast<uint16_t*>(op), r.row, r.seq, r.len, h0, h1,
+                    w);
+      } else {
+        attend_f16(p, static_cast<const uint16_t*>(qp), static_cast<const uint16_t*>(kp),
+                   static_cast<const uint16_t*>(vp), static_cast<uint16_t*>(op), r.row, r.seq, r.len, h0, h1,
+                   w);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(BATCHINFER_OPS_NS, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
+        "Tensor seq_lens, float scale, int sliding_window, float softcap, int work, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(BATCHINFER_OPS_NS, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -2,14 +2,18 @@
 ``task == "embed"``, inputs and pooling parameters in, vectors out), publish each result once.
 
 One loop, one screen (:meth:`WorkerDaemon._iteration`): take publication confirmations and hand
-complete batches' acks over -> forget batches whose lease was lost -> act on cancellations -> pull
-a batch when the engine has room (one batch stays prefetched) -> feed waiting requests into the
-engine -> step. The daemon only loops; the work is its managers', each testable alone:
+complete batches' acks over -> forget batches whose lease was lost -> act on cancellations -> take
+the batch read ahead when the engine has room (one batch stays prefetched) -> feed waiting requests
+into the engine -> say whether another batch is wanted -> step. The daemon only loops; the work is
+its managers', each testable alone:
 
 - :class:`~batchinfer.workers.service.registration.Registration`: the name claim, the model's
   registration (and its adapters' and aliases'), the farewell;
 - :class:`~batchinfer.workers.service.reader.BatchReader`: XREADGROUP over the batch streams,
-  batches decoded into the book (:class:`~batchinfer.workers.service.inflight.Book`);
+  batches decoded, checked against the guard and taken into the book
+  (:class:`~batchinfer.workers.service.inflight.Book`);
+- :class:`~batchinfer.workers.service.reader.Prefetcher` (a thread, a Redis connection of its own):
+  the reads and checks, done while the engine steps, at most one read ahead of what the loop asks;
 - :class:`~batchinfer.workers.service.feeder.Feeder`: requests into the engine, steps, rows out,
   bisection of a failed step, cancelled jobs ended;
 - :class:`~batchinfer.workers.service.keeper.Keeper` (a thread): leases and heartbeats;
@@ -64,7 +68,7 @@ from batchinfer.workers.service.feeder import Cancellations, Feeder
 from batchinfer.workers.service.inflight import Book
 from batchinfer.workers.service.keeper import Keeper
 from batchinfer.workers.service.outbox import Outbox, PublisherStopped, PublisherThread, own_connection
-from batchinfer.workers.service.reader import BatchReader
+from batchinfer.workers.service.reader import BatchReader, Prefetcher
 from batchinfer.workers.service.registration import Registration
 from batchinfer.workers.service.streams import BatchStreams
 from batchinfer.workers.service.worker_config import WorkerConfig
@@ -131,8 +135,6 @@ class WorkerDaemon:
                              register=self.registration.register_model,
                              lease_seconds=settings.lease_seconds, stall_seconds=config.stall_seconds,
                              heartbeat_seconds=settings.heartbeat_seconds, streams=self.streams, clock=clock)
-        self.publisher = Publisher(r, self.keys, direct_retention_s=settings.direct_results_retention_seconds)
-        self.publisher.metrics = self.metrics  # counts reply streams skipped for their type
         # Publishing, retries, acks and exports run on the publisher thread, on a connection of its own
         own = own_connection(r)
         sender = Publisher(own, self.keys, direct_retention_s=settings.direct_results_retention_seconds,
@@ -143,9 +145,14 @@ class WorkerDaemon:
         self.cancels = Cancellations(self.keys)
         self.outbox = PublisherThread(outbox, hard_stop=self.hard_stop, name=f"publisher-{self.name}",
                                       poll=self.cancels.poll, poll_seconds=config.cancel_poll_seconds)
-        self.reader = BatchReader(r, self.keys, self.streams, name=self.name, engine=engine,
+        # Reads (and their guard checks) run on the prefetch thread, on a connection of its own
+        reads = own_connection(r)
+        self.publisher = Publisher(reads, self.keys, metrics=self.metrics,
+                                   direct_retention_s=settings.direct_results_retention_seconds)
+        self.reader = BatchReader(reads, self.keys, self.streams, name=self.name, engine=engine,
                                   adapters=self.adapters, book=self.book, keeper=self.keeper,
                                   outbox=self.outbox, publisher=self.publisher, block_ms=config.block_ms)
+        self.prefetcher = Prefetcher(self.reader, block_ms=config.block_ms, name=f"prefetch-{self.name}")
         self.tool_parser = config.tool_call_parser or template_tool_parser(files)
         self.feeder = Feeder(engine, self.book, self.outbox, self.cancels, name=self.name, model=self.model,
                              max_seqs=self.max_seqs, max_attempts=settings.max_attempts, metrics=self.metrics,
@@ -194,6 +201,7 @@ class WorkerDaemon:
                     return EXIT_ENGINE_BROKEN
             return 1
         finally:
+            self.prefetcher.stop()  # drained when run returns 0; else what it read stays to the leases
             self.outbox.stop()  # drained when run returns 0; else what is unsent stays to the leases
             self.keeper.stop()
             self.registration.unregister()  # else the registration expires by itself
@@ -204,13 +212,10 @@ class WorkerDaemon:
             self._flush()
             self._forget_lost()
             self.feeder.end_cancelled()
-            if self._wants_batch():
-                block = not self.engine.has_unfinished() and self.book.empty()
-                t0 = time.perf_counter()
-                self.reader.pull(block=block)
-                if block:
-                    self.idle_s += time.perf_counter() - t0
+            self._take()
             self.feeder.feed()
+            # what the prefetch thread reads while this step runs: the check of the next iteration
+            self.prefetcher.want(self._holds_nothing() if self._wants_batch() else None)
             if self.engine.has_unfinished():
                 self.feeder.step()
             elif self.draining or not self.book.empty():
@@ -220,6 +225,23 @@ class WorkerDaemon:
                 self.reader.refresh_resident()
         finally:
             self.loop_s += time.perf_counter() - began
+
+    def _take(self) -> None:
+        """Batches the prefetch thread read into the book, when the engine has room for them (also
+        while draining: a read that was under way is finished, not left to its lease). With
+        nothing held or running, waits up to ``block_ms`` for one."""
+        if not (self.draining or self._wants_batch()):
+            return
+        idle = not self.draining and self._holds_nothing()
+        t0 = time.perf_counter()
+        taken = self.prefetcher.take(idle, self.config.block_ms / 1000 if idle else 0.0)
+        if idle:
+            self.idle_s += time.perf_counter() - t0
+        for fetched in taken:
+            self.reader.admit(fetched)
+
+    def _holds_nothing(self) -> bool:
+        return not self.engine.has_unfinished() and self.book.empty()
 
     @property
     def loop_overhead_s(self) -> float:
@@ -240,7 +262,7 @@ class WorkerDaemon:
         return self.book.num_unstarted < max(1, self.feeder.room())
 
     def _idle(self) -> bool:
-        return self.book.empty() and self.outbox.empty()
+        return self.book.empty() and self.outbox.empty() and self.prefetcher.empty()
 
     def _start(self) -> None:
         """Claim the names, register the model, create the groups, take back this worker's own
@@ -254,6 +276,7 @@ class WorkerDaemon:
         self.cancels.poll(self.redis)  # at once: batches taken from now on know the cancelled jobs
         self.outbox.start()
         self.keeper.start()
+        self.prefetcher.start()
         self._ready = True
         self.readiness.mark("serving", True)
         adapters = f" with adapters {', '.join(self.adapters)}" if self.adapters else ""
@@ -275,6 +298,7 @@ class WorkerDaemon:
     def _forget_lost(self) -> None:
         lost = self.keeper.take_lost()
         if lost:
+            self.prefetcher.forget(lost)  # read ahead, not taken yet: nothing of them started
             dropped = self.book.drop_batches(lost)
             log.warning("worker %s: dropped %d waiting request(s) of re-dispatched batches",
                         self.name, len(dropped))
@@ -289,7 +313,7 @@ class WorkerDaemon:
                 "device": self.device, "capacity": self.capacity, "pid": os.getpid(),
                 "host": socket.gethostname(), "state": "draining" if self.draining else "serving",
                 "running": running, "waiting": len(self.book.held) - running,
-                "batches": len(self.book.batches),
+                "batches": len(self.book.batches), "prefetched": self.prefetcher.num_batches(),
                 "load": round(min(1.0, self.engine.num_unfinished() / self.max_seqs), 3),
                 "requests_done": self.requests_done, "steps": self.steps,
                 "loop_overhead_s": round(self.loop_overhead_s, 4), "publisher_queued": self.outbox.queued(),

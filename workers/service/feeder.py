@@ -149,7 +149,9 @@ class Feeder:
                 add(engine_id, inputs=req.inputs, pooling_params=req.pooling_params or {})
             else:
                 lora = {"lora": req.lora} if req.lora is not None else {}  # a base request: as before
-                params = req.params()
+                # built off this thread when the batch was read (reader.prepared_params); a re-run
+                # after a failed step builds them anew (the engine may have kept the first object)
+                params, held.params = held.params or req.params(), None
                 if req.tools is not None:
                     self._prepare_tools(ToolSpec.from_dict(req.tools), params)
                 # Only final outputs are read (the row; metrics take engine.step_stats): the engine

@@ -16,8 +16,9 @@ Pure bookkeeping for the worker daemon (no Redis, no engine), so its rules are u
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchinfer.protocol.rows import BatchRequest
 
@@ -31,6 +32,7 @@ class Held:
     started_at: int | None = None  # ms, once in the engine
     engine_id: str | None = None  # its id inside the engine while it runs
     tries: int = 0  # times it entered the engine (more than once after a failed step)
+    params: Any = None  # its SamplingParams, built when it was read; used once (a re-run builds anew)
 
 
 class Book:
@@ -47,19 +49,21 @@ class Book:
         self.closed: set[str] = set()  # rows queued, not yet published
 
     def add_batch(self, entry_id: str, requests: Iterable[BatchRequest], published: Iterable[bool],
-                  solo: bool = False) -> bool:
+                  solo: bool = False, params: Mapping[str, Any] | None = None) -> bool:
         """Take a batch; requests already published are done. True when nothing is left to run.
 
-        ``solo``: its requests run alone (a request held already becomes solo too).
+        ``solo``: its requests run alone (a request held already becomes solo too). ``params``:
+        request id -> sampling parameters prepared for the engine (kept on a newly held request).
         """
         todo = set()
+        params = params or {}
         for req, done in zip(requests, published, strict=True):
             if done:
                 continue
             todo.add(req.request_id)
             held = self.held.get(req.request_id)
             if held is None:
-                self.held[req.request_id] = held = Held(req)
+                self.held[req.request_id] = held = Held(req, params=params.get(req.request_id))
                 self.waiting.append(req.request_id)
             if solo and req.request_id not in self.solo:
                 self.solo.add(req.request_id)

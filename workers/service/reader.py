@@ -1,4 +1,6 @@
-"""Batches in: one XREADGROUP over the worker's batch streams, each entry decoded into the book.
+"""Batches in: XREADGROUP over the worker's batch streams, each entry decoded and checked against the
+exactly-once guard, on a thread of its own (:class:`Prefetcher`); the engine thread only takes what
+is ready into its book (:meth:`BatchReader.admit`).
 
 A worker serving LoRA adapters reads its model's stream and the adapter streams the
 cache-affinity policy picks (:func:`~batchinfer.workers.service.streams.streams_to_read`); a
@@ -6,22 +8,37 @@ request read from an adapter's stream runs with that adapter. Requests already p
 re-delivery of finished work) are done at once; the rest wait in the book while the keeper holds
 their batch's lease. A malformed request becomes a ``protocol_error`` row, or a dead letter when
 it names no job to answer; an entry that is no batch at all is dead-lettered whole.
+
+The prefetch thread reads as the engine thread's pull did, one read each time the loop asks (the
+same rule: the requests held but not started cannot fill the engine's free room), waiting in
+Redis only when the worker is idle, and holds at most ``PREFETCH_DEPTH`` reads that the engine
+thread has not taken yet, never a read past a ``solo`` batch: a worker hoards no more than it did
+when it read on its engine thread, and a read never outlives the ask by more than one round trip
+(a batch a failing worker re-dispatches stays for the others). Every entry is held by the keeper
+(its lease refreshed) from the moment it is read, so a prefetched batch is covered like any batch
+in the book, and left to its lease by a crash or a hard stop.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.protocol import batches
-from batchinfer.protocol.rows import ResultRow
-from batchinfer.redis_conn import as_text, ensure_group, read_groups
+from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.redis_conn import Backoff, as_text, ensure_group, read_groups
 from batchinfer.store import replies
 from batchinfer.store.publish import Publisher
 from batchinfer.workers.engine.interface import WorkerEngine
+from batchinfer.workers.sampling_params import SamplingParams
 from batchinfer.workers.service.inflight import Book
 from batchinfer.workers.service.keeper import Keeper
 from batchinfer.workers.service.outbox import PublisherThread
@@ -32,9 +49,32 @@ log = logging.getLogger(__name__)
 # What one XREADGROUP gave from one stream: the stream, its entries by key, the last id read (or None)
 StreamRead = tuple[str, list[tuple[str, replies.Fields]], bytes | None]
 
+PREFETCH_DEPTH = 1  # reads the prefetch thread may hold that the engine thread has not taken
+BACKOFF_START_S, BACKOFF_CAP_S = 0.5, 10.0  # the prefetch thread's waits after a failed read
+
+
+@dataclass
+class Fetched:
+    """A batch entry read, decoded and checked against the guard, for the engine thread's book."""
+
+    entry: str  # the worker's key of the entry (streams.py)
+    requests: list[BatchRequest]
+    published: list[bool]  # per request: its row is already published (a re-delivery)
+    solo: bool = False
+    rows: list[ResultRow] = field(default_factory=list)  # protocol_error rows of malformed elements
+    # request id -> its SamplingParams, built (and checked) off the engine thread; a request whose
+    # parameters do not parse is missing: the engine thread's own try gives it its error row
+    params: dict[str, Any] = field(default_factory=dict)
+
 
 class BatchReader:
-    """Reads the batches of ``streams`` as consumer ``name`` into ``book``."""
+    """Reads the batches of ``streams`` as consumer ``name``, for ``book``.
+
+    ``r`` should be a connection of the reader's own (``own_connection``): the prefetch thread
+    blocks on it in XREADGROUP. Reading and checking (:meth:`read`, :meth:`check`) may run on any
+    thread; :meth:`admit` and :meth:`take_pending` only on the engine thread (the book and the
+    outbox's hand-overs are its alone).
+    """
 
     def __init__(self, r: redis.Redis, keys: Keys, streams: BatchStreams, *, name: str, engine: WorkerEngine,
                  adapters: list[str], book: Book, keeper: Keeper, outbox: PublisherThread,
@@ -42,6 +82,7 @@ class BatchReader:
         self.redis, self.keys, self.streams, self.name, self.engine = r, keys, streams, name, engine
         self.adapters, self.book, self.keeper, self.outbox = adapters, book, keeper, outbox
         self.publisher, self.block_ms = publisher, block_ms
+        self.task = engine.task
         self.resident = self._read_resident()  # adapters loaded in the engine, as of the last step
 
     def ensure_groups(self) -> None:
@@ -50,23 +91,52 @@ class BatchReader:
             ensure_group(self.redis, stream, WORKERS_GROUP)
 
     def take_pending(self) -> None:
-        """Take back this consumer's pending entries (a restart under the same name)."""
+        """Take back this consumer's pending entries (a restart under the same name). Engine thread,
+        before the prefetch thread starts."""
         starts: dict[str, bytes] = dict.fromkeys(self.streams.all(), b"0-0")
         while starts:  # XREADGROUP from an id re-reads this consumer's pending entries, per stream
             more: dict[str, bytes] = {}
             for stream, entries, last in self._read(starts, count=100):
                 for key, fields in entries:
-                    self._take_batch(key, fields)
+                    self.keeper.hold(key)
+                    self.admit(self.check(key, fields))
                 if last is not None:
                     more[stream] = last
             starts = more
 
-    def pull(self, block: bool) -> None:
-        """Read the next batches: ``block`` (nothing held, nothing running) waits for one."""
-        starts = dict.fromkeys(self.streams_now(idle=block), b">")
-        for _stream, entries, _last in self._read(starts, block=self.block_ms if block else None):
-            for key, fields in entries:
-                self._take_batch(key, fields)
+    def read(self, idle: bool, block_ms: int | None) -> list[tuple[str, replies.Fields]]:
+        """The next batch of each stream to read now (``idle``: nothing held or running), waiting up
+        to ``block_ms`` for one (None: not at all); each entry is held by the keeper at once."""
+        starts = dict.fromkeys(self.streams_now(idle=idle), b">")
+        read = [e for _stream, entries, _last in self._read(starts, block=block_ms) for e in entries]
+        for key, _fields in read:
+            self.keeper.hold(key)
+        return read
+
+    def check(self, entry: str, fields: replies.Fields) -> Fetched:
+        """The entry decoded (malformed parts dead-lettered, or made error rows), its requests
+        checked against the guard in one round trip, their sampling parameters built."""
+        batch = self._decode_batch(entry, fields)
+        adapter = split_key(entry)[0]
+        if adapter is not None:  # an adapter's stream: its requests run with the adapter
+            for q in batch.requests:
+                q.lora = q.lora or adapter
+        requests = batch.requests
+        published = self.publisher.published_mask([(q.job_id, q.idx, q.request_id) for q in requests])
+        fetched = Fetched(entry, requests, published, solo=batch.solo, rows=batch.rows)
+        if self.task == "generate":
+            for q, done in zip(requests, published, strict=True):
+                if not done and q.task == "generate":
+                    fetched.params[q.request_id] = prepared_params(q)
+        return fetched
+
+    def admit(self, fetched: Fetched) -> None:
+        """Into the book (engine thread): a batch with nothing left to run is acked at once."""
+        for row in fetched.rows:
+            self.outbox.add(row)
+        if self.book.add_batch(fetched.entry, fetched.requests, fetched.published, solo=fetched.solo,
+                               params=fetched.params):
+            self.outbox.ack([fetched.entry])  # nothing left to run (a re-delivery of finished work)
 
     def streams_now(self, idle: bool) -> list[str]:
         """The streams to read now: the base alone without adapters, else the affinity policy's."""
@@ -76,7 +146,7 @@ class BatchReader:
         return [self.streams.stream(a) for a in picked]
 
     def refresh_resident(self) -> None:
-        """Note the adapters the engine has loaded now (a list replaced whole: the keeper thread reads it)."""
+        """Note the adapters the engine has loaded now (a list replaced whole: other threads read it)."""
         self.resident = self._read_resident()
 
     def _read_resident(self) -> list[str]:
@@ -96,20 +166,7 @@ class BatchReader:
             out.append((stream, live, entries[-1][0] if entries else None))
         return out
 
-    def _take_batch(self, entry: str, fields: replies.Fields) -> None:
-        batch = self._decode_batch(entry, fields)
-        adapter = split_key(entry)[0]
-        if adapter is not None:  # an adapter's stream: its requests run with the adapter
-            for q in batch.requests:
-                q.lora = q.lora or adapter
-        requests = batch.requests
-        published = self.publisher.published_mask([(q.job_id, q.idx, q.request_id) for q in requests])
-        if self.book.add_batch(entry, requests, published, solo=batch.solo):
-            self.outbox.ack([entry])  # nothing left to run (a re-delivery of finished work)
-        else:
-            self.keeper.hold(entry)
-
-    def _decode_batch(self, entry: str, fields: replies.Fields) -> batches.BatchEntry:
+    def _decode_batch(self, entry: str, fields: replies.Fields) -> _Decoded:
         """The batch entry; malformed requests become error rows, or dead letters when unroutable.
 
         An entry that is no batch at all is dead-lettered whole and taken as an empty batch.
@@ -118,17 +175,187 @@ class BatchReader:
             batch = batches.decode(fields)
         except ValueError as e:  # MalformedBatch: the entry is no batch at all
             self._dead_letter(entry, f"malformed batch entry: {e}", fields)
-            return batches.BatchEntry()
+            return _Decoded([], False, [])
+        rows = []
         for bad in batch.rejected:
             if bad.route is not None:
                 job, idx = bad.route
-                row = ResultRow.error("protocol_error", bad.reason, job_id=job, idx=idx, worker=self.name)
-                self.outbox.add(row)
+                rows.append(ResultRow.error("protocol_error", bad.reason, job_id=job, idx=idx,
+                                            worker=self.name))
             else:
                 self._dead_letter(entry, bad.reason, {b"request": json.dumps(bad.item).encode()})
-        return batch
+        return _Decoded(batch.requests, batch.solo, rows)
 
     def _dead_letter(self, entry: str, error: str, fields: replies.Fields) -> None:
         log.error("worker %s: %s", self.name, error)
         self.redis.xadd(self.keys.deadletter, replies.xadd_fields(
             {**fields, b"error": error.encode(), b"batch": entry.encode(), b"worker": self.name.encode()}))
+
+
+@dataclass
+class _Decoded:
+    requests: list[BatchRequest]
+    solo: bool
+    rows: list[ResultRow]
+
+
+def prepared_params(request: BatchRequest) -> SamplingParams | None:
+    """The request's ``SamplingParams`` as the worker runs them (``final_only``: the worker reads only
+    finished outputs), or None when they do not parse (the engine thread's try makes the error row)."""
+    try:
+        params = request.params()
+    except Exception:  # noqa: BLE001 - reported where the request is started
+        return None
+    params.output_kind = "final_only"
+    return params
+
+
+class Prefetcher:
+    """The pull on a thread of its own (``prefetch-<worker>``, the reader's connection).
+
+    The engine thread says what it wants after each feed (:meth:`want`: a batch, and whether it is
+    idle, or nothing) and takes what is ready (:meth:`take`, which waits only when idle). Each ask
+    gets one read, while fewer than ``depth`` reads wait to be taken (none past a ``solo`` batch):
+    the engine thread's pull rate, done while it steps. Only an idle ask's read waits in Redis
+    (``block_ms``), returning as soon as the scheduler adds a batch. A Redis error is retried with
+    backoff; an entry read but not yet checked is checked again before anything new is read.
+    """
+
+    def __init__(self, reader: BatchReader, *, block_ms: int, depth: int = PREFETCH_DEPTH,
+                 name: str = "prefetch"):
+        if depth < 1:
+            raise ValueError(f"Prefetcher: depth must be >= 1, got {depth}")
+        self.reader, self.block_ms, self.depth = reader, block_ms, depth
+        self._cond = threading.Condition()
+        self._ready: deque[list[Fetched]] = deque()  # reads checked, not yet taken
+        self._unchecked: list[tuple[str, replies.Fields]] = []  # read and held, a check failed: again
+        self._demand: bool | None = None  # a batch is wanted: whether the engine thread is idle
+        self._asked = self._served = 0  # asks made, and the ask the last read answered
+        self._busy = False  # a read (or its check) is under way
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # -- the engine thread's side -----------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self._thread.is_alive() and not self._halt.is_set():
+            self._thread.start()
+
+    def want(self, idle: bool | None) -> None:
+        """Ask for one read (``idle``: the engine thread has nothing held or running), or None: none."""
+        with self._cond:
+            self._demand = idle
+            if idle is not None:
+                self._asked += 1
+                self._cond.notify_all()
+
+    def take(self, idle: bool | None = None, wait_s: float = 0.0) -> list[Fetched]:
+        """The batches read ahead (at most ``depth`` reads), oldest first; with nothing ready, waits
+        up to ``wait_s`` for a read wanted as ``idle``. Clears the demand: :meth:`want` sets it anew."""
+        with self._cond:
+            if not self._ready and wait_s > 0 and not self._halt.is_set():
+                self._demand = bool(idle)
+                self._asked += 1
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._ready or self._halt.is_set(), wait_s)
+            taken = [f for read in self._ready for f in read]
+            self._ready.clear()
+            self._demand = None
+            self._cond.notify_all()
+            return taken
+
+    def forget(self, entries: Iterable[str]) -> list[str]:
+        """Drop ready batches whose lease was lost (re-dispatched elsewhere); returns those dropped."""
+        lost = set(entries)
+        dropped: list[str] = []
+        with self._cond:
+            for read in self._ready:
+                dropped += [f.entry for f in read if f.entry in lost]
+                read[:] = [f for f in read if f.entry not in lost]
+            self._unchecked = [(k, f) for k, f in self._unchecked if k not in lost]
+            self._ready = deque(read for read in self._ready if read)
+        return dropped
+
+    def empty(self) -> bool:
+        """Nothing read ahead, nothing being read: a drain may end."""
+        with self._cond:
+            return not (self._ready or self._busy or self._unchecked)
+
+    def num_batches(self) -> int:
+        """Batches read ahead and not yet taken (any thread: the heartbeat reports it)."""
+        return sum(len(read) for read in list(self._ready))
+
+    def num_requests(self) -> int:
+        """Requests of the batches read ahead and not yet taken (any thread)."""
+        return sum(len(f.requests) for read in list(self._ready) for f in read)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """No more reads; waits up to ``timeout`` for a read under way. What was read and not taken
+        stays pending to this worker (its lease returns it)."""
+        self._halt.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.reader.redis.connection_pool.disconnect()
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def _may_read(self) -> bool:
+        """Called holding the lock: whether to read (or check again) now."""
+        if self._unchecked:
+            return True
+        if self._demand is None or self._asked == self._served or len(self._ready) >= self.depth:
+            return False
+        return not any(f.solo for read in self._ready for f in read)  # nothing past a solo batch
+
+    def _check(self, key: str, fields: replies.Fields, fetched: list[Fetched]) -> None:
+        """Check one entry read into ``fetched``; a Redis error raises (the entry is checked again),
+        any other is this entry's: it is let go to its lease, as a pull's error left it."""
+        try:
+            fetched.append(self.reader.check(key, fields))
+        except redis.RedisError:
+            raise
+        except Exception:  # noqa: BLE001 - a bug, or an entry no check can pass
+            log.exception("worker %s: batch %s could not be taken; leaving it to its lease",
+                          self.reader.name, key)
+            self.reader.keeper.release([key])
+
+    def _run(self) -> None:
+        backoff = Backoff(BACKOFF_START_S, BACKOFF_CAP_S)
+        while not self._halt.is_set():
+            with self._cond:
+                self._cond.wait_for(lambda: self._halt.is_set() or self._may_read())
+                if self._halt.is_set():
+                    return
+                idle, unchecked = bool(self._demand), self._unchecked
+                self._unchecked, self._busy = [], True
+                if not unchecked:
+                    self._served = self._asked
+            fetched: list[Fetched] = []
+            try:
+                if not unchecked:  # only an idle worker waits in Redis for a batch, as the pull did
+                    unchecked = self.reader.read(idle, self.block_ms if idle else None)
+                while unchecked:
+                    self._check(*unchecked[0], fetched)
+                    unchecked.pop(0)
+                backoff.reset()
+                delay = 0.0
+            except Exception as e:  # noqa: BLE001 - Redis away (or a bug): back off, never die
+                delay = backoff.next()
+                if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
+                    log.warning("worker %s: Redis unavailable (%s); reading batches again in %gs",
+                                self.reader.name, e, delay)
+                else:
+                    log.exception("worker %s: reading batches failed; retrying in %gs", self.reader.name,
+                                  delay)
+            with self._cond:
+                self._unchecked = unchecked + self._unchecked
+                if fetched:
+                    self._ready.append(fetched)
+                self._busy = False
+                self._cond.notify_all()
+            if delay:
+                self._halt.wait(delay)
+

@@ -8,6 +8,7 @@ hard-stop events, and the ``/metrics`` server.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import logging
@@ -50,6 +51,15 @@ def parse_engine_options(pairs: Iterable[str]) -> dict[str, Any]:
         except ValueError:
             options[key] = raw
     return options
+
+
+def freeze_heap() -> None:
+    """Take everything allocated so far (torch, the model, the tokenizer: a few hundred thousand
+    objects) out of the garbage collector's full collections, which otherwise walk them all: a pause
+    of 0.15-0.26 s on the engine thread about once per 1,024-request job of the tiny model on CPU
+    (docs/benchmarks.md, "Queue"). What the worker allocates later is collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def check_device(device: str) -> None:
@@ -113,6 +123,9 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
         from batchinfer.workers.engine_config import EngineConfig
 
         config = EngineConfig(model=str(model_dir), device=device, **options)
+        dtype = str(config.dtype).removeprefix("torch.")
+        log.info("engine: %s on %s in %s%s", model_dir, config.device, dtype,
+                 " (dtype auto)" if options.get("dtype") == "auto" else "")
         # an embedding checkpoint (an encoder, or a decoder with sentence-transformers pooling files)
         # is served as any other model: the worker registers its task and the scheduler routes by it
         from batchinfer.workers.engine.embedder import engine_for
@@ -186,6 +199,10 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
     daemon = WorkerDaemon(r, settings, engine, config, tokenizer_files=files, hard_stop=hard, metrics=metrics,
                           readiness=readiness)
     server = serve_http(settings.metrics_port, metrics.registry, readiness, settings.metrics_host)
+    freeze_heap()  # the engine is built: what exists now lives as long as the process
+    # OMP_WAIT_POLICY=PASSIVE is deliberately not set for the worker: set before torch loaded, it
+    # made bench/queue_bench.py's unpinned overhead ratio 0.59-0.60 against 0.81-0.84 without it
+    # (two pairs, 2026-12-05; docs/benchmarks.md, "Queue").
     try:
         return daemon.run(stop)
     finally:

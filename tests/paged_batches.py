@@ -8,6 +8,8 @@ can be checked against ``dense_attention`` built from the very same K/V. ``make_
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -156,3 +158,19 @@ def dense_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     outs = [dense_attention(q[a:b], k[a:b], v[a:b], scale, sliding_window, softcap, causal) if b > a
             else q[a:b].float() for a, b in zip(cu[:-1], cu[1:], strict=True)]
     return torch.cat(outs) if outs else q.float()
+
+
+def failures_in_threads(check: Callable[[int], bool], count: int = 4, rounds: int = 10) -> list[int]:
+    """Run ``check(i)`` ``rounds`` times on each of ``count`` threads at once (thread i passes i);
+    the indices of the calls that returned False (a backend sharing state across threads)."""
+    failures: list[int] = []
+
+    def work(i: int) -> None:
+        failures.extend(i for _ in range(rounds) if not check(i))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return failures

@@ -8,12 +8,11 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from paged_batches import dense_reference, make_paged_batch
+from paged_batches import dense_reference, failures_in_threads, make_paged_batch
 
 from batchinfer import kernels
 from batchinfer.kernels import cpu_attention, reference
@@ -134,19 +133,11 @@ def test_concurrent_calls_from_threads(built):
     batches = [make_paged_batch(SEQS, 8, 2, 64, 16, generator=torch.Generator().manual_seed(s))
                for s in range(4)]
     expected = [_run_kernel(b) for b in batches]
-    failures: list[int] = []
 
-    def work(i: int) -> None:
-        for _ in range(10):
-            if not torch.equal(_run_kernel(batches[i]).nan_to_num(), expected[i].nan_to_num()):
-                failures.append(i)
+    def same(i: int) -> bool:
+        return torch.equal(_run_kernel(batches[i]).nan_to_num(), expected[i].nan_to_num())
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert failures == []
+    assert failures_in_threads(same) == []
 
 
 # -- wired into the cpu backend ------------------------------------------------------------------------

@@ -3,13 +3,11 @@ attention, its decode bucketing policy, its value checks, and backend selection 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from paged_batches import dense_reference, make_paged_batch
+from paged_batches import dense_reference, failures_in_threads, make_paged_batch
 
 from batchinfer import kernels
 from batchinfer.kernels import cpu_attention, dispatch
@@ -134,20 +132,12 @@ def test_threads_get_their_own_workspaces():
     batches = [make_paged_batch(MIXED, 8, 2, 64, 16, generator=torch.Generator().manual_seed(s))
                for s in range(4)]
     expected = [kernels.paged_attention(*b.args(), backend="reference") for b in batches]
-    failures: list[int] = []
 
-    def work(i: int) -> None:
-        for _ in range(10):
-            out = kernels.paged_attention(*batches[i].args(), backend="cpu")
-            if not torch.allclose(out, expected[i], atol=2e-5, rtol=2e-5):
-                failures.append(i)
+    def close(i: int) -> bool:
+        out = kernels.paged_attention(*batches[i].args(), backend="cpu")
+        return torch.allclose(out, expected[i], atol=2e-5, rtol=2e-5)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert failures == []
+    assert failures_in_threads(close) == []
 
 
 @settings(max_examples=25, deadline=None)

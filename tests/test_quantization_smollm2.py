@@ -19,14 +19,18 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
+import test_real_model  # noqa: E402
+
 from batchinfer import LLM, SamplingParams  # noqa: E402
 from batchinfer.cli.convert import convert  # noqa: E402
-from batchinfer.workers.models.demo import demo_gguf  # noqa: E402
 from batchinfer.workers.quant.linear import QuantizedLinear  # noqa: E402
 from batchinfer.workers.quantization_config import QuantPlan  # noqa: E402
 from batchinfer.workers.text.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
+# test_real_model's fixtures: one torch thread for the module (autouse), the demo GGUF (a skip without it)
+one_thread = test_real_model.one_thread
+gguf_path = test_real_model.gguf_path
 MAX_TOKENS = 32
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -49,24 +53,6 @@ RUNS = {
 # the first divergence, overall, and the mean |logprob error| of the chosen tokens on the common prefix.
 FLOORS = {"float32": (0.95, 0.95, 1e-3), "bfloat16": (0.3, 0.3, 0.08), "int8": (0.3, 0.3, 0.15),
           "int4": (0.25, 0.25, 0.12), "auto": (0.25, 0.25, 0.12)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # One torch thread: on 2 shared cores, OpenMP threads waiting at barriers for a descheduled
-    # sibling make these forwards up to 10x slower (tests/test_real_model.py says the same).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return demo_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

@@ -446,3 +446,24 @@ def test_the_plan_is_a_frozen_value():
     assert plan.active and not QuantPlan().active
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.layers = "none"  # type: ignore[misc]
+
+
+def test_the_worker_logs_what_it_quantized(tiny, caplog):
+    from batchinfer.workers.service.serve import build_engine
+
+    with caplog.at_level("INFO", logger="batchinfer.workers.service.serve"):
+        engine = build_engine(str(tiny["path"]), "cpu", False, {"quantization": "int8", "num_kv_blocks": 16})
+    assert engine.model.dtype is torch.bfloat16
+    assert "weights quantized (quantization int8): layers int8, LM head int8" in caplog.text, caplog.text
+
+
+def test_an_embedding_model_refuses_quantized_weights(tmp_path):
+    from tiny_embedders import make_tiny_embedding_model
+
+    from batchinfer.workers.engine.embedder import EmbeddingEngine
+
+    folder = make_tiny_embedding_model(tmp_path / "bert", "bert")
+    with pytest.raises(ValueError, match="quantization 'int8': embedding models run dense"):
+        EmbeddingEngine.from_model(folder, quantization="int8", max_num_batched_tokens=64)
+    engine = EmbeddingEngine.from_model(folder, quantization="auto", max_num_batched_tokens=64)
+    assert next(engine.model.parameters()).dtype is torch.float32  # auto: none, the dtype as given

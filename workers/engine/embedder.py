@@ -79,6 +79,10 @@ class EmbeddingEngine(ModelFolderState, NoQueueStats, WorkerEngine):
         if config.tensor_parallel_size > 1:  # an embedding model fits one device: run more workers
             raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: embedding models run "
                              "on one device; start more workers instead")
+        if config.quantization in ("int8", "int4"):  # "auto" settles on none for an embedding model
+            raise ValueError(f"quantization {config.quantization!r}: embedding models run dense (the "
+                             "quantized linears serve generation's few-row decode steps); give none or "
+                             "auto, and dtype bfloat16 for speed")
         if model is None:
             check_supported(path)
             dtype = resolve_dtype(config.dtype)

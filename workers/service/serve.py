@@ -130,7 +130,12 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
         # is served as any other model: the worker registers its task and the scheduler routes by it
         from batchinfer.workers.engine.embedder import engine_for
 
-        return engine_for(config)
+        engine = engine_for(config)
+        plan = getattr(engine, "quantization", None)  # a generation engine's QuantPlan
+        if plan is not None and plan.active:
+            log.info("engine: weights quantized (quantization %s): layers %s, LM head %s",
+                     config.quantization, plan.layers, plan.head)
+        return engine
     except TypeError as e:  # an engine option the engine does not have
         raise StartupError(f"--engine-option {sorted(options)}: {e}") from e
     except FileNotFoundError as e:

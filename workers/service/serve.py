@@ -123,18 +123,20 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
         from batchinfer.workers.engine_config import EngineConfig
 
         config = EngineConfig(model=str(model_dir), device=device, **options)
-        dtype = str(config.dtype).removeprefix("torch.")
-        log.info("engine: %s on %s in %s%s", model_dir, config.device, dtype,
-                 " (dtype auto)" if options.get("dtype") == "auto" else "")
         # an embedding checkpoint (an encoder, or a decoder with sentence-transformers pooling files)
         # is served as any other model: the worker registers its task and the scheduler routes by it
         from batchinfer.workers.engine.embedder import engine_for
 
         engine = engine_for(config)
+        # once built (a model that fails to load says only why), in the dtype it runs in: dtype auto's
+        # pick, or bfloat16 under int8 / int4 (then the quantization a generation engine applied)
         plan = getattr(engine, "quantization", None)  # a generation engine's QuantPlan
-        if plan is not None and plan.active:
-            log.info("engine: weights quantized (quantization %s): layers %s, LM head %s",
-                     config.quantization, plan.layers, plan.head)
+        model = getattr(engine, "model", None)
+        dtype = str(getattr(model, "dtype", config.dtype)).removeprefix("torch.")
+        quantized = (f", weights quantized (quantization {config.quantization}): layers {plan.layers}, "
+                     f"LM head {plan.head}") if plan is not None and plan.active else ""
+        log.info("engine: %s on %s in %s%s%s", model_dir, config.device, dtype,
+                 " (dtype auto)" if options.get("dtype") == "auto" else "", quantized)
         return engine
     except TypeError as e:  # an engine option the engine does not have
         raise StartupError(f"--engine-option {sorted(options)}: {e}") from e

@@ -454,7 +454,8 @@ def test_the_worker_logs_what_it_quantized(tiny, caplog):
     with caplog.at_level("INFO", logger="batchinfer.workers.service.serve"):
         engine = build_engine(str(tiny["path"]), "cpu", False, {"quantization": "int8", "num_kv_blocks": 16})
     assert engine.model.dtype is torch.bfloat16
-    assert "in bfloat16, weights quantized (quantization int8): layers int8, LM head int8" in caplog.text, caplog.text
+    said = "in bfloat16, weights quantized (quantization int8): layers int8, LM head int8"
+    assert said in caplog.text, caplog.text
 
 
 def test_an_embedding_model_refuses_quantized_weights(tmp_path):

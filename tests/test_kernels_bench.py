@@ -3,25 +3,17 @@ timers) builds every section and prints the table last; without CUDA it refuses 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "kernels_gpu.py"
+from bench_scripts import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("kernels_gpu_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with bench_script("kernels_gpu") as module:
+        yield module
 
 
 def test_dry_run_prints_every_section_and_the_table_last(bench, tmp_path, capsys):

@@ -183,16 +183,11 @@ def test_gpu_bench_dry_run_prints_its_table(capsys):
     """bench/moe_gpu.py end to end on CPU (tiny shapes, the kernel interpreted)."""
     if DEVICE != "cpu":
         pytest.skip("the dry run interprets Triton on CPU; with CUDA the gpu_check section runs the real one")
-    import importlib.util
-    from pathlib import Path
+    from bench_scripts import bench_script
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "moe_gpu.py"
-    spec = importlib.util.spec_from_file_location("moe_gpu_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    bench.DRY.update(tokens=(1, 9))
-    assert bench.main(["--dry-run", "--iters", "1"]) == 0
+    with bench_script("moe_gpu") as bench:
+        bench.DRY.update(tokens=(1, 9))
+        assert bench.main(["--dry-run", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     table = out[out.index("== "):].splitlines()
     assert len(table) == 1 + 2 * 2

@@ -263,14 +263,10 @@ def test_flash_adapter_passes_causal_and_a_symmetric_window(monkeypatch, window)
 
 
 def test_varlen_cpu_bench_checks_its_peers_and_prints_the_table(capsys):
-    import importlib.util
-    from pathlib import Path
+    from bench_scripts import bench_script
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "varlen_cpu.py"
-    spec = importlib.util.spec_from_file_location("varlen_cpu_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--seqs", "5", "--iters", "1"]) == 0  # asserts varlen == padded SDPA first
+    with bench_script("varlen_cpu") as bench:
+        assert bench.main(["--seqs", "5", "--iters", "1"]) == 0  # asserts varlen == padded SDPA first
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("== varlen_cpu: 5 texts")
     assert [line.split("  ")[0] for line in lines[2:4]] == ["varlen_attention (cpu, causal=False)",

@@ -31,8 +31,13 @@ class Settings:
     Each field may come from ``BATCHINFER_<FIELD NAME IN CAPITALS>``; command-line flags override.
     """
 
-    redis_url: str | None = None  # redis://, rediss://, unix://; None = local default / embedded
-    redis_ca_file: str | None = None  # CA bundle for rediss://
+    # redis://, rediss://, unix://, redis+sentinel://HOST:PORT[,...]/SERVICE[/DB]; None = local default
+    redis_url: str | None = None
+    redis_ca_file: str | None = None  # CA bundle for rediss:// (and rediss+sentinel://)
+    # Replicas that must hold a result row before it counts as published (WAIT after each publish; the
+    # batch it completes is acked only then): 0 = off, rows are as safe as Redis' async replication
+    replica_acks: int = 0
+    replica_ack_timeout_ms: int = 1000  # how long one publish waits for them before it is retried
     prefix: str = "{bi}"  # key prefix with its hash tag
     lease_seconds: float = 60.0  # a batch not refreshed for this long is re-dispatched
     max_attempts: int = 3  # worker crashes a request survives before it is dead-lettered

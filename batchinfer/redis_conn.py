@@ -1,4 +1,13 @@
-"""Redis connections from URLs: ``redis://``, ``rediss://`` (TLS, CA file), ``unix://``, ACL users.
+"""Redis connections from URLs: ``redis://``, ``rediss://`` (TLS, CA file), ``unix://``, ACL users,
+and Redis behind Sentinel.
+
+``redis+sentinel://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB][?sentinel_password=P]``
+names the sentinels (at least one), the monitored service (``sentinel monitor SERVICE ...`` in
+their configuration) and the database (default 0); ``rediss+sentinel://`` speaks TLS to the
+sentinels and the servers. The user and password are the data servers'; sentinels that want one
+of their own get ``sentinel_password``. The client asks the sentinels for the current master
+whenever it (re)connects, so after a failover the next retried command reaches the promoted
+replica (redis-py's ``Sentinel`` / ``SentinelConnectionPool``).
 
 Every process (client, CLI, daemons) connects through :func:`connect`, so retries with backoff on
 connection errors and the health check interval are the same everywhere. Consumer groups are
@@ -9,18 +18,20 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.sentinel import SentinelConnectionPool
 
 if TYPE_CHECKING:
     from redis.typing import KeyT, StreamIdT
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
-SCHEMES = ("redis", "rediss", "unix")
+SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel")
 
 # Retries cover a restarting Redis (a few seconds); a daemon's own loop reconnects beyond that
 # (paced by a Backoff, below). These stay redis-py's own ExponentialBackoff inside its Retry: that
@@ -71,10 +82,11 @@ def connect(
     daemons use blocking ``XREADGROUP`` calls.
     """
     url = url or DEFAULT_URL
-    scheme = urlsplit(url).scheme
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme not in SCHEMES:
         raise ValueError(
-            f"Redis URL {redact_url(url)!r}: scheme must be one of redis://, rediss://, unix://"
+            f"Redis URL {redact_url(url)!r}: scheme must be one of redis://, rediss://, unix://, "
+            "redis+sentinel://, rediss+sentinel://"
         )
     kwargs: dict = {
         "decode_responses": decode_responses,
@@ -88,9 +100,161 @@ def connect(
     if scheme != "unix":
         kwargs["socket_connect_timeout"] = socket_connect_timeout
         kwargs["socket_keepalive"] = True
-    if scheme == "rediss" and ca_file:
+    if scheme.startswith("rediss") and ca_file:
         kwargs["ssl_ca_certs"] = ca_file
+    if is_sentinel_url(url):
+        return sentinel_client(parse_sentinel_url(url), kwargs)
     return redis.Redis.from_url(url, **kwargs)
+
+
+def own_client(r: redis.Redis) -> redis.Redis:
+    """A client with ``r``'s settings (URL, TLS, timeouts, retries; behind Sentinel, the same
+    sentinels and service) on a connection pool of its own, so that one thread's round trips never
+    queue behind another's (a blocking XREADGROUP holds its connection for up to its block time)."""
+    pool = r.connection_pool
+    # the pool derives these per connection itself (redis-py's maintenance notifications; a
+    # Sentinel pool's proxy)
+    kwargs = {k: v for k, v in pool.connection_kwargs.items()
+              if not k.startswith(("maint_notifications", "orig_")) and k != "connection_pool"}
+    if isinstance(pool, SentinelConnectionPool):
+        fresh: redis.ConnectionPool = SentinelConnectionPool(
+            pool.service_name, pool.sentinel_manager, connection_class=pool.connection_class,
+            is_master=pool.is_master, check_connection=pool.check_connection, **kwargs)
+    else:
+        fresh = type(pool)(connection_class=pool.connection_class, **kwargs)
+    return redis.Redis(connection_pool=fresh)
+
+
+# -- Sentinel ------------------------------------------------------------------------------------
+
+
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+SENTINEL_PORT = 26379
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """What a ``redis+sentinel://`` URL says."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    tls: bool = False
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in SENTINEL_SCHEMES
+
+
+def redact_sentinel_url(url: str) -> str:
+    """``url`` with the servers' and the sentinels' passwords replaced by ``***``."""
+    scheme, _, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    creds, at, hosts = netloc.rpartition("@")
+    if at and ":" in creds:
+        netloc = f"{creds.split(':', 1)[0]}:***@{hosts}"
+    if "sentinel_password=" in tail:
+        path, _, query = tail.partition("?")
+        query = "&".join("sentinel_password=***" if q.startswith("sentinel_password=") else q
+                         for q in query.split("&"))
+        tail = f"{path}?{query}"
+    return f"{scheme}://{netloc}{slash}{tail}"
+
+
+def _host_port(item: str, url: str) -> tuple[str, int]:
+    if item.startswith("["):  # [IPv6]:port
+        host, _, rest = item[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port_text = item.partition(":")
+    if not host:
+        raise ValueError(f"Redis URL {url!r}: empty sentinel host in {item!r}")
+    if not port_text:
+        return host, SENTINEL_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"Redis URL {url!r}: sentinel port must be a number 1-65535, got {port_text!r}")
+    return host, int(port_text)
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """Parse ``url``; a ``ValueError`` names what is wrong (the password never appears in it)."""
+    shown = redact_sentinel_url(url)
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in SENTINEL_SCHEMES:
+        raise ValueError(f"Redis URL {shown!r}: not a redis+sentinel:// or rediss+sentinel:// URL")
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    creds, at, hosts = netloc.rpartition("@")
+    if not at:
+        creds, hosts = "", netloc
+    username = password = None
+    if creds:
+        user, colon, pw = creds.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+    sentinels = tuple(_host_port(h.strip(), shown) for h in hosts.split(",") if h.strip())
+    if not sentinels:
+        raise ValueError(f"Redis URL {shown!r}: name at least one sentinel (HOST:PORT[,HOST:PORT...])")
+    parts = [p for p in path.split("/") if p]
+    if not parts:
+        raise ValueError(f"Redis URL {shown!r}: name the monitored service "
+                         f"(redis+sentinel://HOST:PORT/SERVICE[/DB])")
+    if len(parts) > 2:
+        raise ValueError(f"Redis URL {shown!r}: the path is /SERVICE[/DB], got /{'/'.join(parts)}")
+    db = 0
+    if len(parts) == 2:
+        if not parts[1].isdigit():
+            raise ValueError(f"Redis URL {shown!r}: the database must be a number, got {parts[1]!r}")
+        db = int(parts[1])
+    options = parse_qs(query)
+    unknown = sorted(set(options) - {"sentinel_password"})
+    if unknown:
+        raise ValueError(f"Redis URL {shown!r}: unknown option {unknown[0]!r} (known: sentinel_password)")
+    sentinel_password = options.get("sentinel_password", [None])[-1]
+    return SentinelUrl(sentinels=sentinels, service=unquote(parts[0]), db=db, username=username,
+                       password=password, sentinel_password=sentinel_password,
+                       tls=scheme.lower() == "rediss+sentinel")
+
+
+def _sentinel_kwargs(target: SentinelUrl, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The keywords of the data servers' connections, and those of the sentinels' (timeouts and
+    TLS as the servers', their own password; no retry: ``Sentinel`` tries each sentinel in turn)."""
+    server = dict(kwargs)
+    server.update(db=target.db, username=target.username, password=target.password)
+    if target.tls:
+        server["ssl"] = True
+    sentinel = {k: v for k, v in kwargs.items()
+                if k in ("socket_timeout", "socket_connect_timeout", "socket_keepalive", "ssl_ca_certs",
+                         "driver_info", "lib_name", "lib_version", "maint_notifications_config")}
+    sentinel["password"] = target.sentinel_password
+    if target.tls:
+        sentinel["ssl"] = True
+    if sentinel.get("socket_timeout") is None:
+        sentinel["socket_timeout"] = 5.0  # a hung sentinel must not hang discovery
+    return server, sentinel
+
+
+def sentinel_client(target: SentinelUrl, kwargs: dict[str, Any]):
+    """A ``redis.Redis`` on the service's current master (followed across failovers)."""
+    from redis.sentinel import Sentinel
+
+    server, sentinel = _sentinel_kwargs(target, kwargs)
+    ssl = server.pop("ssl", False)
+    manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel, ssl=ssl, **server)
+    return manager.master_for(target.service)
+
+
+def async_sentinel_client(target: SentinelUrl, kwargs: dict[str, Any]):
+    """The asyncio twin of :func:`sentinel_client` (the HTTP API's event loop)."""
+    from redis.asyncio.sentinel import Sentinel
+
+    server, sentinel = _sentinel_kwargs(target, kwargs)
+    ssl = server.pop("ssl", False)
+    manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel, ssl=ssl, **server)
+    return manager.master_for(target.service)
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str) -> bool:
@@ -177,6 +341,8 @@ def redact_url(url: str | None) -> str:
     """``url`` with its password replaced by ``***`` (user names are kept), for logs and output."""
     if not url:
         return ""
+    if is_sentinel_url(url):  # several hosts: urlsplit cannot read its netloc's port
+        return redact_sentinel_url(url)
     parts = urlsplit(url)
     if parts.password is None:
         return url

@@ -13,6 +13,10 @@
   ``overhead_added_s`` the median of the seconds the queue added. Tokens are checked to be equal.
   ``--pin``: both engines get CPU 0 and one thread, the scheduler and Redis the other CPUs (a GPU
   worker's engine does not share its compute with them; on a small CPU box it otherwise does).
+- replica acks (``--replica-acks N``, issue 32): echo jobs of N requests through a scheduler and one
+  echo worker on a master with one replica (two redis-servers on loopback ports), with
+  ``BATCHINFER_REPLICA_ACKS`` 0 and 1 alternating: result rows/s of each and their ratio (what
+  waiting for the replica costs).
 - scale: echo-engine jobs of 10k and ``--scale-requests`` (default 50k; ``1000000`` for the full
   run): Redis memory per queued request (intake entries before the scheduler runs), steady
   throughput (rows per second between the first and the last result's stream ids), and the peak
@@ -312,6 +316,83 @@ def bench_scale(url: str, workdir: Path, n: int) -> dict:
             "redis_peak_mb": round(peak / 2**20), "daemon_exit_codes": codes, **rss, **export}
 
 
+# -- replica acks (issue 32) -------------------------------------------------------------------------
+
+
+class ReplicatedRedis:
+    """A master and one replica (redis-server on free loopback ports), for the replica-acks figure."""
+
+    def __init__(self, workdir: Path):
+        import shutil
+        import socket
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise SystemExit("--replica-acks needs redis-server on PATH")
+        self.procs = []
+        ports = []
+        for name in ("master", "replica"):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                ports.append(sock.getsockname()[1])
+            folder = workdir / f"redis-{name}"
+            folder.mkdir()
+            extra = ["--replicaof", "127.0.0.1", str(ports[0])] if name == "replica" else []
+            self.procs.append(subprocess.Popen([exe, "--port", str(ports[-1]), "--bind", "127.0.0.1", "--dir",
+                                                str(folder), "--save", "", "--appendonly", "no", *extra],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.url = f"redis://127.0.0.1:{ports[0]}/0"
+        replica = redis.Redis(port=ports[1])
+        wait_for(lambda: _ping(replica) and replica.info("replication").get("master_link_status") == "up", 30,
+                 "the replica to sync")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def _ping(r: redis.Redis) -> bool:
+    try:
+        return bool(r.ping())
+    except redis.ConnectionError:
+        return False
+
+
+def bench_replica_acks(workdir: Path, n: int, repeats: int) -> dict:
+    """Echo jobs of ``n`` requests through a scheduler and one echo worker on a master with one
+    replica, ``BATCHINFER_REPLICA_ACKS`` 0 and 1 alternating: rows/s of each (best of ``repeats``)."""
+    redis_pair = ReplicatedRedis(workdir)
+    url = redis_pair.url
+    r = redis.Redis.from_url(url)
+    best = {0: 0.0, 1: 0.0}
+    try:
+        for _ in range(repeats):
+            for acks in (0, 1):
+                r.flushdb()
+                env = {"BATCHINFER_REPLICA_ACKS": str(acks)}
+                daemons = (Daemon(url, workdir, "worker", "--echo", "--device", "cpu", "--name", "echo0",
+                                  env=env),
+                           Daemon(url, workdir, "scheduler", env=env))
+                try:
+                    wait_for(lambda: r.exists(Keys(PREFIX).model("echo")), 120, "the echo worker", daemons)
+                    job = client(url, workdir).submit(
+                        [{"custom_id": f"r{i}", "prompt": f"echo {i}", "max_tokens": 8} for i in range(n)],
+                        model="echo")
+                    wait_for(lambda job=job: job_done(r, job), 3600, f"the {n}-request echo job", daemons)
+                finally:
+                    for d in daemons:
+                        d.stop()
+                stream = Keys(PREFIX).results(job)
+                first, last = r.xrange(stream, count=1)[0][0], r.xrevrange(stream, count=1)[0][0]
+                span_s = (int(last.split(b"-")[0]) - int(first.split(b"-")[0])) / 1000
+                best[acks] = max(best[acks], (n - 1) / span_s)
+    finally:
+        redis_pair.stop()
+    return {"replica_acks_requests": n, "rows_per_s_no_acks": round(best[0]),
+            "rows_per_s_replica_acks": round(best[1]), "replica_acks_ratio": round(best[1] / best[0], 3)}
+
+
 def bench_export(r: redis.Redis, url: str, workdir: Path, job: str, n: int, codes: list,
                  idle_mb: float) -> dict:
     """The finished job's queued Parquet export run by an exporter: its peak RSS (exporter, work horse,
@@ -370,6 +451,8 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true",
                     help="overhead bench: engines on CPU 0 (one thread), scheduler and Redis on the others")
     ap.add_argument("--scale-requests", type=int, default=50_000)
+    ap.add_argument("--replica-acks", type=int, default=0, metavar="N",
+                    help="also time echo jobs of N requests on a master + replica, replica acks off vs on")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
     args = ap.parse_args()
@@ -413,6 +496,11 @@ def main() -> None:
                   f"{small['export_rss_mb']} MB; the exporter with nothing to export: "
                   f"{large['exporter_idle_rss_mb']} MB; the rows' JSON in the stream: "
                   f"{large['results_json_mb']} MB), {large['export_s']} s", flush=True)
+        if args.replica_acks:
+            figures.update(bench_replica_acks(workdir, args.replica_acks, args.repeats))
+            print(f"replica acks: {figures['rows_per_s_replica_acks']} rows/s with BATCHINFER_REPLICA_ACKS=1 "
+                  f"vs {figures['rows_per_s_no_acks']} without -> ratio {figures['replica_acks_ratio']}",
+                  flush=True)
     print(json.dumps(figures))
 
 

@@ -16,6 +16,7 @@ import redis
 
 from batchinfer.config import Settings
 from batchinfer.keys import RQ_QUEUE
+from batchinfer.store.publish import ReplicasBehind
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -95,11 +96,20 @@ def publish_then_export(publisher: Publisher, rows: Sequence[tuple[Row, str | No
     enqueue (else only the scheduler's safety net, 30 s later, does). ``export`` is the caller's
     :func:`enqueue_export` on its connection and settings, or a list's ``append`` to enqueue later.
     """
-    outcomes = publisher.publish_many(rows)
+    try:
+        outcomes = publisher.publish_many(rows)
+    except ReplicasBehind as behind:  # published, not on enough replicas yet: exports are due all the same
+        _export_final(rows, behind.outcomes, export)
+        raise
+    _export_final(rows, outcomes, export)
+    return outcomes
+
+
+def _export_final(rows: Sequence[tuple[Row, str | None]], outcomes: Sequence[PublishOutcome],
+                  export: Callable[[str], object]) -> None:
     for (row, _), outcome in zip(rows, outcomes, strict=True):
         if outcome.finalizing and row.job_id:
             export(row.job_id)
-    return outcomes
 
 
 def finish_then_export(publisher: Publisher, job_id: str, total: int,

@@ -20,11 +20,12 @@ from batchinfer.config import Settings
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
 from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.redis_conn import own_client
 from batchinfer.store.jobstore import JobStore
-from batchinfer.store.publish import Publisher
+from batchinfer.store.publish import Publisher, ReplicasBehind
 from batchinfer.workers.service.echo_engine import EchoEngine
 from batchinfer.workers.service.inflight import Book
-from batchinfer.workers.service.outbox import Outbox, PublisherStopped, PublisherThread, own_connection
+from batchinfer.workers.service.outbox import Outbox, PublisherStopped, PublisherThread
 from batchinfer.workers.service.streams import BatchStreams
 
 PREFIX = "{pt}"
@@ -55,7 +56,7 @@ def _rows(r, job: str) -> list[dict]:
 
 
 def _publisher(r, **kw) -> PublisherThread:
-    own = own_connection(r)
+    own = own_client(r)
     outbox = Outbox(own, KEYS, BatchStreams(KEYS, "echo"), Publisher(own, KEYS),
                     enqueue_export=lambda job: None, on_published=lambda row: None,
                     on_acked=lambda keys: None, max_attempts=3)
@@ -154,7 +155,7 @@ def test_rows_of_a_job_whose_record_vanished_are_dropped_and_the_batch_is_acked(
     book = Book()
     book.add_batch(entry, reqs, [False] * 6)
     metrics, published = WorkerMetrics("echo"), []
-    own = own_connection(r)
+    own = own_client(r)
     outbox = Outbox(own, KEYS, BatchStreams(KEYS, "echo"), Publisher(own, KEYS, metrics=metrics),
                     enqueue_export=lambda job: None, on_published=published.append,
                     on_acked=lambda keys: None, max_attempts=3)
@@ -240,3 +241,43 @@ def test_a_drain_publishes_every_row_before_it_exits(redis_server):
     # at once, no waiting: the drain returned only after every row was published and acked
     assert sorted(x["idx"] for x in _rows(r, "jd")) == list(range(12))
     assert r.xlen(KEYS.batches("echo")) == 0
+
+
+def test_rows_wait_in_the_outbox_until_replicas_have_them(redis_server):
+    """BATCHINFER_REPLICA_ACKS on a server with no replica: the rows are on the master but stay in
+    the outbox (neither confirmed nor acked, sent again with backoff); once replicas answer, each
+    row counts as published once, by the attempt that wrote it, and its batch is acked."""
+    r = redis_server.client()
+    JobStore(r, KEYS).create("jr", model="echo")
+    reqs = [_request("jr", i) for i in range(2)]
+    entry = _dispatch(r, reqs)
+    r.xreadgroup(WORKERS_GROUP, "w", {KEYS.batches("echo"): ">"})
+    own = own_client(r)
+    publisher = Publisher(own, KEYS, replica_acks=1, replica_timeout_ms=20)
+    published, acked = [], []
+    outbox = Outbox(own, KEYS, BatchStreams(KEYS, "echo"), publisher, enqueue_export=lambda job: None,
+                    on_published=published.append, on_acked=acked.extend, max_attempts=3)
+    for q in reqs:
+        outbox.add(_row(q))
+    with pytest.raises(ReplicasBehind):
+        outbox.send()
+    assert len(_rows(r, "jr")) == 2  # on the master
+    assert len(outbox.rows) == 2 and outbox.confirmed == [] and published == []
+    with pytest.raises(ReplicasBehind):
+        outbox.send()  # the retry finds them published: still not counted twice, still held
+    assert published == [] and outbox.won == {q.request_id for q in reqs}
+
+    publisher.replica_acks = 0  # the replicas caught up (what a WAIT answering 1 would say)
+    outbox.send()
+    assert [row.request_id for row in published] == [q.request_id for q in reqs]  # once each
+    assert not outbox.rows and not outbox.won and len(_rows(r, "jr")) == 2
+    book = Book()
+    book.add_batch(entry, reqs, [False] * 2)
+    outbox.settle(book)
+    publisher.replica_acks = 1  # the acks wait for the replica too: held until it answers
+    with pytest.raises(ReplicasBehind):
+        outbox.send_acks()
+    assert outbox.acks == [entry] and acked == []
+    publisher.replica_acks = 0
+    outbox.send_acks()
+    assert acked == [entry] and r.xpending(KEYS.batches("echo"), WORKERS_GROUP)["pending"] == 0

@@ -48,7 +48,13 @@ from batchinfer.protocol.entries import (
     IntakeEntry,
 )
 from batchinfer.protocol.rows import now_ms
-from batchinfer.redis_conn import DEFAULT_URL, as_text
+from batchinfer.redis_conn import (
+    DEFAULT_URL,
+    as_text,
+    async_sentinel_client,
+    is_sentinel_url,
+    parse_sentinel_url,
+)
 from batchinfer.store import replies
 from batchinfer.store.queue_state import served_models
 
@@ -117,9 +123,13 @@ def _async_redis(request: Request, settings: Settings) -> aioredis.Redis:
     if made is not None and made[0] is loop:
         return made[1]
     kwargs: dict[str, Any] = {"client_name": "batchinfer-api"}
-    if settings.redis_url and settings.redis_url.startswith("rediss://") and settings.redis_ca_file:
+    url = settings.redis_url or DEFAULT_URL
+    if url.startswith("rediss") and settings.redis_ca_file:
         kwargs["ssl_ca_certs"] = settings.redis_ca_file
-    client = aioredis.Redis.from_url(settings.redis_url or DEFAULT_URL, **kwargs)
+    if is_sentinel_url(url):  # the master, found (and followed across a failover) through Sentinel
+        client = async_sentinel_client(parse_sentinel_url(url), kwargs)
+    else:
+        client = aioredis.Redis.from_url(url, **kwargs)
     request.app.state.sync_redis = (loop, client)
     return client
 

@@ -199,7 +199,9 @@ class RowSink:
                  metrics: SchedulerMetrics | None = None, clock: WallClock = WALL_MS):
         self.redis, self.settings, self.metrics = redis_client, settings, metrics
         self.publisher = Publisher(redis_client, keys, metrics=metrics, clock=clock,
-                                   direct_retention_s=settings.direct_results_retention_seconds)
+                                   direct_retention_s=settings.direct_results_retention_seconds,
+                                   replica_acks=settings.replica_acks,
+                                   replica_timeout_ms=settings.replica_ack_timeout_ms)
 
     def publish(self, row: ResultRow, reply_to: str | None = None) -> bool:
         """Publish ``row``; returns whether this call wrote it."""

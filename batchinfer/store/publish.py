@@ -65,6 +65,19 @@ class Row(Protocol):
     def to_json(self) -> str: ...
 
 
+class ReplicasBehind(redis.exceptions.ConnectionError):
+    """Fewer replicas than asked for (``replica_acks``) confirmed a write within the timeout: the
+    write is on the master but could still be lost to a failover, so it does not count as done.
+    Raised as a connection error, so every caller retries it with its backoff (publishing and
+    acknowledging are idempotent). ``outcomes``: those of the rows just published, in order."""
+
+    def __init__(self, acked: int, wanted: int, timeout_ms: int,
+                 outcomes: list[PublishOutcome] | None = None):
+        super().__init__(f"{acked} of {wanted} replica(s) confirmed the write within {timeout_ms} ms "
+                         "(BATCHINFER_REPLICA_ACKS); it is retried")
+        self.acked, self.wanted, self.outcomes = acked, wanted, outcomes or []
+
+
 @dataclass(frozen=True)
 class PublishOutcome:
     """``published``: this call wrote the row; ``finalizing``: it also made the job final;
@@ -83,10 +96,18 @@ class Publisher:
 
     def __init__(self, redis_client: redis.Redis, keys: Keys, direct_guard_ttl: int = DIRECT_GUARD_TTL, *,
                  direct_retention_s: int = DIRECT_RETENTION, metrics: ReplyMetrics | None = None,
-                 clock: WallClock = WALL_MS):
-        """``clock``: now, for the job times publication records and ``results:direct``'s retention."""
+                 clock: WallClock = WALL_MS, replica_acks: int = 0, replica_timeout_ms: int = 1000):
+        """``clock``: now, for the job times publication records and ``results:direct``'s retention.
+        ``replica_acks`` > 0: each publication waits (``WAIT``, up to ``replica_timeout_ms``) until
+        that many replicas have it, else raises :class:`ReplicasBehind` (docs/reliability.md)."""
         if direct_retention_s <= 0:
             raise ValueError(f"direct_retention_s must be > 0 seconds, got {direct_retention_s}")
+        if replica_acks < 0:
+            raise ValueError(f"replica_acks (BATCHINFER_REPLICA_ACKS) must be >= 0, got {replica_acks}")
+        if replica_timeout_ms <= 0:
+            raise ValueError("replica_timeout_ms (BATCHINFER_REPLICA_ACK_TIMEOUT_MS) must be > 0, "
+                             f"got {replica_timeout_ms}")
+        self.replica_acks, self.replica_timeout_ms = int(replica_acks), int(replica_timeout_ms)
         self.redis = redis_client
         self.keys = keys
         self.direct_guard_ttl = int(direct_guard_ttl)
@@ -157,6 +178,8 @@ class Publisher:
         (``dropped``). On Redis Cluster a ``reply_to`` stream must carry the same hash tag as the
         prefix.
         """
+        if self.replica_acks:
+            return self.publish_many([(row, reply_to)])[0]
         keys, args = self._call(row, reply_to)
         return self._outcome(row, self._publish(keys=keys, args=args))
 
@@ -168,11 +191,16 @@ class Publisher:
         lost its script cache (a restart, ``SCRIPT FLUSH``), the script is loaded again and only
         the calls that got NOSCRIPT are sent again: the others ran, and their outcomes (notably
         ``finalizing``, which exactly one call ever sees) must not be lost to a blind re-run.
+
+        With ``replica_acks``, the pipeline ends with ``WAIT``: on the same connection, so it covers
+        these writes (and, replication being one ordered stream, everything before them); too few
+        replicas raise :class:`ReplicasBehind` carrying the outcomes.
         """
         items = list(items)
         calls = [self._call(row, reply_to) for row, reply_to in items]
         outcomes: list[PublishOutcome | None] = [None] * len(calls)
         todo = list(range(len(calls)))
+        replicas = self.replica_acks
         for _ in range(NOSCRIPT_RETRIES + 1):
             if not todo:
                 break
@@ -180,8 +208,15 @@ class Publisher:
             for i in todo:
                 keys, args = calls[i]
                 pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
+            if self.replica_acks:
+                pipe.execute_command("WAIT", self.replica_acks, self.replica_timeout_ms)
+            replies = pipe.execute(raise_on_error=False)
+            if self.replica_acks:
+                replicas = replies.pop()
+                if isinstance(replicas, Exception):
+                    raise replicas
             missing = []
-            for i, reply in zip(todo, pipe.execute(raise_on_error=False), strict=True):
+            for i, reply in zip(todo, replies, strict=True):
                 if isinstance(reply, NoScriptError):
                     missing.append(i)
                 elif isinstance(reply, Exception):
@@ -193,7 +228,20 @@ class Publisher:
             todo = missing
         if todo:
             raise NoScriptError(f"publish script still missing after {NOSCRIPT_RETRIES} reloads")
+        if int(replicas) < self.replica_acks:
+            raise ReplicasBehind(int(replicas), self.replica_acks, self.replica_timeout_ms,
+                                 outcomes)  # type: ignore[arg-type]  # every slot is filled
         return outcomes  # type: ignore[return-value]  # every slot is filled once todo is empty
+
+    def wait_for_replicas(self) -> None:
+        """With ``replica_acks``: WAIT until that many replicas have this client's writes so far
+        (a pooled connection used by one thread: its last write's), else :class:`ReplicasBehind`.
+        For writes made outside :meth:`publish_many` (a worker's acknowledgements)."""
+        if not self.replica_acks:
+            return
+        acked = int(self.redis.execute_command("WAIT", self.replica_acks, self.replica_timeout_ms))
+        if acked < self.replica_acks:
+            raise ReplicasBehind(acked, self.replica_acks, self.replica_timeout_ms)
 
     def finish_submission(self, job_id: str, total: int) -> bool:
         """Record that job ``job_id`` has ``total`` requests; ``validating`` -> ``in_progress``.

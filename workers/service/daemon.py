@@ -60,14 +60,14 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.ops.httpserver import Readiness
 from batchinfer.ops.metrics import WorkerMetrics
-from batchinfer.redis_conn import Backoff
+from batchinfer.redis_conn import Backoff, own_client
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import NameConflict
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.service.feeder import Cancellations, Feeder
 from batchinfer.workers.service.inflight import Book
 from batchinfer.workers.service.keeper import Keeper
-from batchinfer.workers.service.outbox import Outbox, PublisherStopped, PublisherThread, own_connection
+from batchinfer.workers.service.outbox import Outbox, PublisherStopped, PublisherThread
 from batchinfer.workers.service.reader import BatchReader, Prefetcher
 from batchinfer.workers.service.registration import Registration
 from batchinfer.workers.service.streams import BatchStreams
@@ -136,9 +136,10 @@ class WorkerDaemon:
                              lease_seconds=settings.lease_seconds, stall_seconds=config.stall_seconds,
                              heartbeat_seconds=settings.heartbeat_seconds, streams=self.streams, clock=clock)
         # Publishing, retries, acks and exports run on the publisher thread, on a connection of its own
-        own = own_connection(r)
+        own = own_client(r)
         sender = Publisher(own, self.keys, direct_retention_s=settings.direct_results_retention_seconds,
-                           metrics=self.metrics)
+                           metrics=self.metrics, replica_acks=settings.replica_acks,
+                           replica_timeout_ms=settings.replica_ack_timeout_ms)
         outbox = Outbox(own, self.keys, self.streams, sender, enqueue_export=self._enqueue_export,
                         on_published=self.metrics.row_published, on_acked=self.keeper.release,
                         max_attempts=settings.max_attempts)
@@ -146,7 +147,7 @@ class WorkerDaemon:
         self.outbox = PublisherThread(outbox, hard_stop=self.hard_stop, name=f"publisher-{self.name}",
                                       poll=self.cancels.poll, poll_seconds=config.cancel_poll_seconds)
         # Reads (and their guard checks) run on the prefetch thread, on a connection of its own
-        reads = own_connection(r)
+        reads = own_client(r)
         self.publisher = Publisher(reads, self.keys, metrics=self.metrics,
                                    direct_retention_s=settings.direct_results_retention_seconds)
         self.reader = BatchReader(reads, self.keys, self.streams, name=self.name, engine=engine,

@@ -18,9 +18,9 @@ is a no-op, a retried request carries its attempt count).
 - **Exports**: the job this worker's row made final gets its rq export enqueued.
 
 :class:`PublisherThread` runs an outbox on a thread of its own, with a Redis connection of its own
-(:func:`own_connection`): the engine thread hands rows, retries and acks over through a bounded
-queue (``put`` blocks when it is full: backpressure, nothing is dropped) and learns back which
-requests are confirmed, so it never waits on Redis to publish. The order guarantees are the
+(:func:`batchinfer.redis_conn.own_client`): the engine thread hands rows, retries and acks over
+through a bounded queue (``put`` blocks when it is full: backpressure, nothing is dropped) and learns
+back which requests are confirmed, so it never waits on Redis to publish. The order guarantees are the
 outbox's: a batch entry is acked only after the engine thread saw all of its requests confirmed.
 """
 
@@ -45,7 +45,7 @@ from batchinfer.protocol.batches import retry_batches
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.redis_conn import Backoff
 from batchinfer.store import replies
-from batchinfer.store.publish import Publisher
+from batchinfer.store.publish import Publisher, ReplicasBehind
 from batchinfer.workers.service.inflight import Book
 from batchinfer.workers.service.streams import BatchStreams
 
@@ -107,6 +107,8 @@ class Outbox:
         # (request id, a row: True / a retry: False) sent; confirmed once their dead letters are in
         self.sent: list[tuple[str, bool]] = []
         self.confirmed: list[tuple[str, bool]] = []  # the book not told yet (``settle``)
+        # requests whose row this outbox published on an attempt that then lacked replica acks
+        self.won: set[str] = set()
 
     def add(self, row: ResultRow, reply_to: str | None = None, dead_letter: DeadLetter | None = None) -> None:
         self.rows.append(Outgoing(row, reply_to, dead_letter))
@@ -152,11 +154,19 @@ class Outbox:
         while self.rows:
             chunk = list(itertools.islice(self.rows, self.chunk))
             # exports are enqueued below, after the dead letters, and kept across a Redis error
-            outcomes = publish_then_export(self.publisher, [(o.row, o.reply_to) for o in chunk],
-                                           self.exports.append)
+            try:
+                outcomes = publish_then_export(self.publisher, [(o.row, o.reply_to) for o in chunk],
+                                               self.exports.append)
+            except ReplicasBehind as behind:
+                # on the master, not on enough replicas yet: the rows stay to be sent again (their
+                # guard answers "already published" then), so remember which publications were ours
+                self.won.update(o.row.request_id for o, out in zip(chunk, behind.outcomes, strict=True)
+                                if out.published)
+                raise
             for o, outcome in zip(chunk, outcomes, strict=True):
                 self.rows.popleft()
-                if outcome.published:
+                if outcome.published or o.row.request_id in self.won:
+                    self.won.discard(o.row.request_id)
                     self.on_published(o.row)
                     if o.dead_letter is not None:  # only the publication that won records it
                         self.dead_letters.append(o.dead_letter)
@@ -176,13 +186,15 @@ class Outbox:
             self.exports.pop(0)
 
     def send_acks(self) -> None:
-        """XACK + XDEL the complete batch entries (one MULTI)."""
+        """XACK + XDEL the complete batch entries (one MULTI); with replica acks, then WAIT for them
+        (too few: :class:`ReplicasBehind`, the acks are sent again)."""
         if self.acks:
             pipe = self.redis.pipeline(transaction=True)
             for stream, ids in self.streams.by_stream(self.acks).items():
                 pipe.xack(stream, WORKERS_GROUP, *ids)
                 pipe.xdel(stream, *ids)  # acked batches are history: keep Redis memory flat
             pipe.execute()
+            self.publisher.wait_for_replicas()
             self.on_acked(self.acks)
             self.acks = []
 
@@ -205,17 +217,6 @@ class Outbox:
                     ", ".join(f"{q.request_id} (attempt {q.attempts + 1})" for q in requests))
         self.retries.clear()
         self.sent += [(q.request_id, False) for q in requests]
-
-
-def own_connection(r: redis.Redis) -> redis.Redis:
-    """A client with ``r``'s settings (URL, TLS, timeouts, retries) on a connection pool of its own,
-    so the publisher thread's round trips never queue behind the engine thread's (a blocking
-    XREADGROUP holds its connection for up to ``block_ms``)."""
-    pool = r.connection_pool
-    # the pool derives these per connection itself (redis-py's maintenance notifications)
-    kwargs = {k: v for k, v in pool.connection_kwargs.items()
-              if not k.startswith(("maint_notifications", "orig_"))}
-    return redis.Redis(connection_pool=type(pool)(connection_class=pool.connection_class, **kwargs))
 
 
 class PublisherStopped(RuntimeError):

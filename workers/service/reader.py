@@ -70,10 +70,10 @@ class Fetched:
 class BatchReader:
     """Reads the batches of ``streams`` as consumer ``name``, for ``book``.
 
-    ``r`` should be a connection of the reader's own (``own_connection``): the prefetch thread
-    blocks on it in XREADGROUP. Reading and checking (:meth:`read`, :meth:`check`) may run on any
-    thread; :meth:`admit` and :meth:`take_pending` only on the engine thread (the book and the
-    outbox's hand-overs are its alone).
+    ``r`` should be a connection of the reader's own (``batchinfer.redis_conn.own_client``): the prefetch
+    thread blocks on it in XREADGROUP. Reading and checking (:meth:`read`, :meth:`check`) may run on any
+    thread; :meth:`admit` and :meth:`take_pending` only on the engine thread (the book and the outbox's
+    hand-overs are its alone).
     """
 
     def __init__(self, r: redis.Redis, keys: Keys, streams: BatchStreams, *, name: str, engine: WorkerEngine,

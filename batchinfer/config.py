@@ -42,6 +42,9 @@ class Settings:
     lease_seconds: float = 60.0  # a batch not refreshed for this long is re-dispatched
     max_attempts: int = 3  # worker crashes a request survives before it is dead-lettered
     heartbeat_seconds: float = 5.0
+    # Several schedulers: one owns the queue's work, the others stand by and take over this long after
+    # the owner stopped renewing its lease (it died, hung or was cut off)
+    scheduler_takeover_seconds: float = 10.0
     results_root: str = "results"  # local outputs are confined below this folder
     # URI prefixes a job's output may name besides the results root (comma-separated; none by default):
     # producers choose outputs; the exporter writes them with its own rights (protocol/destinations.py)

@@ -61,6 +61,11 @@ class Keys:
         return self._k("worker", name)
 
     @property
+    def scheduler_owner(self) -> str:
+        """The token of the scheduler that does the queue's work now (the others stand by)."""
+        return self._k("scheduler", "owner")
+
+    @property
     def workers(self) -> str:
         return self._k("workers")
 

@@ -44,7 +44,9 @@ START_TIMEOUT_S = 180
 JOB_TIMEOUT_S = 300
 LOG_TAIL_LINES = 40
 # Fault tests: short leases and fast heartbeats, so a dead worker's batch comes back within seconds.
-FAULT_ENV = {"BATCHINFER_LEASE_SECONDS": "2", "BATCHINFER_HEARTBEAT_SECONDS": "0.5"}
+# A killed scheduler's successor (or a standby) takes the ownership over within 2 s.
+FAULT_ENV = {"BATCHINFER_LEASE_SECONDS": "2", "BATCHINFER_HEARTBEAT_SECONDS": "0.5",
+             "BATCHINFER_SCHEDULER_TAKEOVER_SECONDS": "2"}
 # Echo workers slow enough that a kill lands while a batch is half done (8 requests: 4 steps).
 SLOW_ECHO = {"step_delay": 0.05, "requests_per_step": 2, "max_num_seqs": 8}
 

@@ -110,6 +110,10 @@ SPECS: dict[str, Spec] = {
     "batchinfer_lease_reclaims_total": Spec(C, "Batches re-dispatched after their lease expired.", M),
     "batchinfer_lease_reclaimed_requests_total": Spec(
         C, "Unpublished requests taken back from expired leases.", M),
+    "batchinfer_scheduler_owner": Spec(
+        G, "1 while this scheduler owns the queue's work, 0 while it stands by (docs/scheduler.md)."),
+    "batchinfer_scheduler_ownership_taken_total": Spec(
+        C, "Times this scheduler took the ownership (at start, or over from an owner that died or hung)."),
     # worker
     "batchinfer_worker_info": Spec(G, "Always 1; labels say which worker serves what.",
                                    ("worker", "model", "device")),
@@ -219,6 +223,8 @@ class SchedulerMetrics(_DaemonMetrics):
         self.batch_tokens = _metric(r, "batchinfer_batch_tokens")
         self.reclaims = _metric(r, "batchinfer_lease_reclaims_total")
         self.reclaimed_requests = _metric(r, "batchinfer_lease_reclaimed_requests_total")
+        self.owner = _metric(r, "batchinfer_scheduler_owner")
+        self.ownership_taken = _metric(r, "batchinfer_scheduler_ownership_taken_total")
         if redis_client is not None:
             self.registry.register(QueueCollector(redis_client, keys or Keys(), max_jobs=max_jobs))
 
@@ -235,6 +241,12 @@ class SchedulerMetrics(_DaemonMetrics):
         self.dispatched.labels(model=model).inc()
         self.batch_requests.labels(model=model).observe(num_requests)
         self.batch_tokens.labels(model=model).observe(num_tokens)
+
+    def set_owner(self, owner: bool, taken: bool = False) -> None:
+        """Whether this scheduler owns the work now; ``taken``: it has just taken the ownership."""
+        self.owner.set(1 if owner else 0)
+        if taken:
+            self.ownership_taken.inc()
 
     def lease_reclaimed(self, model: str, num_requests: int) -> None:
         """One expired batch lease was reclaimed, holding ``num_requests`` unpublished requests."""

@@ -12,6 +12,11 @@ The loop only loops; each concern is one object (docs/scheduler.md):
   live worker holds it (held requests, unclaimed batches).
 
 Everything the scheduler knows lives in Redis; its memory holds caches and one pass's window.
+
+Any number of schedulers may run against one queue: one of them owns the work
+(:class:`batchinfer.store.ownership.Ownership`, a lease in Redis) and makes the passes, the others
+stand by and take over within ``scheduler_takeover_seconds`` of the owner's end (docs/scheduler.md,
+"Several schedulers").
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from batchinfer.scheduler.intake import Admission, Intake
 from batchinfer.scheduler.leases import Leases
 from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
 from batchinfer.scheduler.staging import Staging
+from batchinfer.store.ownership import NotOwner, Ownership
 from batchinfer.store.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -62,32 +68,59 @@ class SchedulerDaemon:
     def __init__(self, r: redis.Redis, settings: Settings, *, name: str = "scheduler",
                  metrics: SchedulerMetrics | None = None, block_ms: int = 200,
                  direct_hold_s: float | None = None, clock: Clock = MONOTONIC,
-                 wall_clock: WallClock = WALL_MS):
+                 wall_clock: WallClock = WALL_MS, instance: str | None = None):
         """``direct_hold_s``: how long a direct request for an unserved model is held (default
         ``settings.direct_hold_seconds``, ``BATCHINFER_DIRECT_HOLD_SECONDS``). ``clock`` times the
-        periodic sweeps; ``wall_clock`` decides holds, job expiry and ``results:direct``'s retention."""
+        periodic sweeps; ``wall_clock`` decides holds, job expiry and ``results:direct``'s retention.
+        ``instance`` names this scheduler in the ownership (default: host and pid)."""
         self.redis, self.settings, self.name, self.block_ms = r, settings, name, block_ms
+        self.metrics = metrics
         self.keys = keys = Keys(settings.prefix)
+        self.ownership = Ownership(r, keys.scheduler_owner, name=instance,
+                                   takeover_seconds=settings.scheduler_takeover_seconds)
         registry = Registry(r, keys)
         jobs, models, staging = JobCache(r, keys), ModelCache(registry), Staging(r, keys)
         self.sink = RowSink(r, settings, keys, metrics, clock=wall_clock)
         self.admission = Admission(r, keys, settings, jobs, models, direct_hold_s=direct_hold_s,
                                    clock=wall_clock)
-        self.intake = Intake(r, keys, self.admission, staging, self.sink, consumer=name)
-        self.dispatcher = Dispatcher(r, keys, registry, models, staging, jobs, self.sink, metrics)
-        self.leases = Leases(r, keys, settings, registry, jobs, self.sink, consumer=name)
+        fence = self.ownership
+        self.intake = Intake(r, keys, self.admission, staging, self.sink, consumer=name, fence=fence)
+        self.dispatcher = Dispatcher(r, keys, registry, models, staging, jobs, self.sink, fence, metrics)
+        self.leases = Leases(r, keys, settings, registry, jobs, self.sink, consumer=name, fence=fence)
         self.accounting = Accounting(r, keys, settings, jobs, self.sink, clock=wall_clock)
         self.settler = Settler(r, keys, registry, jobs, self.sink, self.intake)
-        self.timers = {"leases": Periodic(max(0.05, settings.lease_seconds / 4), clock),
+        # the intake's pending entries are re-read every takeover time: a scheduler that lost the
+        # ownership in the middle of a pass may have read (never settled) entries under the shared name
+        self.timers = {"recover": Periodic(settings.scheduler_takeover_seconds, clock),
+                       "leases": Periodic(max(0.05, settings.lease_seconds / 4), clock),
                        "held": Periodic(2.0, clock), "accounting": Periodic(1.0, clock)}
         self._ready = False
         self._held_releasing = False  # the last held sweep released requests: sweep again next pass
 
     def run_once(self, block_ms: int | None = None) -> int:
-        """One pass over every concern; returns how much work it found (0: idle)."""
+        """One pass over every concern if this scheduler is the owner (taking the ownership when it
+        is free); returns how much work it found (0: idle, or standing by)."""
+        was_owner = self.ownership.held
+        owner = self.ownership.tick()
+        if self.metrics is not None:
+            self.metrics.set_owner(owner, taken=owner and not was_owner)
+        if not owner:
+            return 0
+        if not was_owner:  # taken over: what a predecessor left half done is read again
+            self._reset()
+        try:
+            return self._pass(block_ms)
+        except (NotOwner, redis.WatchError) as e:  # another scheduler took over: its transactions won
+            self.ownership.lost(type(e).__name__)
+            self._reset()
+            return 0
+
+    def _pass(self, block_ms: int | None) -> int:
         if not self._ready:
             self.intake.ensure_group()
             self._ready = True
+        if self.timers["recover"].due():
+            self.intake.recovered = False
         work = self.intake.step(block_ms)
         work += self.dispatcher.step()
         if self.timers["leases"].due():
@@ -116,12 +149,15 @@ class SchedulerDaemon:
         log.info("scheduler %s: serving prefix %s (lease %g s, max attempts %d)", self.name,
                  self.settings.prefix, self.settings.lease_seconds, self.settings.max_attempts)
         backoff, busy = Backoff(BACKOFF_START_S, BACKOFF_CAP_S), False
+        standby_wait = min(1.0, self.settings.scheduler_takeover_seconds / 3)
         while not stop.is_set():
             try:
                 busy = self.run_once(block_ms=None if busy else self.block_ms) > 0
                 backoff.reset()
                 if tick is not None:
                     tick()
+                if not self.ownership.held:
+                    stop.wait(standby_wait)  # another scheduler owns the work: look again soon
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 wait = backoff.next()
                 log.warning("scheduler: Redis unavailable (%s); retrying in %.1f s", e, wait)
@@ -131,6 +167,10 @@ class SchedulerDaemon:
                 log.exception("scheduler: pass failed; continuing")
                 self._reset()
                 stop.wait(1.0)
+        try:
+            self.ownership.release()  # a standby takes over now, not after the lease runs out
+        except redis.RedisError as e:
+            log.warning("scheduler: could not release the ownership (%s); it lapses by itself", e)
         log.info("scheduler %s: stopped", self.name)
 
 

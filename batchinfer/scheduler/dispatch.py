@@ -31,6 +31,7 @@ from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
 from batchinfer.scheduler.packing import Budget, Candidate, Packer
 from batchinfer.scheduler.staging import Staged, Staging, parse_member
 from batchinfer.store import replies, scripts
+from batchinfer.store.ownership import Ownership
 from batchinfer.store.registry import Registry, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,10 @@ class Dispatcher:
     """Moves staged requests into batches, model by model."""
 
     def __init__(self, r: redis.Redis, keys: Keys, registry: Registry, models: ModelCache, staging: Staging,
-                 jobs: JobCache, sink: RowSink, metrics: SchedulerMetrics | None = None):
+                 jobs: JobCache, sink: RowSink, fence: Ownership, metrics: SchedulerMetrics | None = None):
+        """``fence``: batches are written only while this scheduler is the owner."""
         self.redis, self.keys, self.registry, self.models = r, keys, registry, models
+        self.fence = fence
         self.staging, self.jobs, self.sink, self.metrics = staging, jobs, sink, metrics
         self.packers: dict[str, Packer] = defaultdict(Packer)
         self.rotation: dict[str, int] = defaultdict(int)
@@ -121,7 +124,7 @@ class Dispatcher:
         batches = self.packers[model].pack([c for c, _ in candidates], budget, want)
         if not batches:
             return 0
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.fence.transaction()
         for batch in batches:
             chosen_staged = [by_key[c.key] for c in batch]
             pipe.xadd(stream, replies.xadd_fields(encode_raw([s.raw for s in chosen_staged])))
@@ -167,7 +170,7 @@ class Dispatcher:
                 for s in staged:
                     self.sink.publish(ResultRow.error(ended, f"the job was {ended} before this request ran",
                                                       status=ended, request=s.request), s.request.reply_to)
-                pipe = self.redis.pipeline(transaction=True)
+                pipe = self.fence.transaction()
                 self.staging.remove(pipe, staged)
                 pipe.execute()
                 budget -= len(staged)
@@ -190,7 +193,7 @@ class Dispatcher:
         for s in gone:
             self.sink.publish(ResultRow.error("cancelled", "the request was cancelled before it ran",
                                               status="cancelled", request=s.request), s.request.reply_to)
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.fence.transaction()
         self.staging.remove(pipe, gone)
         pipe.execute()
         log.info("%d cancelled direct request(s) unstaged", len(gone))

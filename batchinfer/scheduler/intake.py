@@ -68,6 +68,7 @@ from batchinfer.scheduler.staging import Staging, held_key
 from batchinfer.scheduler.structured_check import StructuredCheck
 from batchinfer.store import replies
 from batchinfer.store.jobstore import JobField
+from batchinfer.store.ownership import Ownership
 from batchinfer.store.publish import Redelivery
 from batchinfer.store.replies import Fields
 from batchinfer.workers.sampling_params import SamplingParams
@@ -247,8 +248,10 @@ class Intake:
     """Moves entries from ``{p}:requests`` (and the holding area) to staging or to rows."""
 
     def __init__(self, r: redis.Redis, keys: Keys, admission: Admission, staging: Staging, sink: RowSink,
-                 consumer: str, chunk: int = 256, held_limit: int = 100_000):
+                 consumer: str, fence: Ownership, chunk: int = 256, held_limit: int = 100_000):
+        """``fence``: the transactions that move entries run only while this scheduler is the owner."""
         self.redis, self.keys, self.admission, self.staging, self.sink = r, keys, admission, staging, sink
+        self.fence = fence
         self.consumer, self.chunk, self.held_limit = consumer, chunk, held_limit
         self.recovered = False  # own pending entries re-read since (re)start
         self.held_cursor = "-"
@@ -286,7 +289,7 @@ class Intake:
                 self._take_in(run)
                 run = []
                 self.ops.apply(eid.decode(), f)
-                pipe = self.redis.pipeline(transaction=True)
+                pipe = self.fence.transaction()
                 pipe.xack(self.keys.requests, SCHEDULER_GROUP, eid)
                 pipe.xdel(self.keys.requests, eid)
                 pipe.execute()
@@ -357,7 +360,7 @@ class Intake:
                 raise
             except Exception:  # noqa: BLE001 - acked all the same: it must not come back
                 log.exception("intake entry %s: its internal_error row could not be written", entry_id)
-            pipe = self.redis.pipeline(transaction=True)
+            pipe = self.fence.transaction()
             pipe.xack(self.keys.requests, SCHEDULER_GROUP, eid)
             pipe.xdel(self.keys.requests, eid)
             pipe.execute()
@@ -455,7 +458,7 @@ class Intake:
         held = held_key(self.keys)
         intake = source == self.keys.requests
         room = self.held_limit - self.redis.xlen(held) if source != held else 0
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.fence.transaction()
         tallies: dict[str, _Tally] = {}
         held_models: Counter[str] = Counter()  # model -> requests held (+) or released (-)
         for entry_id, outcome, fields in decided:

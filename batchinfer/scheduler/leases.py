@@ -26,6 +26,7 @@ from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.redis_conn import as_text
 from batchinfer.scheduler.lookups import JobCache, RowSink
 from batchinfer.store import replies
+from batchinfer.store.ownership import Ownership
 from batchinfer.store.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ class Leases:
     """Reclaims expired batch leases for every registered model."""
 
     def __init__(self, r: redis.Redis, keys: Keys, settings: Settings, registry: Registry, jobs: JobCache,
-                 sink: RowSink, consumer: str):
+                 sink: RowSink, consumer: str, fence: Ownership):
         self.redis, self.keys, self.registry, self.jobs, self.sink = r, keys, registry, jobs, sink
+        self.fence = fence  # a batch is taken back only while this scheduler is the owner
         self.lease_ms = max(1, int(settings.lease_seconds * 1000))
         self.max_attempts = settings.max_attempts
         self.consumer = consumer
@@ -68,7 +70,7 @@ class Leases:
 
     def _take_back(self, model: str, entry_id: str, fields: dict[bytes, bytes] | None) -> None:
         stream = self.keys.batches(model)
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.fence.transaction()
         requests = self._parse(entry_id, fields, pipe) if fields else []
         published = self.sink.publisher.published_mask([(q.job_id, q.idx, q.request_id) for q in requests])
         pending = [q for q, done in zip(requests, published, strict=True) if not done]

@@ -66,6 +66,11 @@ class Keys:
         return self._k("scheduler", "owner")
 
     @property
+    def schedulers(self) -> str:
+        """Hash: each scheduler's token -> its last announcement (owner or standby, when)."""
+        return self._k("schedulers")
+
+    @property
     def workers(self) -> str:
         return self._k("workers")
 

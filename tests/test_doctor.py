@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import redis
@@ -70,6 +71,21 @@ def test_aof_off_warns_without_failing_and_volatile_policies_pass(custom_redis):
     assert checks["redis aof"].status == "WARN" and "appendonly yes" in checks["redis aof"].fix
     assert checks["redis memory policy"].ok and "TTL" in checks["redis memory policy"].detail
     assert exit_code(list(checks.values())) == 0
+
+
+def test_replica_acks_without_enough_replicas_fail_with_the_fix(custom_redis):
+    master = custom_redis()
+    checks = run_doctor(Settings(redis_url=master.url, replica_acks=1))
+    replicas = by_name(checks)["redis replicas"]
+    assert not replicas.ok and replicas.detail == "BATCHINFER_REPLICA_ACKS=1: 0 replica(s) connected"
+    assert "lower BATCHINFER_REPLICA_ACKS" in replicas.fix and exit_code(checks) == 1
+    replica = custom_redis("--replicaof", "127.0.0.1", str(master.port))
+    deadline = time.monotonic() + 10
+    while replica.client().info("replication").get("master_link_status") != "up":
+        assert time.monotonic() < deadline, "the replica did not connect"
+        time.sleep(0.05)
+    assert by_name(check_redis(master.client(), master.url, replica_acks=1))["redis replicas"].ok
+    assert "redis replicas" not in by_name(check_redis(master.client(), master.url))  # acks off: no check
 
 
 def test_unreachable_redis_says_where_and_how_to_fix():

@@ -219,3 +219,48 @@ def test_the_metrics_say_which_scheduler_owns(queue):
     scheds["b"].run_once()
     assert sample("b", "batchinfer_scheduler_owner") == 1
     assert sample("b", "batchinfer_scheduler_ownership_taken_total") == 1
+
+
+def test_running_schedulers_announce_themselves_and_top_shows_them(queue):
+    import threading
+
+    from batchinfer.cli.top import scheduler_text
+    from batchinfer.store.ownership import live_schedulers
+
+    r = queue
+    assert scheduler_text(live_schedulers(r, KEYS.schedulers)).plain.startswith("no scheduler is running")
+    stops = {name: threading.Event() for name in ("a", "b")}
+    scheds = {name: _scheduler(r, name) for name in stops}
+    threads = [threading.Thread(target=scheds[n].run, args=(stops[n],), daemon=True) for n in stops]
+    for t in threads:
+        t.start()
+    try:
+        def both() -> list | None:
+            views = live_schedulers(r, KEYS.schedulers)
+            return views if len(views) == 2 and views[0].owner else None
+
+        views = wait_until(both, timeout=10, what="both schedulers announced")
+        assert [v.owner for v in views] == [True, False]  # the owner first
+        assert {v.token for v in views} == {s.ownership.token for s in scheds.values()}
+        owner = next(s for s in scheds.values() if s.ownership.token == views[0].token)
+        assert scheduler_text(views).plain == f"scheduler {owner.ownership.label} (+1 standing by)"
+    finally:
+        for event in stops.values():
+            event.set()
+        for t in threads:
+            t.join(timeout=10)
+    assert live_schedulers(r, KEYS.schedulers) == []  # a clean stop withdraws its announcement
+    assert r.get(KEYS.scheduler_owner) is None  # and gives the ownership up
+
+
+def test_a_silent_scheduler_is_not_live_and_is_forgotten_in_the_end(redis_server):
+    from batchinfer.store.ownership import FORGET_AFTER_MS, live_schedulers
+
+    r = redis_server.client()
+    now = int(time.time() * 1000)
+    for token, age in (("fresh:1:x", 0), ("silent:2:y", 5_000), ("gone:3:z", FORGET_AFTER_MS + 1)):
+        r.hset(KEYS.schedulers, token, json.dumps({"owner": False, "heartbeat_at": now - age,
+                                                    "takeover_seconds": 2}))
+    r.hset(KEYS.schedulers, "junk:4:w", "not json")
+    assert [v.token for v in live_schedulers(r, KEYS.schedulers)] == ["fresh:1:x"]
+    assert sorted(k.decode() for k in r.hkeys(KEYS.schedulers)) == ["fresh:1:x", "silent:2:y"]

@@ -48,12 +48,14 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 # --- Redis ---------------------------------------------------------------------------------------
-def check_redis(client: redis.Redis, where: str) -> list[Check]:
-    """Reachability, version, persistence and memory policy of the Redis behind ``client``."""
+def check_redis(client: redis.Redis, where: str, replica_acks: int = 0) -> list[Check]:
+    """Reachability, version, persistence and memory policy of the Redis behind ``client``; with
+    ``replica_acks`` (``BATCHINFER_REPLICA_ACKS``), whether that many replicas are connected."""
     try:
         server = client.info("server")
         persistence = client.info("persistence")
         memory = client.info("memory")
+        replication = client.info("replication") if replica_acks else {}
     except (redis.RedisError, OSError) as exc:
         return [Check("redis", False, f"{where}: cannot reach Redis ({type(exc).__name__}: {exc})",
                       "start Redis >= 6.2 and point batchinfer at it with --redis-url or "
@@ -89,6 +91,13 @@ def check_redis(client: redis.Redis, where: str) -> list[Check]:
             severity="warning"))
     else:
         checks.append(Check("redis memory", True, f"{_bytes(used)} used, no maxmemory limit"))
+    if replica_acks:
+        connected = int(replication.get("connected_slaves", 0))
+        checks.append(Check(
+            "redis replicas", connected >= replica_acks,
+            f"BATCHINFER_REPLICA_ACKS={replica_acks}: {connected} replica(s) connected",
+            "add replicas, or lower BATCHINFER_REPLICA_ACKS: with fewer replicas than it asks for, every "
+            "publication waits BATCHINFER_REPLICA_ACK_TIMEOUT_MS and is sent again, and no row is done"))
     return checks
 
 
@@ -317,9 +326,10 @@ def run_doctor(settings: Settings, model_dir: str | Path | None = None, device: 
         if redis_client is None:
             redis_client = connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5,
                                    socket_connect_timeout=3)
-        checks = check_redis(redis_client, where)
+        checks = check_redis(redis_client, where, replica_acks=settings.replica_acks)
     except ValueError as exc:  # a malformed URL
-        checks = [Check("redis", False, str(exc), "use a redis://, rediss:// or unix:// URL")]
+        checks = [Check("redis", False, str(exc),
+                        "use a redis://, rediss://, unix:// or redis+sentinel://HOST:PORT/SERVICE URL")]
     if model_dir is not None:
         checks += check_model_dir(model_dir)
     checks.append(check_device(device))

@@ -24,6 +24,7 @@ from batchinfer.keys import Keys
 from batchinfer.protocol.rows import now_ms
 from batchinfer.store import queue_state
 from batchinfer.store.jobstore import JobStatus
+from batchinfer.store.ownership import SchedulerView, live_schedulers
 from batchinfer.store.queue_state import JobView, QueueState, WorkerView
 from batchinfer.workers.progress import duration_text
 
@@ -43,6 +44,7 @@ class Snapshot:
     heartbeat_seconds: float = 5.0
     held: dict[str, int] = field(default_factory=dict)  # model -> requests held (no worker serves it)
     served: list[str] = field(default_factory=list)  # names live workers serve
+    schedulers: list[SchedulerView] = field(default_factory=list)  # live ones, the owner first
 
 
 def snapshot_from_redis(r: redis.Redis, keys: Keys, *, where: str = "", heartbeat_seconds: float = 5.0,
@@ -57,6 +59,7 @@ def snapshot_from_redis(r: redis.Redis, keys: Keys, *, where: str = "", heartbea
         heartbeat_seconds=heartbeat_seconds,
         held=queue_state.held_models(r, keys),
         served=queue_state.served_models(r, keys),
+        schedulers=live_schedulers(r, keys.schedulers),
     )
 
 
@@ -196,6 +199,18 @@ def _held_lines(snap: Snapshot) -> list[Text]:
             for model, n in snap.held.items() if n]
 
 
+def scheduler_text(schedulers: list[SchedulerView]) -> Text:
+    """``scheduler HOST:PID (+1 standing by)``, or a warning that no scheduler is running."""
+    if not schedulers:
+        return Text("no scheduler is running: nothing is dispatched (batchinfer scheduler)", style="bold red")
+    owners = [s for s in schedulers if s.owner]
+    standby = len(schedulers) - len(owners)
+    extra = f" (+{standby} standing by)" if standby else ""
+    if not owners:
+        return Text(f"{standby} scheduler(s) standing by, none owns the work yet", style="bold yellow")
+    return Text(f"scheduler {owners[0].token.rsplit(':', 1)[0]}{extra}")
+
+
 def render_top(snapshot: Snapshot, width: int | None = None) -> RenderableType:
     """One frame: a header line, requests held for unserved models, then the workers, jobs and
     queues tables; compact below :data:`WIDE` columns (``width`` None: wide)."""
@@ -203,8 +218,8 @@ def render_top(snapshot: Snapshot, width: int | None = None) -> RenderableType:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.taken_at / 1000))
     header = Text.assemble(("batchinfer top", "bold"), f"  {snapshot.where}  {stamp}  ",
                            f"{len(snapshot.workers)} worker(s), {len(snapshot.jobs)} job(s) in progress")
-    return Group(header, *_held_lines(snapshot), _workers_table(snapshot, wide), _jobs_table(snapshot, wide),
-                 _queues_table(snapshot, wide))
+    return Group(header, scheduler_text(snapshot.schedulers), *_held_lines(snapshot),
+                 _workers_table(snapshot, wide), _jobs_table(snapshot, wide), _queues_table(snapshot, wide))
 
 
 def render_to_text(snapshot: Snapshot, width: int = 120) -> str:

@@ -39,7 +39,7 @@ from batchinfer.scheduler.intake import Admission, Intake
 from batchinfer.scheduler.leases import Leases
 from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
 from batchinfer.scheduler.staging import Staging
-from batchinfer.store.ownership import NotOwner, Ownership
+from batchinfer.store.ownership import NotOwner, Ownership, announce, withdraw
 from batchinfer.store.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class SchedulerDaemon:
         # the intake's pending entries are re-read every takeover time: a scheduler that lost the
         # ownership in the middle of a pass may have read (never settled) entries under the shared name
         self.timers = {"recover": Periodic(settings.scheduler_takeover_seconds, clock),
+                       "announce": Periodic(min(1.0, settings.scheduler_takeover_seconds / 3)),
                        "leases": Periodic(max(0.05, settings.lease_seconds / 4), clock),
                        "held": Periodic(2.0, clock), "accounting": Periodic(1.0, clock)}
         self._ready = False
@@ -153,6 +154,8 @@ class SchedulerDaemon:
         while not stop.is_set():
             try:
                 busy = self.run_once(block_ms=None if busy else self.block_ms) > 0
+                if self.timers["announce"].due():
+                    announce(self.redis, self.keys.schedulers, self.ownership)
                 backoff.reset()
                 if tick is not None:
                     tick()
@@ -169,6 +172,7 @@ class SchedulerDaemon:
                 stop.wait(1.0)
         try:
             self.ownership.release()  # a standby takes over now, not after the lease runs out
+            withdraw(self.redis, self.keys.schedulers, self.ownership)
         except redis.RedisError as e:
             log.warning("scheduler: could not release the ownership (%s); it lapses by itself", e)
         log.info("scheduler %s: stopped", self.name)

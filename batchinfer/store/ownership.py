@@ -16,17 +16,21 @@ changed hands in between, and no transaction starts without the token (:class:`N
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 
 import redis
 
 from batchinfer.store import scripts
 
 log = logging.getLogger(__name__)
+
+FORGET_AFTER_MS = 3600 * 1000  # announcements older than this are removed from the hash
 
 
 class NotOwner(RuntimeError):
@@ -111,3 +115,54 @@ class Ownership:
             raise NotOwner(f"scheduler {self.token} does not hold {self.key}")
         pipe.multi()
         return pipe
+
+
+# -- who is there: each scheduler announces itself, owner or standby --------------------------------
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """One scheduler's last announcement (``batchinfer top``, ``doctor``)."""
+
+    token: str
+    owner: bool
+    heartbeat_at: int  # ms since the epoch
+    takeover_seconds: float
+
+    def live(self, now_ms: int) -> bool:
+        """Announced within the last ``max(3 s, takeover)``: it announces at least once a second."""
+        return now_ms - self.heartbeat_at <= max(3.0, self.takeover_seconds) * 1000
+
+
+def announce(r: redis.Redis, key: str, ownership: Ownership) -> None:
+    """Record that this scheduler is alive, and whether it owns the work (``{p}:schedulers``)."""
+    r.hset(key, ownership.token, json.dumps({"owner": ownership.held, "heartbeat_at": int(time.time() * 1000),
+                                             "takeover_seconds": ownership.ttl_ms / 1000}))
+
+
+def withdraw(r: redis.Redis, key: str, ownership: Ownership) -> None:
+    """A clean stop: this scheduler's announcement goes."""
+    r.hdel(key, ownership.token)
+
+
+def live_schedulers(r: redis.Redis, key: str) -> list[SchedulerView]:
+    """The schedulers that announced themselves lately, the owner first; long-silent ones are
+    removed from the hash on the way."""
+    now = int(time.time() * 1000)
+    views, stale = [], []
+    for token, raw in r.hgetall(key).items():
+        name = token.decode() if isinstance(token, bytes) else str(token)
+        try:
+            info = json.loads(raw)
+            view = SchedulerView(name, bool(info["owner"]), int(info["heartbeat_at"]),
+                                 float(info["takeover_seconds"]))
+        except (ValueError, KeyError, TypeError):
+            stale.append(name)
+            continue
+        if view.live(now):
+            views.append(view)
+        elif now - view.heartbeat_at > FORGET_AFTER_MS:
+            stale.append(name)
+    if stale:
+        r.hdel(key, *stale)
+    return sorted(views, key=lambda v: (not v.owner, v.token))

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import IntakeEntry
+from batchinfer.protocol.rows import now_ms
 from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.scheduler.staging import Staging, queue_key
 from batchinfer.store.jobstore import JobStore
@@ -257,7 +258,7 @@ def test_a_silent_scheduler_is_not_live_and_is_forgotten_in_the_end(redis_server
     from batchinfer.store.ownership import FORGET_AFTER_MS, live_schedulers
 
     r = redis_server.client()
-    now = int(time.time() * 1000)
+    now = now_ms()
     for token, age in (("fresh:1:x", 0), ("silent:2:y", 5_000), ("gone:3:z", FORGET_AFTER_MS + 1)):
         r.hset(KEYS.schedulers, token, json.dumps({"owner": False, "heartbeat_at": now - age,
                                                     "takeover_seconds": 2}))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import redis
 
+from batchinfer.protocol.rows import now_ms
 from batchinfer.store import scripts
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class SchedulerView:
 
 def announce(r: redis.Redis, key: str, ownership: Ownership) -> None:
     """Record that this scheduler is alive, and whether it owns the work (``{p}:schedulers``)."""
-    r.hset(key, ownership.token, json.dumps({"owner": ownership.held, "heartbeat_at": int(time.time() * 1000),
+    r.hset(key, ownership.token, json.dumps({"owner": ownership.held, "heartbeat_at": now_ms(),
                                              "takeover_seconds": ownership.ttl_ms / 1000}))
 
 
@@ -148,7 +149,7 @@ def withdraw(r: redis.Redis, key: str, ownership: Ownership) -> None:
 def live_schedulers(r: redis.Redis, key: str) -> list[SchedulerView]:
     """The schedulers that announced themselves lately, the owner first; long-silent ones are
     removed from the hash on the way."""
-    now = int(time.time() * 1000)
+    now = now_ms()
     views, stale = [], []
     for token, raw in r.hgetall(key).items():
         name = token.decode() if isinstance(token, bytes) else str(token)

@@ -20,7 +20,8 @@
 - scale: echo-engine jobs of 10k and ``--scale-requests`` (default 50k; ``1000000`` for the full
   run): Redis memory per queued request (intake entries before the scheduler runs), steady
   throughput (rows per second between the first and the last result's stream ids), and the peak
-  resident memory (VmHWM) of the scheduler and the worker. Then the job's export (issue 27): a
+  resident memory (VmHWM) of the scheduler and the worker, and the scheduler's CPU seconds per request
+  (``scheduler_cpu_us_per_request``, its start-up included). Then the job's export (issue 27): a
   ``batchinfer exporter`` runs the queued Parquet export and is stopped once the job is
   ``completed``; its peak RSS is that of the exporter and its children (the rq work horse that
   exported, rq's scheduler: ``wait4``'s ``ru_maxrss``, the largest of them), printed against an
@@ -70,6 +71,11 @@ class Daemon:
         pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         self.proc = subprocess.Popen([*python_module("batchinfer.cli"), *args], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=pin)
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the process used so far (``/proc/<pid>/stat``, every thread)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def peak_rss_mb(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -301,7 +307,9 @@ def bench_scale(url: str, workdir: Path, n: int) -> dict:
     try:
         wait_for(lambda: job_done(r, job), 3600, f"the {n}-request echo job", daemons)
         rss = {"scheduler_rss_mb": round(daemons[1].peak_rss_mb(), 1),
-               "worker_rss_mb": round(daemons[0].peak_rss_mb(), 1)}
+               "worker_rss_mb": round(daemons[0].peak_rss_mb(), 1),
+               # the scheduler's CPU (start-up included: ~1 s of imports, small next to 10k+ requests)
+               "scheduler_cpu_us_per_request": round(daemons[1].cpu_s() / n * 1e6, 1)}
     finally:
         codes = [d.stop() for d in daemons]
     stream = Keys(PREFIX).results(job)
@@ -487,6 +495,8 @@ def main() -> None:
                 "redis_peak_mb": large["redis_peak_mb"],
                 "scheduler_rss_mb": large["scheduler_rss_mb"], "worker_rss_mb": large["worker_rss_mb"],
                 "scheduler_rss_10k_mb": small["scheduler_rss_mb"],
+                "scheduler_cpu_us_per_request": large["scheduler_cpu_us_per_request"],
+                "scheduler_cpu_us_per_request_10k": small["scheduler_cpu_us_per_request"],
                 "worker_rss_10k_mb": small["worker_rss_mb"],
                 "export_rss_mb": large["export_rss_mb"], "export_rss_10k_mb": small["export_rss_mb"],
                 "exporter_idle_rss_mb": large["exporter_idle_rss_mb"],

@@ -157,3 +157,21 @@ def test_the_api_asyncio_client_follows_the_promotion(sentinel_set):
 
     assert asyncio.run(scenario()) == (b"1", b"2")
     assert redis.Redis(port=sentinel_set.replica.port).get("b") == b"2"
+
+
+def test_a_submission_with_replica_acks_returns_once_a_replica_has_it(sentinel_set):
+    from batchinfer.client.client import Client
+
+    settings = Settings(redis_url=sentinel_set.url, prefix="{sub}", replica_acks=1,
+                        replica_ack_timeout_ms=100)
+    client = Client(settings=settings)
+    job = client.submit([{"prompt": "a"}, {"prompt": "b"}], model="m")
+    replica = redis.Redis(port=sentinel_set.replica.port)
+    assert replica.xlen(Keys("{sub}").requests) >= 2  # on the replica when submit returned
+    sentinel_set.pause_replica()
+    try:
+        with pytest.raises(ReplicasBehind, match="is submitted on the master, but a failover now could lose"):
+            client.submit([{"prompt": "c"}], model="m")
+    finally:
+        sentinel_set.resume_replica()
+    assert client.status(job).total == 2

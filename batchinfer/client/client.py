@@ -30,7 +30,7 @@ from batchinfer.redis_conn import as_text, connect
 from batchinfer.store import replies, scripts
 from batchinfer.store.jobcontrol import append_job_error, check_open, open_job
 from batchinfer.store.jobstore import JobField, JobRecord, JobStatus, JobStore, new_job_id
-from batchinfer.store.publish import Publisher
+from batchinfer.store.publish import Publisher, ReplicasBehind
 from batchinfer.store.registry import Registry, WorkerInfo
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["Client", "JobNotFound", "ModelNotServed", "parse_duration"]
 
 SUBMIT_CHUNK = 2000  # intake entries per round trip (one add_requests script call)
+REPLICA_WAITS = 3  # BATCHINFER_REPLICA_ACK_TIMEOUT_MS periods a submit waits for its replicas
 SUBMIT_CHUNK_BYTES = 8 * 1024 * 1024  # ... or fewer: so 2000 bodies of 10 MiB are never one call
 READ_CHUNK = 5000  # result rows per XRANGE
 
@@ -85,7 +86,8 @@ class Client:
     @property
     def publisher(self) -> Publisher:
         if self._publisher is None:
-            self._publisher = Publisher(self.redis, self.keys)
+            self._publisher = Publisher(self.redis, self.keys, replica_acks=self.settings.replica_acks,
+                                        replica_timeout_ms=self.settings.replica_ack_timeout_ms)
         return self._publisher
 
     # -- jobs ------------------------------------------------------------------------------------
@@ -200,7 +202,23 @@ class Client:
         # The total at once too (the script the scheduler's close runs; the close then finds it set):
         # `status` shows the job in_progress with its total as soon as this returns.
         finish_then_export(self.publisher, job_id, total, self._enqueue_export)
+        self._wait_for_replicas(job_id)
         return job_id
+
+    def _wait_for_replicas(self, job_id: str) -> None:
+        """With ``BATCHINFER_REPLICA_ACKS``: return only once the replicas have the submission (its
+        last write, and so every one before it), so that a failover cannot lose it; up to
+        ``REPLICA_WAITS`` timeouts, then :class:`~batchinfer.store.publish.ReplicasBehind`."""
+        for attempt in range(REPLICA_WAITS):
+            try:
+                self.publisher.wait_for_replicas()
+                return
+            except ReplicasBehind as behind:
+                if attempt == REPLICA_WAITS - 1:
+                    raise ReplicasBehind(
+                        behind.acked, behind.wanted, self.settings.replica_ack_timeout_ms * REPLICA_WAITS,
+                        then=f"job {job_id} is submitted on the master, but a failover now could lose "
+                             "it: check the replicas (batchinfer doctor), then the job's status") from None
 
     def _dataset_input(self, source: Any, job_id: str, model: str | None, *,
                        template: RequestTemplate | None, keep_columns: Sequence[str],

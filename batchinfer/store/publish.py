@@ -72,9 +72,9 @@ class ReplicasBehind(redis.exceptions.ConnectionError):
     acknowledging are idempotent). ``outcomes``: those of the rows just published, in order."""
 
     def __init__(self, acked: int, wanted: int, timeout_ms: int,
-                 outcomes: list[PublishOutcome] | None = None):
+                 outcomes: list[PublishOutcome] | None = None, then: str = "it is retried"):
         super().__init__(f"{acked} of {wanted} replica(s) confirmed the write within {timeout_ms} ms "
-                         "(BATCHINFER_REPLICA_ACKS); it is retried")
+                         f"(BATCHINFER_REPLICA_ACKS); {then}")
         self.acked, self.wanted, self.outcomes = acked, wanted, outcomes or []
 
 

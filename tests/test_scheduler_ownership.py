@@ -265,3 +265,21 @@ def test_a_silent_scheduler_is_not_live_and_is_forgotten_in_the_end(redis_server
     r.hset(KEYS.schedulers, "junk:4:w", "not json")
     assert [v.token for v in live_schedulers(r, KEYS.schedulers)] == ["fresh:1:x"]
     assert sorted(k.decode() for k in r.hkeys(KEYS.schedulers)) == ["fresh:1:x", "silent:2:y"]
+
+
+def test_a_stale_recovery_pass_blames_no_entry(queue):
+    """Re-reading its pending entries one at a time, a scheduler that lost the ownership stops at
+    the first refused transaction instead of taking that entry for one that fails (logged, re-read,
+    and answered with an internal_error after five reads)."""
+    r = queue
+    a, b = _scheduler(r, "a"), _scheduler(r, "b")
+    _submit(r, "j", 3)
+    r.xgroup_create(KEYS.requests, "scheduler", id="0", mkstream=True)
+    r.xreadgroup("scheduler", "scheduler", {KEYS.requests: ">"})  # read earlier, never settled
+    assert b.ownership.tick()
+    with pytest.raises(NotOwner):
+        a.intake.step(None)  # a starts with a recovery pass: the first entry alone is refused
+    assert r.xpending(KEYS.requests, "scheduler")["pending"] == 3 and not _dispatched(r)
+    while b.run_once():
+        pass
+    assert _dispatched(r) == Counter({("j", i): 1 for i in range(3)})

@@ -68,7 +68,7 @@ from batchinfer.scheduler.staging import Staging, held_key
 from batchinfer.scheduler.structured_check import StructuredCheck
 from batchinfer.store import replies
 from batchinfer.store.jobstore import JobField
-from batchinfer.store.ownership import Ownership
+from batchinfer.store.ownership import NotOwner, Ownership
 from batchinfer.store.publish import Redelivery
 from batchinfer.store.replies import Fields
 from batchinfer.workers.sampling_params import SamplingParams
@@ -323,8 +323,8 @@ class Intake:
         every re-read) and the pending entries are read again on the next step."""
         try:
             self._take_in([(eid, f)])
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise
+        except (redis.ConnectionError, redis.TimeoutError, NotOwner, redis.WatchError):
+            raise  # an outage, or another scheduler took over: not this entry's fault
         except Exception:  # noqa: BLE001 - found the entry that fails a pass: the others go on
             log.exception("intake entry %s failed its settle alone; it is re-read and, after %d reads, "
                           "answered without admission", eid.decode(), MAX_INTAKE_DELIVERIES)

@@ -66,6 +66,11 @@ class Keys:
         return self._k("scheduler", "owner")
 
     @property
+    def scheduler_epoch(self) -> str:
+        """A counter bumped whenever the ownership changes hands: the fence of the owner's writes."""
+        return self._k("scheduler", "epoch")
+
+    @property
     def schedulers(self) -> str:
         """Hash: each scheduler's token -> its last announcement (owner or standby, when)."""
         return self._k("schedulers")

@@ -31,7 +31,7 @@ TAKEOVER_S = 0.3
 
 
 def _ownership(r, name: str, takeover: float = TAKEOVER_S) -> Ownership:
-    return Ownership(r, KEYS.scheduler_owner, takeover_seconds=takeover, name=name)
+    return Ownership(r, KEYS.scheduler_owner, KEYS.scheduler_epoch, takeover_seconds=takeover, name=name)
 
 
 def test_one_owner_at_a_time_and_a_clean_stop_hands_over_at_once(redis_server):
@@ -67,6 +67,28 @@ def test_a_lapsed_owner_is_replaced_and_its_transactions_are_fenced(redis_server
     b_pipe.set("moved", "by b")
     b_pipe.execute()
     assert r.get("moved") == b"by b"
+
+
+def test_the_renewal_thread_keeps_the_ownership_through_a_long_pass(redis_server):
+    import threading
+
+    r = redis_server.client()
+    a, b = _ownership(r, "a"), _ownership(r, "b")
+    assert a.tick()
+    stop = threading.Event()
+    thread = a.renew_while(stop)
+    try:
+        time.sleep(4 * TAKEOVER_S)  # a pass far longer than the takeover time, no tick meanwhile
+        assert not b.tick() and a.owner() == a.token
+        a.transaction().execute()  # still a's epoch: its writes go through
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+    time.sleep(TAKEOVER_S + 0.1)  # no renewal now: the lease lapses, and while nobody takes over ...
+    a.transaction().execute()  # ... a's epoch is still the current one: nobody else can write
+    assert b.tick() and b.epoch == a.epoch + 1
+    with pytest.raises(NotOwner, match="epoch"):
+        a.transaction()
 
 
 def test_renewal_keeps_the_ownership_past_the_takeover_time(redis_server):

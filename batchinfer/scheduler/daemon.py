@@ -76,7 +76,7 @@ class SchedulerDaemon:
         self.redis, self.settings, self.name, self.block_ms = r, settings, name, block_ms
         self.metrics = metrics
         self.keys = keys = Keys(settings.prefix)
-        self.ownership = Ownership(r, keys.scheduler_owner, name=instance,
+        self.ownership = Ownership(r, keys.scheduler_owner, keys.scheduler_epoch, name=instance,
                                    takeover_seconds=settings.scheduler_takeover_seconds)
         registry = Registry(r, keys)
         jobs, models, staging = JobCache(r, keys), ModelCache(registry), Staging(r, keys)
@@ -151,6 +151,7 @@ class SchedulerDaemon:
                  self.settings.prefix, self.settings.lease_seconds, self.settings.max_attempts)
         backoff, busy = Backoff(BACKOFF_START_S, BACKOFF_CAP_S), False
         standby_wait = min(1.0, self.settings.scheduler_takeover_seconds / 3)
+        renewal = self.ownership.renew_while(stop)  # a long pass keeps the ownership
         while not stop.is_set():
             try:
                 busy = self.run_once(block_ms=None if busy else self.block_ms) > 0
@@ -170,6 +171,7 @@ class SchedulerDaemon:
                 log.exception("scheduler: pass failed; continuing")
                 self._reset()
                 stop.wait(1.0)
+        renewal.join(timeout=5)
         try:
             self.ownership.release()  # a standby takes over now, not after the lease runs out
             withdraw(self.redis, self.keys.schedulers, self.ownership)

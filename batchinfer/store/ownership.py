@@ -3,15 +3,18 @@
 Any number of ``batchinfer scheduler`` processes may run against one queue; one of them, the owner,
 does the work (intake, dispatch, lease sweeps, the held area, job accounting) and the others stand
 by. The owner holds ``{p}:scheduler:owner`` (its token: host, pid and a random part) with a time to
-live of ``takeover_seconds`` and renews it every third of that; a standby takes the key when it is
-free, so a scheduler that dies or hangs is replaced within ``takeover_seconds`` (one that stops
-cleanly gives the key up at once).
+live of ``takeover_seconds``, renewed every third of that by a thread of its own (so a long pass
+does not lose it); a standby takes the key when it is free, so a scheduler that dies or hangs is
+replaced within ``takeover_seconds`` (one that stops cleanly gives the key up at once).
 
-A paused owner (SIGSTOP, a long GC, a VM freeze) may wake up after a standby took over. It must
-then write nothing: every transaction that moves requests (intake to staging or the held area,
-staging to a batch, an expired batch back into new ones) is a :meth:`Ownership.transaction`, which
-WATCHes the key and checks the token before MULTI, so EXEC fails (``WatchError``) when the key
-changed hands in between, and no transaction starts without the token (:class:`NotOwner`).
+Every change of holder bumps ``{p}:scheduler:epoch``, and the owner remembers the epoch it took.
+A paused owner (SIGSTOP, a VM freeze) may wake up after a standby took over; it must then write
+nothing. Every transaction that moves requests (intake to staging or the held area, staging to a
+batch, an expired batch back into new ones) is an :meth:`Ownership.transaction`, which WATCHes the
+epoch and checks it before MULTI: a transaction of an older epoch never starts (:class:`NotOwner`),
+and EXEC fails (``WatchError``) when the epoch moved in between. Renewals do not touch the epoch,
+so they never abort the owner's own transactions; an owner whose lease lapsed while nobody took
+over still holds the current epoch, and nobody else writes meanwhile.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -39,51 +43,75 @@ class NotOwner(RuntimeError):
 
 
 class Ownership:
-    """The ownership lease at ``key`` as seen by one scheduler process."""
+    """The ownership lease at ``key`` (and its epoch counter at ``epoch_key``) as one scheduler
+    process sees it."""
 
-    def __init__(self, r: redis.Redis, key: str, *, takeover_seconds: float, name: str | None = None):
+    def __init__(self, r: redis.Redis, key: str, epoch_key: str, *, takeover_seconds: float,
+                 name: str | None = None):
         if takeover_seconds <= 0:
             raise ValueError("takeover_seconds (BATCHINFER_SCHEDULER_TAKEOVER_SECONDS) must be > 0, "
                              f"got {takeover_seconds}")
-        self.redis, self.key = r, key
+        self.redis, self.key, self.epoch_key = r, key, epoch_key
         self.ttl_ms = max(1, int(takeover_seconds * 1000))
         self.label = name or f"{socket.gethostname()}:{os.getpid()}"
         self.token = f"{self.label}:{uuid.uuid4().hex[:12]}"
-        self._token_bytes = self.token.encode()
+        self.epoch = 0  # the epoch this scheduler took; 0: never held
         self.held = False
         self._renewed_at = float("-inf")  # time.monotonic(): Redis' expiry runs on real time
+        self._lock = threading.Lock()  # the loop's tick and the renewal thread
         self._renew = scripts.register(r, "renew_ownership")
         self._release = scripts.register(r, "release_ownership")
         self._claim = scripts.register(r, "take_ownership")
 
     def tick(self) -> bool:
-        """Renew the lease (every third of its time) or, not holding it, take it if it is free;
-        returns whether this scheduler is the owner now. Logs each change."""
-        now = time.monotonic()
-        if self.held and now - self._renewed_at < self.ttl_ms / 3000:
-            return True
-        if self.held:
-            kept = bool(self._renew(keys=[self.key], args=[self.token, self.ttl_ms]))
+        """Renew the lease (when a third of its time has passed) or, not holding it, take it if it is
+        free; returns whether this scheduler is the owner now. Logs each change."""
+        with self._lock:
+            now = time.monotonic()
+            if self.held and now - self._renewed_at < self.ttl_ms / 3000:
+                return True
+            kept = self.held and bool(self._renew(keys=[self.key], args=[self.token, self.ttl_ms]))
+            if self.held and not kept:
+                self._forget("its lease lapsed")
             if not kept:
-                self.lost("its lease lapsed")
                 kept = self._take()
-        else:
-            kept = self._take()
-        if kept:
-            self._renewed_at = now
-        return kept
+            if kept:
+                self._renewed_at = now
+            return kept
+
+    def renew_while(self, stop: threading.Event) -> threading.Thread:
+        """Renew the lease every third of its time on a thread of its own until ``stop``: a pass
+        that runs long (a large prompt to tokenise) keeps it; only a stuck or paused process
+        loses it. Returns the started thread."""
+        def loop() -> None:
+            while not stop.wait(self.ttl_ms / 3000):
+                try:
+                    if self.held:
+                        self.tick()
+                except redis.RedisError as e:  # the loop's next tick tries again
+                    log.debug("scheduler %s: renewal failed (%s)", self.token, e)
+
+        thread = threading.Thread(target=loop, name="ownership-renewal", daemon=True)
+        thread.start()
+        return thread
 
     def _take(self) -> bool:
         # free, or an earlier scheduler object of this process's (a restart within the process)
-        if not self._claim(keys=[self.key], args=[self.token, f"{self.label}:", self.ttl_ms]):
+        epoch = int(self._claim(keys=[self.key, self.epoch_key],
+                                args=[self.token, f"{self.label}:", self.ttl_ms]))
+        if not epoch:
             return False
-        self.held = True
-        log.info("scheduler %s: took the ownership (standbys take over %g s after it lapses)",
-                 self.token, self.ttl_ms / 1000)
+        self.held, self.epoch = True, epoch
+        log.info("scheduler %s: took the ownership, epoch %d (standbys take over %g s after it lapses)",
+                 self.token, epoch, self.ttl_ms / 1000)
         return True
 
     def lost(self, why: str) -> None:
         """Forget the ownership (a fenced transaction failed, or the renewal found another holder)."""
+        with self._lock:
+            self._forget(why)
+
+    def _forget(self, why: str) -> None:
         if self.held:
             log.warning("scheduler %s: no longer the owner (%s); standing by (owner now: %s)",
                         self.token, why, self.owner() or "none")
@@ -97,23 +125,24 @@ class Ownership:
 
     def release(self) -> None:
         """Give the ownership up at once (a clean stop), so a standby need not wait it out."""
-        if self.held:
-            self._release(keys=[self.key], args=[self.token])
-            self.held = False
+        with self._lock:
+            if self.held:
+                self._release(keys=[self.key], args=[self.token])
+                self.held = False
 
     def transaction(self) -> redis.client.Pipeline:
-        """A MULTI pipeline that runs only while this scheduler is the owner: the key is WATCHed and
-        the token checked first (:class:`NotOwner` otherwise), and EXEC raises ``WatchError`` if the
-        key changed since. Queue commands on it and ``execute()`` it as usual. A scheduler that does
-        not hold the ownership takes it here when it is free; one that held it and finds it gone
-        (lapsed while it was paused) does not: it gets :class:`NotOwner` and starts over."""
-        if not self.held and not self.tick():  # never held (or let go): take it if it is free
+        """A MULTI pipeline that runs only in this scheduler's epoch: the epoch is WATCHed and checked
+        first (:class:`NotOwner` otherwise), and EXEC raises ``WatchError`` if it moved since. Queue
+        commands on it and ``execute()`` it as usual. A scheduler that has never held the ownership
+        takes it here when it is free; one that held it and was replaced gets :class:`NotOwner`."""
+        if not self.epoch and not self.tick():
             raise NotOwner(f"scheduler {self.token}: {self.key} is held by {self.owner() or 'nobody'}")
         pipe = self.redis.pipeline(transaction=True)
-        pipe.watch(self.key)
-        if pipe.get(self.key) not in (self._token_bytes, self.token):
+        pipe.watch(self.epoch_key)
+        current = pipe.get(self.epoch_key)
+        if current is None or int(current) != self.epoch:
             pipe.reset()
-            raise NotOwner(f"scheduler {self.token} does not hold {self.key}")
+            raise NotOwner(f"scheduler {self.token}: its epoch {self.epoch} is over (now {current!r})")
         pipe.multi()
         return pipe
 
@@ -123,16 +152,16 @@ class Ownership:
 
 @dataclass(frozen=True)
 class SchedulerView:
-    """One scheduler's last announcement (``batchinfer top``, ``doctor``)."""
+    """One scheduler's last announcement (``batchinfer top``)."""
 
     token: str
     owner: bool
     heartbeat_at: int  # ms since the epoch
     takeover_seconds: float
 
-    def live(self, now_ms: int) -> bool:
-        """Announced within the last ``max(3 s, takeover)``: it announces at least once a second."""
-        return now_ms - self.heartbeat_at <= max(3.0, self.takeover_seconds) * 1000
+    def live(self, now: int) -> bool:
+        """Announced within ``max(3 s, takeover)`` of ``now`` (ms): it announces at least once a second."""
+        return now - self.heartbeat_at <= max(3.0, self.takeover_seconds) * 1000
 
 
 def announce(r: redis.Redis, key: str, ownership: Ownership) -> None:

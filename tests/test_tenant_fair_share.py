@@ -5,6 +5,7 @@ tenant with one. Pure packing tests, and the scheduler against a real redis-serv
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 import pytest
@@ -91,6 +92,9 @@ def _first_batches(r, tenants: dict[str, str | None]) -> list[BatchRequest]:
         for job in tenants:
             r.xadd(KEYS.requests, IntakeEntry(body=json.dumps({"prompt": "p", "max_tokens": 4}), job_id=job,
                                               idx=i, line=i + 1).to_fields())
+        # arrival order is the entries' millisecond, ties going to the smaller job id: a round per
+        # millisecond keeps "as early as every other" true however fast the loop runs
+        time.sleep(0.002)
     sched = SchedulerDaemon(r, settings, direct_hold_s=600.0)
     for _ in range(20):
         if sched.run_once() == 0:

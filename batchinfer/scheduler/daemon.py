@@ -151,7 +151,8 @@ class SchedulerDaemon:
                  self.settings.prefix, self.settings.lease_seconds, self.settings.max_attempts)
         backoff, busy = Backoff(BACKOFF_START_S, BACKOFF_CAP_S), False
         standby_wait = min(1.0, self.settings.scheduler_takeover_seconds / 3)
-        renewal = self.ownership.renew_while(stop)  # a long pass keeps the ownership
+        renewing = threading.Event()  # its own: the loop's waits are on ``stop`` alone
+        renewal = self.ownership.renew_while(renewing)  # a long pass keeps the ownership
         while not stop.is_set():
             try:
                 busy = self.run_once(block_ms=None if busy else self.block_ms) > 0
@@ -171,6 +172,7 @@ class SchedulerDaemon:
                 log.exception("scheduler: pass failed; continuing")
                 self._reset()
                 stop.wait(1.0)
+        renewing.set()
         renewal.join(timeout=5)
         try:
             self.ownership.release()  # a standby takes over now, not after the lease runs out

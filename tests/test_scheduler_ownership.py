@@ -27,7 +27,7 @@ from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
 
 KEYS = Keys("{own}")
 CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_tokens": 4096}
-TAKEOVER_S = 0.3
+TAKEOVER_S = 0.6  # short for the tests, long enough that a loaded machine does not lapse a lease by itself
 
 
 def _ownership(r, name: str, takeover: float = TAKEOVER_S) -> Ownership:

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
-from redis.sentinel import SentinelConnectionPool
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 if TYPE_CHECKING:
     from redis.typing import KeyT, StreamIdT
@@ -102,7 +102,7 @@ def connect(
         kwargs["socket_keepalive"] = True
     if scheme.startswith("rediss") and ca_file:
         kwargs["ssl_ca_certs"] = ca_file
-    if is_sentinel_url(url):
+    if scheme in SENTINEL_SCHEMES:
         return sentinel_client(parse_sentinel_url(url), kwargs)
     return redis.Redis.from_url(url, **kwargs)
 
@@ -219,13 +219,12 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
                        tls=scheme.lower() == "rediss+sentinel")
 
 
-def _sentinel_kwargs(target: SentinelUrl, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The keywords of the data servers' connections, and those of the sentinels' (timeouts and
-    TLS as the servers', their own password; no retry: ``Sentinel`` tries each sentinel in turn)."""
-    server = dict(kwargs)
-    server.update(db=target.db, username=target.username, password=target.password)
-    if target.tls:
-        server["ssl"] = True
+def _master_for(sentinel_class: Any, target: SentinelUrl, kwargs: dict[str, Any]) -> Any:
+    """The client ``sentinel_class`` (redis-py's ``Sentinel``, sync or asyncio) gives for the
+    service's master: the data servers' connections take ``kwargs``, the sentinels' their timeouts
+    and TLS, and their own password (no retry: ``Sentinel`` tries each sentinel in turn)."""
+    server = {**kwargs, "db": target.db, "username": target.username, "password": target.password,
+              "ssl": target.tls}  # the Sentinel pool picks its connection class by ssl
     sentinel = {k: v for k, v in kwargs.items()
                 if k in ("socket_timeout", "socket_connect_timeout", "socket_keepalive", "ssl_ca_certs",
                          "driver_info", "lib_name", "lib_version", "maint_notifications_config")}
@@ -234,27 +233,20 @@ def _sentinel_kwargs(target: SentinelUrl, kwargs: dict[str, Any]) -> tuple[dict[
         sentinel["ssl"] = True
     if sentinel.get("socket_timeout") is None:
         sentinel["socket_timeout"] = 5.0  # a hung sentinel must not hang discovery
-    return server, sentinel
+    manager = sentinel_class(list(target.sentinels), sentinel_kwargs=sentinel, **server)
+    return manager.master_for(target.service)
 
 
-def sentinel_client(target: SentinelUrl, kwargs: dict[str, Any]):
+def sentinel_client(target: SentinelUrl, kwargs: dict[str, Any]) -> redis.Redis:
     """A ``redis.Redis`` on the service's current master (followed across failovers)."""
-    from redis.sentinel import Sentinel
-
-    server, sentinel = _sentinel_kwargs(target, kwargs)
-    ssl = server.pop("ssl", False)
-    manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel, ssl=ssl, **server)
-    return manager.master_for(target.service)
+    return _master_for(Sentinel, target, kwargs)
 
 
-def async_sentinel_client(target: SentinelUrl, kwargs: dict[str, Any]):
+def async_sentinel_client(target: SentinelUrl, kwargs: dict[str, Any]) -> Any:
     """The asyncio twin of :func:`sentinel_client` (the HTTP API's event loop)."""
-    from redis.asyncio.sentinel import Sentinel
+    from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
-    server, sentinel = _sentinel_kwargs(target, kwargs)
-    ssl = server.pop("ssl", False)
-    manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel, ssl=ssl, **server)
-    return manager.master_for(target.service)
+    return _master_for(AsyncSentinel, target, kwargs)
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str) -> bool:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import redis
 from conftest import RedisServer, free_port
-from daemons import TcpProxy
+from daemons import TcpProxy, wait_until
 
 SERVICE = "svc"
 DOWN_AFTER_MS = 1000
@@ -131,15 +130,14 @@ class SentinelSet:
         self._until(promoted, timeout, "the replica's promotion")
 
     def _until(self, cond, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """``daemons.wait_until``, a Redis that does not answer (yet) counting as not there."""
+        def quiet() -> bool:
             try:
-                if cond():
-                    return
+                return bool(cond())
             except redis.RedisError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
+                return False
+
+        wait_until(quiet, timeout, what)
 
     def stop(self) -> None:
         for proc in self.sentinels:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from batchinfer.keys import Keys
+
 ENV_PREFIX = "BATCHINFER_"
 
 
@@ -39,6 +41,9 @@ class Settings:
     replica_acks: int = 0
     replica_ack_timeout_ms: int = 1000  # how long one publish waits for them before it is retried
     prefix: str = "{bi}"  # key prefix with its hash tag
+    # Partitions of the queue's streams (keys.py): the same for every process of a deployment; each
+    # partition is one scheduler's unit of work, so P > 1 lets several schedulers share the intake
+    partitions: int = 1
     lease_seconds: float = 60.0  # a batch not refreshed for this long is re-dispatched
     max_attempts: int = 3  # worker crashes a request survives before it is dead-lettered
     heartbeat_seconds: float = 5.0
@@ -105,6 +110,10 @@ class Settings:
         values["redis_url"] = self.redacted_url()
         shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
         return f"Settings({shown})"
+
+    def keys(self) -> Keys:
+        """The key names of this deployment (its prefix and partitions), as partition 0's view."""
+        return Keys(self.prefix, self.partitions)
 
     def files_root(self) -> str:
         """The file store's root as a URI: ``file:///abs/path`` for a local folder (``files_dir``, or

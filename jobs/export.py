@@ -48,7 +48,6 @@ from batchinfer.jobs.queueing import (  # noqa: F401 - re-exported: the exporter
     rq_job_id,
 )
 from batchinfer.jobs.vectors import VectorWidths
-from batchinfer.keys import Keys
 from batchinfer.protocol.destinations import check_output
 from batchinfer.protocol.rows import now_ms
 from batchinfer.redis_conn import as_text
@@ -316,7 +315,7 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
     """
     settings = Settings.from_env(prefix=prefix)
     r = _connection(redis_url, settings)
-    keys = Keys(settings.prefix)
+    keys = settings.keys()
     try:
         store = JobStore(r, keys)
         record = store.get(job_id)

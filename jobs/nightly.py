@@ -45,7 +45,7 @@ from batchinfer.jobs.formats import KEPT_KEY, result_schema
 from batchinfer.jobs.output import Destination, resolve
 from batchinfer.jobs.partitioned import write_partitioned
 from batchinfer.jobs.vectors import VARIABLE_VECTOR
-from batchinfer.keys import DIRECT, RQ_QUEUE, Keys
+from batchinfer.keys import DIRECT, RQ_QUEUE
 from batchinfer.protocol.rows import now_ms
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def export_direct(*, prefix: str | None = None, root: str | None = None, until_m
     """
     settings = Settings.from_env(prefix=prefix)
     r = _connection(redis_url, settings)
-    keys = Keys(settings.prefix)
+    keys = settings.keys()
     base = resolve(root or "direct", settings.results_root)
     start = watermark(base)
     server_s, server_us = r.time()
@@ -169,7 +169,7 @@ def sweep_kept_tables(r: redis.Redis, settings: Settings, *, older_than_s: int =
     from batchinfer.datasets.kept import kept_location
     from batchinfer.datasets.uris import filesystem_for
 
-    keys = Keys(settings.prefix)
+    keys = settings.keys()
     folder = kept_location(settings.files_root(), "x").rsplit("/", 1)[0]
     fs, path = filesystem_for(folder)
     cutoff = (now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(seconds=older_than_s)

@@ -50,7 +50,7 @@ def start_batch(batch_id: str, prefix: str | None = None, redis_url: str | None 
     """
     settings = Settings.from_env(prefix=prefix)
     r = _connection(redis_url, settings)
-    keys = Keys(settings.prefix)
+    keys = settings.keys()
     try:
         return _start(r, keys, settings, batch_id)
     except Exception as e:

@@ -202,7 +202,9 @@ async def sync_request(request: Request) -> Response:
     r, keys = _async_redis(request, settings), ctx.keys
     reply = keys.reply(f"sync-{uuid.uuid4().hex}")
     entry = intake_entry(url, body, settings, reply)
-    request_id = as_text(await r.xadd(keys.requests, replies.xadd_fields(entry.to_fields())))
+    await run_in_threadpool(ctx.client.check_partitions)  # once per server: then a flag
+    part = keys.for_direct(entry.client_request_id)
+    request_id = part.direct_id(as_text(await r.xadd(part.requests, replies.xadd_fields(entry.to_fields()))))
     try:
         row = await _wait_row(request, r, reply, settings.api_sync_timeout_seconds)
     except TimeoutError:

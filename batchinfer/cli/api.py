@@ -160,13 +160,12 @@ def _reachable(host: str) -> str:
 
 def _serve_key(settings: Settings) -> str:
     """A fresh key on serve's own (embedded) Redis: its secret, printed in the banner."""
-    from batchinfer.keys import Keys
     from batchinfer.redis_conn import connect
     from batchinfer.store.apikeys import ApiKeys
 
     r = connect(settings.redis_url, settings.redis_ca_file)
     try:
-        secret, _ = ApiKeys(r, Keys(settings.prefix)).create(SERVE_KEY_NAME)
+        secret, _ = ApiKeys(r, settings.keys()).create(SERVE_KEY_NAME)
     finally:
         r.close()
     return secret
@@ -204,12 +203,11 @@ def _banner(base: str, model: str, auth: str, secret: str | None) -> str:
 def _watch(settings: Settings, daemons: Any, model: str, say: Any) -> None:
     """Until Ctrl-C / SIGTERM (raised) or a daemon dies (DaemonExited); says once when a worker
     serves ``model`` (requests sent before wait for it)."""
-    from batchinfer.keys import Keys
     from batchinfer.redis_conn import connect
     from batchinfer.store.registry import Registry
 
     r = connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5)
-    registry = Registry(r, Keys(settings.prefix))
+    registry = Registry(r, settings.keys())
     serving = False
     try:
         while True:
@@ -233,11 +231,10 @@ def api_keys() -> None:
 
 
 def _store(ctx: Ctx) -> Any:
-    from batchinfer.keys import Keys
     from batchinfer.redis_conn import connect
     from batchinfer.store.apikeys import ApiKeys
 
-    return ApiKeys(connect(ctx.settings.redis_url, ctx.settings.redis_ca_file), Keys(ctx.settings.prefix))
+    return ApiKeys(connect(ctx.settings.redis_url, ctx.settings.redis_ca_file), ctx.settings.keys())
 
 
 def _key_dict(key: Any) -> dict[str, Any]:

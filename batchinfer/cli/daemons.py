@@ -49,11 +49,14 @@ def run_daemon(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> No
     (EXIT_STARTUP), its traceback only in the DEBUG log."""
     from batchinfer.cli.context import EXIT_STARTUP, fail
     from batchinfer.ops.startup import StartupError
-    from batchinfer.store.registry import NameConflict  # a live worker holds the name (or an alias)
+    from batchinfer.store.registry import (
+        NameConflict,  # a live worker holds the name (or an alias)
+        PartitionsMismatch,  # BATCHINFER_PARTITIONS is not the deployment's
+    )
 
     try:
         code = main(*args, **kwargs)
-    except (StartupError, NameConflict) as e:
+    except (StartupError, NameConflict, PartitionsMismatch) as e:
         log.debug("start-up failed", exc_info=True)
         fail(EXIT_STARTUP, str(e))
     sys.exit(code or 0)

@@ -19,7 +19,8 @@ from typing import Any
 import redis
 
 from batchinfer.config import Settings
-from batchinfer.redis_conn import connect, redact_url
+from batchinfer.keys import Keys
+from batchinfer.redis_conn import as_text, connect, redact_url
 
 MIN_REDIS = (6, 2)
 MEMORY_WARN_FRACTION = 0.9
@@ -99,6 +100,22 @@ def check_redis(client: redis.Redis, where: str, replica_acks: int = 0) -> list[
             "add replicas, or lower BATCHINFER_REPLICA_ACKS: with fewer replicas than it asks for, every "
             "publication waits BATCHINFER_REPLICA_ACK_TIMEOUT_MS and is sent again, and no row is done"))
     return checks
+
+
+def check_partitions_setting(client: redis.Redis, keys: Keys) -> Check:
+    """This process's ``BATCHINFER_PARTITIONS`` against the deployment's (``{p}:partitions``, set by
+    its first scheduler or worker); read only."""
+    try:
+        found = client.get(keys.partitions_count)
+    except (redis.RedisError, OSError) as exc:
+        return Check("partitions", False, f"cannot read {keys.partitions_count}: {exc}")
+    mine = f"BATCHINFER_PARTITIONS={keys.partitions}"
+    if found is None:
+        return Check("partitions", True, f"{mine}; no scheduler or worker has run under {keys.prefix} yet")
+    deployed = as_text(found)
+    return Check("partitions", deployed == str(keys.partitions), f"{mine}; the deployment's: {deployed}",
+                 f"set BATCHINFER_PARTITIONS={deployed} (every process and producer of a deployment uses the "
+                 "same count: docs/protocol.md, Partitions)")
 
 
 # --- model directory -----------------------------------------------------------------------------
@@ -327,7 +344,9 @@ def run_doctor(settings: Settings, model_dir: str | Path | None = None, device: 
             redis_client = connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5,
                                    socket_connect_timeout=3)
         checks = check_redis(redis_client, where, replica_acks=settings.replica_acks)
-    except ValueError as exc:  # a malformed URL
+        if checks[0].ok:
+            checks.append(check_partitions_setting(redis_client, settings.keys()))
+    except ValueError as exc:  # a malformed URL, a bad BATCHINFER_PARTITIONS
         checks = [Check("redis", False, str(exc),
                         "use a redis://, rediss://, unix:// or redis+sentinel://HOST:PORT/SERVICE URL")]
     if model_dir is not None:

@@ -31,7 +31,7 @@ from batchinfer.store import replies, scripts
 from batchinfer.store.jobcontrol import append_job_error, check_open, open_job
 from batchinfer.store.jobstore import JobField, JobRecord, JobStatus, JobStore, new_job_id
 from batchinfer.store.publish import Publisher, ReplicasBehind
-from batchinfer.store.registry import Registry, WorkerInfo
+from batchinfer.store.registry import Registry, WorkerInfo, check_partitions
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -79,9 +79,18 @@ class Client:
             self.settings.redis_url = url
         self.redis = connection if connection is not None else connect(self.settings.redis_url,
                                                                          self.settings.redis_ca_file)
-        self.keys = Keys(self.settings.prefix)
+        self.keys = self.settings.keys()
         self.store = JobStore(self.redis, self.keys)
         self._publisher: Publisher | None = None
+        self._partitions_checked = False
+
+    def check_partitions(self) -> None:
+        """Once per client: its ``BATCHINFER_PARTITIONS`` is the deployment's (else
+        :class:`~batchinfer.store.registry.PartitionsMismatch`, a ``ValueError``): requests sent
+        under another count would go to streams no scheduler reads."""
+        if not self._partitions_checked:
+            check_partitions(self.redis, self.keys)
+            self._partitions_checked = True
 
     @property
     def publisher(self) -> Publisher:
@@ -178,6 +187,7 @@ class Client:
             first = next(lines, None)  # an empty or unreadable input fails here, before a job exists
             if first is None:
                 raise InputError(f"{name}: no requests (the input is empty)")
+            self.check_partitions()  # the input reads; before anything is written
             # the record first, with the script the scheduler runs for `op open`: status reads it at once
             if not open_job(self.redis, self.keys, op, self.settings):
                 raise ValueError(f"job {job_id} already exists")
@@ -291,7 +301,7 @@ class Client:
         round trip each), ``op close`` (``before_close()`` called just before it is sent)."""
         from batchinfer.client.inputs import DuplicateIds
 
-        job_id, stream = op.job_id, self.keys.requests
+        job_id, stream = op.job_id, self.keys.for_job(op.job_id).requests  # the job's partition
         limit = self.settings.max_requests_per_job
         # The script XADDs each entry as a producer would (same fields, same order); a chunk is four
         # arguments (its numbers as one text, its bodies as one string): redis-py then packs four
@@ -513,16 +523,17 @@ class Client:
         """
         if hold_seconds is not None and not hold_seconds >= 0:
             raise ValueError(f"hold_seconds must be >= 0, got {hold_seconds!r}")
+        self.check_partitions()
         reply = self.keys.reply(uuid.uuid4().hex)  # same hash tag as every key
         ids = iter(client_request_ids) if client_request_ids is not None else None
         todo = iter(bodies)
-        sent: dict[str, str] = {}  # request id (intake entry id) -> body, while outstanding
+        sent: dict[str, str] = {}  # request id (keys.direct_id of the entry id) -> body, while owed
         last: bytes | str = "0-0"
         exhausted = False
         try:
             while True:
                 pipe = self.redis.pipeline(transaction=False)
-                batch: list[str] = []
+                batch: list[tuple[Keys, str]] = []  # each entry's partition and body
                 while not exhausted and len(sent) + len(batch) < window:
                     body = next(todo, None)
                     if body is None:
@@ -531,10 +542,11 @@ class Client:
                     entry = IntakeEntry(body=_direct_body(body, model), reply_to=reply,
                                         client_request_id=next(ids, None) if ids is not None else None,
                                         hold_seconds=hold_seconds)
-                    pipe.xadd(self.keys.requests, replies.xadd_fields(entry.to_fields()))
-                    batch.append(entry.body)
-                for entry_id, text in zip(pipe.execute(), batch, strict=True):
-                    sent[as_text(entry_id)] = text
+                    part = self.keys.for_direct(entry.client_request_id)
+                    pipe.xadd(part.requests, replies.xadd_fields(entry.to_fields()))
+                    batch.append((part, entry.body))
+                for entry_id, (part, text) in zip(pipe.execute(), batch, strict=True):
+                    sent[part.direct_id(as_text(entry_id))] = text
                 if not sent:
                     return
                 block_ms = 0 if timeout is None else max(1, int(timeout * 1000))

@@ -123,12 +123,26 @@ def check_entry(entry: IntakeEntry, keys: Keys, max_requests: int) -> None:
                            f"be a key under {keys.reply('')!r} (docs/protocol.md)", field="reply_to",
                            line=entry.line, context=context)
     context["reply_to"] = entry.reply_to
+    if entry.job_id is not None and (why := wrong_partition(keys, entry.job_id)):
+        raise RequestError("protocol_error", f"{why}; this entry was not run", field="job", line=entry.line,
+                           context=context)
     if entry.idx is not None and entry.idx >= max_requests:
         context["idx"] = None  # not counted in the job: the row is a direct one
         raise RequestError("protocol_error", f"idx {entry.idx} is out of range: a job holds at most "
                            f"{max_requests} requests (idx 0..{max_requests - 1}, "
                            "BATCHINFER_MAX_REQUESTS_PER_JOB); this entry was not run", field="idx",
                            line=entry.line, context=context)
+
+
+def wrong_partition(keys: Keys, job_id: str) -> str | None:
+    """Why an entry of ``job_id`` read from ``keys``' partition is not its job's (None: it is): a
+    producer that routes by another ``BATCHINFER_PARTITIONS`` than the deployment's."""
+    home = keys.job_partition(job_id)
+    if home == keys.partition:
+        return None
+    return (f"job {job_id!r} lives in partition {home} of {keys.partitions}: its entries go to "
+            f"{keys.part(home).requests}, not {keys.requests} (every producer must use the deployment's "
+            "BATCHINFER_PARTITIONS; docs/protocol.md, Partitions)")
 
 
 def reply_stream(keys: Keys, reply_to: object) -> str | None:

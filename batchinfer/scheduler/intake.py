@@ -126,6 +126,7 @@ class Admission:
         ``taken``: the ``(job, idx)`` pairs already taken in (an entry for one is refused); a held
         entry (``held_until`` given) was taken in when it was held and is not checked again.
         """
+        entry_id = self.keys.direct_id(entry_id)  # the request id a direct entry gets (with P > 1)
         try:
             entry = IntakeEntry.from_fields(fields)
             check_entry(entry, self.keys, self.settings.max_requests_per_job)
@@ -350,8 +351,8 @@ class Intake:
             message = (f"this entry was read {reads[eid]} times and never settled (the scheduler failed on "
                        f"it each time); it was not run{where}")
             log.error("intake entry %s: %s", entry_id, message)
-            row = ResultRow.error("internal_error", message, job_id=None, request_id=entry_id,
-                                  created_at=entry_ms(entry_id))
+            row = ResultRow.error("internal_error", message, job_id=None,
+                                  request_id=self.keys.direct_id(entry_id), created_at=entry_ms(entry_id))
             try:
                 self._publish(entry_id, Reject(row, None))
                 if job:
@@ -432,7 +433,7 @@ class Intake:
             except RequestError:
                 job = idx = reply_to = None
             row = ResultRow.error("internal_error", f"the scheduler failed on this entry: {e!r}", job_id=job,
-                                  idx=idx, request_id=request_id_for(job, idx, entry_id),
+                                  idx=idx, request_id=request_id_for(job, idx, self.keys.direct_id(entry_id)),
                                   created_at=entry_ms(entry_id))
             return Reject(row, reply_to)
 

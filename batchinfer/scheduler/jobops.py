@@ -29,7 +29,7 @@ import redis
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import JobOp, RequestError
 from batchinfer.protocol.rows import ResultRow, fields_dict, now_ms, request_id_for
-from batchinfer.scheduler.entry_checks import entry_ms, reply_stream
+from batchinfer.scheduler.entry_checks import entry_ms, reply_stream, wrong_partition
 from batchinfer.scheduler.lookups import JobCache, JobView, RowSink
 from batchinfer.store import scripts
 from batchinfer.store.jobcontrol import append_job_error, open_job
@@ -53,6 +53,7 @@ class JobOps:
 
     def apply(self, entry_id: str, fields: Fields) -> None:
         """Apply one ``op`` entry (idempotent); a bad one is answered, never raised."""
+        entry_id = self.keys.direct_id(entry_id)  # its answer's request id (with P > 1)
         try:
             op = JobOp.from_fields(fields)
         except RequestError as e:
@@ -64,6 +65,10 @@ class JobOps:
             self._answer(entry_id, "protocol_error", f"reply_to {op.reply_to!r} is not a reply stream: it "
                          f"must be a key under {self.keys.reply('')!r}; op {op.op} was not applied",
                          None, op.job_id)
+            return
+        if (why := wrong_partition(self.keys, op.job_id)) is not None:
+            self._answer(entry_id, "protocol_error", f"{why}; op {op.op} was not applied", op.reply_to,
+                         op.job_id)
             return
         try:
             applied = {"open": self._open, "close": self._close, "cancel": self._cancel}[op.op](entry_id, op)

@@ -7,6 +7,8 @@ those of docs/protocol.md; key names come from :class:`batchinfer.keys.Keys`.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +86,23 @@ def stream_state(r: redis.Redis, stream: str, group: str) -> StreamState:
                        group_exists=True)
 
 
+def combined(states: list[StreamState]) -> StreamState:
+    """One stream's state across its partitions (counts added, the oldest undelivered entry's time)."""
+    if len(states) == 1:
+        return states[0]
+    oldest = [s.oldest_undelivered_ms for s in states if s.oldest_undelivered_ms is not None]
+    return StreamState(length=sum(s.length for s in states), undelivered=sum(s.undelivered for s in states),
+                       unacked=sum(s.unacked for s in states),
+                       oldest_undelivered_ms=min(oldest, default=None),
+                       group_exists=any(s.group_exists for s in states))
+
+
+def partitioned_state(r: redis.Redis, keys: Keys, stream_of: Callable[[Keys], str],
+                      group: str) -> StreamState:
+    """``stream_state`` of the stream ``stream_of(view)`` names in each partition, combined."""
+    return combined([stream_state(r, stream_of(view), group) for view in keys.parts()])
+
+
 def known_models(r: redis.Redis, keys: Keys) -> list[str]:
     """Registered model names (``{p}:models``), sorted."""
     return sorted(as_text(m, "replace") for m in r.smembers(keys.models))
@@ -100,7 +119,8 @@ def held_models_of(r: redis.Redis, keys: Keys, job_id: str, cap: int = LAG_COUNT
     the order held: ``status`` names them for a job without a model. Reads at most ``cap`` entries
     of the holding area, oldest first."""
     job, models = job_id.encode(), dict[str, None]()  # in the order held
-    for _, fields in replies.entries(r.xrange(keys.held, count=cap)):
+    held = keys.for_job(job_id).held  # the job's partition holds its entries
+    for _, fields in replies.entries(r.xrange(held, count=cap)):
         if fields.get(b"job") == job and b"held_model" in fields:
             models[as_text(fields[b"held_model"], "replace")] = None
     return list(models)
@@ -122,7 +142,8 @@ def served_models(r: redis.Redis, keys: Keys) -> list[str]:
 
 @dataclass(frozen=True)
 class QueueState:
-    """Intake (scheduler group), batches per model (workers group) and the dead-letter stream."""
+    """Intake (scheduler group), batches per model (workers group) and the dead-letter stream; the
+    streams' states span every partition."""
 
     intake: StreamState
     batches: dict[str, StreamState]
@@ -132,8 +153,9 @@ class QueueState:
 def queue_state(r: redis.Redis, keys: Keys) -> QueueState:
     """Depths of every queue batchinfer keeps in Redis."""
     return QueueState(
-        intake=stream_state(r, keys.requests, SCHEDULER_GROUP),
-        batches={m: stream_state(r, keys.batches(m), WORKERS_GROUP) for m in known_models(r, keys)},
+        intake=partitioned_state(r, keys, lambda view: view.requests, SCHEDULER_GROUP),
+        batches={m: partitioned_state(r, keys, functools.partial(Keys.batches, model=m), WORKERS_GROUP)
+                 for m in known_models(r, keys)},
         deadletter=r.xlen(keys.deadletter),
     )
 

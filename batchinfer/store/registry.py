@@ -88,6 +88,23 @@ class WorkerInfo:
         return {k: int(v) for k, v in cap.items()} if isinstance(cap, dict) else {}
 
 
+class PartitionsMismatch(ValueError):
+    """This process's ``BATCHINFER_PARTITIONS`` is not the deployment's (``{p}:partitions``)."""
+
+
+def check_partitions(r: redis.Redis, keys: Keys) -> None:
+    """Record the deployment's partition count when none is (the first scheduler or worker), else
+    check this process's against it: another count would route jobs to other keys.
+    Raises :class:`PartitionsMismatch`."""
+    r.set(keys.partitions_count, keys.partitions, nx=True)
+    found = as_text(r.get(keys.partitions_count))
+    if found != str(keys.partitions):
+        raise PartitionsMismatch(
+            f"BATCHINFER_PARTITIONS is {keys.partitions} here, but this deployment ({keys.prefix}) runs "
+            f"with {found} ({keys.partitions_count}): every process and producer must use the same "
+            "(docs/protocol.md, Partitions)")
+
+
 class NameConflict(RuntimeError):
     """A worker cannot start under the names it was given (the message says which and what to do)."""
 

@@ -200,7 +200,8 @@ def _held_lines(snap: Snapshot) -> list[Text]:
 
 
 def scheduler_text(schedulers: list[SchedulerView]) -> Text:
-    """``scheduler HOST:PID (+1 standing by)``, or a warning that no scheduler is running."""
+    """``scheduler HOST:PID (+1 standing by)`` (with partitions: ``schedulers A (partitions 0, 2), B
+    (partitions 1, 3)``), or a warning that no scheduler is running."""
     if not schedulers:
         return Text("no scheduler is running: nothing is dispatched (batchinfer scheduler)", style="bold red")
     owners = [s for s in schedulers if s.owner]
@@ -208,7 +209,14 @@ def scheduler_text(schedulers: list[SchedulerView]) -> Text:
     extra = f" (+{standby} standing by)" if standby else ""
     if not owners:
         return Text(f"{standby} scheduler(s) standing by, none owns the work yet", style="bold yellow")
-    return Text(f"scheduler {owners[0].token.rsplit(':', 1)[0]}{extra}")
+    if [s.partitions for s in owners] == [(0,)]:  # one partition: one owner
+        return Text(f"scheduler {owners[0].token.rsplit(':', 1)[0]}{extra}")
+    shown = ", ".join(f"{s.token.rsplit(':', 1)[0]} ({_partitions(s.partitions)})" for s in owners)
+    return Text(f"schedulers {shown}{extra}")
+
+
+def _partitions(owned: tuple[int, ...]) -> str:
+    return f"partition{'s' if len(owned) > 1 else ''} {', '.join(map(str, owned))}"
 
 
 def render_top(snapshot: Snapshot, width: int | None = None) -> RenderableType:

@@ -111,9 +111,11 @@ SPECS: dict[str, Spec] = {
     "batchinfer_lease_reclaimed_requests_total": Spec(
         C, "Unpublished requests taken back from expired leases.", M),
     "batchinfer_scheduler_owner": Spec(
-        G, "1 while this scheduler owns the queue's work, 0 while it stands by (docs/scheduler.md)."),
+        G, "Partitions whose work this scheduler owns (1 or 0 with one partition; 0: standing by; "
+        "docs/scheduler.md)."),
     "batchinfer_scheduler_ownership_taken_total": Spec(
-        C, "Times this scheduler took the ownership (at start, or over from an owner that died or hung)."),
+        C, "Partition ownerships this scheduler took (at start, or over from an owner that died, hung or "
+        "gave it up)."),
     # worker
     "batchinfer_worker_info": Spec(G, "Always 1; labels say which worker serves what.",
                                    ("worker", "model", "device")),
@@ -242,11 +244,11 @@ class SchedulerMetrics(_DaemonMetrics):
         self.batch_requests.labels(model=model).observe(num_requests)
         self.batch_tokens.labels(model=model).observe(num_tokens)
 
-    def set_owner(self, owner: bool, taken: bool = False) -> None:
-        """Whether this scheduler owns the work now; ``taken``: it has just taken the ownership."""
-        self.owner.set(1 if owner else 0)
+    def set_owner(self, partitions: int, taken: int = 0) -> None:
+        """How many partitions this scheduler owns now; ``taken``: how many it has just taken."""
+        self.owner.set(partitions)
         if taken:
-            self.ownership_taken.inc()
+            self.ownership_taken.inc(taken)
 
     def lease_reclaimed(self, model: str, num_requests: int) -> None:
         """One expired batch lease was reclaimed, holding ``num_requests`` unpublished requests."""

@@ -32,6 +32,7 @@ from batchinfer.clock import MONOTONIC, WALL_MS, Clock, WallClock
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.ops.metrics import SchedulerMetrics
+from batchinfer.protocol.rows import now_ms
 from batchinfer.redis_conn import Backoff
 from batchinfer.scheduler.accounting import Accounting, Settler
 from batchinfer.scheduler.dispatch import Dispatcher
@@ -39,8 +40,17 @@ from batchinfer.scheduler.intake import Admission, Intake
 from batchinfer.scheduler.leases import Leases
 from batchinfer.scheduler.lookups import JobCache, ModelCache, RowSink
 from batchinfer.scheduler.staging import Staging
-from batchinfer.store.ownership import NotOwner, Ownership, announce, withdraw
-from batchinfer.store.registry import Registry
+from batchinfer.store.ownership import (
+    NotOwner,
+    Ownership,
+    announce,
+    live_schedulers,
+    new_token,
+    share_of,
+    to_release,
+    withdraw,
+)
+from batchinfer.store.registry import Registry, check_partitions
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +72,18 @@ class Periodic:
         return True
 
 
-class SchedulerDaemon:
-    """One scheduler process. ``run(stop)`` serves; ``run_once()`` is one pass (tests call it)."""
+class PartitionWork:
+    """The scheduler's work on one partition (``keys``' view): its ownership lease, and the passes
+    over its intake, staging, batch streams and holding area. The job sweep (expiry, the export safety
+    net) walks the jobs index, a registry: the owner of partition 0 makes it."""
 
-    def __init__(self, r: redis.Redis, settings: Settings, *, name: str = "scheduler",
-                 metrics: SchedulerMetrics | None = None, block_ms: int = 200,
-                 direct_hold_s: float | None = None, clock: Clock = MONOTONIC,
-                 wall_clock: WallClock = WALL_MS, instance: str | None = None):
-        """``direct_hold_s``: how long a direct request for an unserved model is held (default
-        ``settings.direct_hold_seconds``, ``BATCHINFER_DIRECT_HOLD_SECONDS``). ``clock`` times the
-        periodic sweeps; ``wall_clock`` decides holds, job expiry and ``results:direct``'s retention.
-        ``instance`` names this scheduler in the ownership (default: host and pid)."""
-        self.redis, self.settings, self.name, self.block_ms = r, settings, name, block_ms
-        self.metrics = metrics
-        self.keys = keys = Keys(settings.prefix)
-        self.ownership = Ownership(r, keys.scheduler_owner, keys.scheduler_epoch, name=instance,
+    def __init__(self, r: redis.Redis, settings: Settings, keys: Keys, *, name: str, token: str,
+                 registry: Registry, jobs: JobCache, models: ModelCache, metrics: SchedulerMetrics | None,
+                 direct_hold_s: float | None, clock: Clock, wall_clock: WallClock):
+        self.keys, self.metrics = keys, metrics
+        self.ownership = Ownership(r, keys.scheduler_owner, keys.scheduler_epoch, token=token,
                                    takeover_seconds=settings.scheduler_takeover_seconds)
-        registry = Registry(r, keys)
-        jobs, models, staging = JobCache(r, keys), ModelCache(registry), Staging(r, keys)
+        staging = Staging(r, keys)
         self.sink = RowSink(r, settings, keys, metrics, clock=wall_clock)
         self.admission = Admission(r, keys, settings, jobs, models, direct_hold_s=direct_hold_s,
                                    clock=wall_clock)
@@ -87,28 +91,28 @@ class SchedulerDaemon:
         self.intake = Intake(r, keys, self.admission, staging, self.sink, consumer=name, fence=fence)
         self.dispatcher = Dispatcher(r, keys, registry, models, staging, jobs, self.sink, fence, metrics)
         self.leases = Leases(r, keys, settings, registry, jobs, self.sink, consumer=name, fence=fence)
-        self.accounting = Accounting(r, keys, settings, jobs, self.sink, clock=wall_clock)
+        self.accounting = (Accounting(r, keys, settings, jobs, self.sink, clock=wall_clock)
+                           if keys.partition == 0 else None)
         self.settler = Settler(r, keys, registry, jobs, self.sink, self.intake)
         # the intake's pending entries are re-read every takeover time: a scheduler that lost the
         # ownership in the middle of a pass may have read (never settled) entries under the shared name
         self.timers = {"recover": Periodic(settings.scheduler_takeover_seconds, clock),
-                       "announce": Periodic(min(1.0, settings.scheduler_takeover_seconds / 3)),
                        "leases": Periodic(max(0.05, settings.lease_seconds / 4), clock),
                        "held": Periodic(2.0, clock), "accounting": Periodic(1.0, clock)}
         self._ready = False
         self._held_releasing = False  # the last held sweep released requests: sweep again next pass
 
-    def run_once(self, block_ms: int | None = None) -> int:
-        """One pass over every concern if this scheduler is the owner (taking the ownership when it
-        is free); returns how much work it found (0: idle, or standing by)."""
+    def tick(self) -> bool:
+        """Renew (or take, when free) this partition's ownership; True while this scheduler owns it."""
         was_owner = self.ownership.held
         owner = self.ownership.tick()
-        if self.metrics is not None:
-            self.metrics.set_owner(owner, taken=owner and not was_owner)
-        if not owner:
-            return 0
-        if not was_owner:  # taken over: what a predecessor left half done is read again
+        if owner and not was_owner:  # taken over: what a predecessor left half done is read again
             self._reset()
+        return owner
+
+    def run_once(self, block_ms: int | None) -> int:
+        """One pass over every concern of the partition, which this scheduler owns; returns how much
+        work it found. Another scheduler's takeover ends the pass (it stands by for this partition)."""
         try:
             return self._pass(block_ms)
         except (NotOwner, redis.WatchError) as e:  # another scheduler took over: its transactions won
@@ -133,8 +137,8 @@ class SchedulerDaemon:
             released = self.intake.sweep_held()
             self._held_releasing = released > 0
             work += released
-        if self.timers["accounting"].due():
-            work += self.accounting.step() + self.settler.step()  # expire, then settle what no worker holds
+        if self.timers["accounting"].due():  # expire, then settle what no worker holds
+            work += (self.accounting.step() if self.accounting is not None else 0) + self.settler.step()
         return work
 
     def _reset(self) -> None:
@@ -142,27 +146,106 @@ class SchedulerDaemon:
         self._ready = self.intake.recovered = False
         self.dispatcher.grouped.clear()
 
+
+class SchedulerDaemon:
+    """One scheduler process. ``run(stop)`` serves; ``run_once()`` is one pass (tests call it).
+
+    With P partitions (``BATCHINFER_PARTITIONS``) it holds a :class:`PartitionWork` per partition and
+    owns as many as its share (:func:`~batchinfer.store.ownership.share_of` the live schedulers):
+    it takes free ones up to its share and gives up those above it, so schedulers that join spread
+    the partitions between them and those that stay take over a dead one's. ``intake``,
+    ``dispatcher`` and the other parts named here are partition 0's.
+    """
+
+    def __init__(self, r: redis.Redis, settings: Settings, *, name: str = "scheduler",
+                 metrics: SchedulerMetrics | None = None, block_ms: int = 200,
+                 direct_hold_s: float | None = None, clock: Clock = MONOTONIC,
+                 wall_clock: WallClock = WALL_MS, instance: str | None = None):
+        """``direct_hold_s``: how long a direct request for an unserved model is held (default
+        ``settings.direct_hold_seconds``, ``BATCHINFER_DIRECT_HOLD_SECONDS``). ``clock`` times the
+        periodic sweeps; ``wall_clock`` decides holds, job expiry and ``results:direct``'s retention.
+        ``instance`` names this scheduler in the ownership (default: host and pid)."""
+        self.redis, self.settings, self.name, self.block_ms = r, settings, name, block_ms
+        self.metrics = metrics
+        self.keys = keys = settings.keys()
+        self.token = new_token(instance)
+        registry = Registry(r, keys)
+        jobs, models = JobCache(r, keys), ModelCache(registry)
+        self.parts = [PartitionWork(r, settings, view, name=name, token=self.token, registry=registry,
+                                    jobs=jobs, models=models, metrics=metrics, direct_hold_s=direct_hold_s,
+                                    clock=clock, wall_clock=wall_clock) for view in keys.parts()]
+        first = self.parts[0]
+        self.ownership, self.intake, self.dispatcher, self.leases = (first.ownership, first.intake,
+                                                                     first.dispatcher, first.leases)
+        self.admission, self.sink, self.settler, self.timers = (first.admission, first.sink, first.settler,
+                                                                first.timers)
+        self.accounting = first.accounting
+        self.takeover_s = settings.scheduler_takeover_seconds
+        self.spread = Periodic(min(1.0, self.takeover_s / 3))  # announce, count schedulers, rebalance
+        self.share = keys.partitions  # of the partitions, how many to own (all, until others are seen)
+
+    def held(self) -> list[int]:
+        """The partitions this scheduler owns now."""
+        return [p.keys.partition for p in self.parts if p.ownership.held]
+
+    def run_once(self, block_ms: int | None = None) -> int:
+        """One pass over every partition this scheduler owns (taking free ones up to its share,
+        giving up those above it); returns how much work it found (0: idle, or standing by)."""
+        if self.spread.due():
+            self._rebalance()
+        before = len(self.held())
+        owned = [p for p in self.parts if (p.ownership.held or len(self.held()) < self.share) and p.tick()]
+        if self.metrics is not None:
+            self.metrics.set_owner(len(owned), taken=max(0, len(owned) - before))
+        if len(owned) > 1 and block_ms:
+            block_ms = max(1, block_ms // len(owned))  # one partition's wait must not stall the others
+        return sum(p.run_once(block_ms) for p in owned)
+
+    def _rebalance(self) -> None:
+        """Announce this scheduler, learn how many are live, and give up partitions above the share."""
+        announce(self.redis, self.keys.schedulers, self.token, self.held(), self.takeover_s)
+        if self.keys.partitions == 1:
+            return  # one partition: whoever holds it keeps it
+        # live for the spread: announced within the takeover time (every live one announces every third
+        # of it), so a dead scheduler's share goes to the others about when its leases lapse
+        now = now_ms()
+        others = sum(1 for s in live_schedulers(self.redis, self.keys.schedulers)
+                     if s.token != self.token and now - s.heartbeat_at <= self.takeover_s * 1000)
+        self.share = share_of(self.keys.partitions, others + 1)
+        for i in to_release(self.held(), self.share):
+            log.info("scheduler %s: giving partition %d up (%d scheduler(s) share %d partitions)",
+                     self.token, i, others + 1, self.keys.partitions)
+            self.parts[i].ownership.release()
+
     def run(self, stop: threading.Event, tick: Callable[[], None] | None = None) -> None:
-        """Serve until ``stop`` is set; Redis outages are waited out with backoff.
+        """Serve until ``stop`` is set; Redis outages are waited out with backoff. Raises
+        :class:`~batchinfer.store.registry.PartitionsMismatch` when ``BATCHINFER_PARTITIONS`` is not
+        the deployment's.
 
         ``tick`` is called after every pass (the health server's liveness).
         """
-        log.info("scheduler %s: serving prefix %s (lease %g s, max attempts %d)", self.name,
-                 self.settings.prefix, self.settings.lease_seconds, self.settings.max_attempts)
         backoff, busy = Backoff(BACKOFF_START_S, BACKOFF_CAP_S), False
-        standby_wait = min(1.0, self.settings.scheduler_takeover_seconds / 3)
+        while not stop.is_set():  # PartitionsMismatch ends the daemon: a start-up error
+            try:
+                check_partitions(self.redis, self.keys)
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("scheduler: Redis unavailable (%s); retrying", e)
+                stop.wait(backoff.next())
+        log.info("scheduler %s: serving prefix %s, %d partition(s) (lease %g s, max attempts %d)", self.name,
+                 self.settings.prefix, self.keys.partitions, self.settings.lease_seconds,
+                 self.settings.max_attempts)
+        standby_wait = min(1.0, self.takeover_s / 3)
         renewing = threading.Event()  # its own: the loop's waits are on ``stop`` alone
-        renewal = self.ownership.renew_while(renewing)  # a long pass keeps the ownership
+        renewals = [p.ownership.renew_while(renewing) for p in self.parts]  # a long pass keeps them
         while not stop.is_set():
             try:
                 busy = self.run_once(block_ms=None if busy else self.block_ms) > 0
-                if self.timers["announce"].due():
-                    announce(self.redis, self.keys.schedulers, self.ownership)
                 backoff.reset()
                 if tick is not None:
                     tick()
-                if not self.ownership.held:
-                    stop.wait(standby_wait)  # another scheduler owns the work: look again soon
+                if not self.held():
+                    stop.wait(standby_wait)  # other schedulers own every partition: look again soon
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 wait = backoff.next()
                 log.warning("scheduler: Redis unavailable (%s); retrying in %.1f s", e, wait)
@@ -173,13 +256,19 @@ class SchedulerDaemon:
                 self._reset()
                 stop.wait(1.0)
         renewing.set()
-        renewal.join(timeout=5)
+        for renewal in renewals:
+            renewal.join(timeout=5)
         try:
-            self.ownership.release()  # a standby takes over now, not after the lease runs out
-            withdraw(self.redis, self.keys.schedulers, self.ownership)
+            for p in self.parts:
+                p.ownership.release()  # a standby takes over now, not after the lease runs out
+            withdraw(self.redis, self.keys.schedulers, self.token)
         except redis.RedisError as e:
             log.warning("scheduler: could not release the ownership (%s); it lapses by itself", e)
         log.info("scheduler %s: stopped", self.name)
+
+    def _reset(self) -> None:
+        for p in self.parts:
+            p._reset()
 
 
 def main(settings: Settings) -> int:
@@ -198,7 +287,7 @@ def main(settings: Settings) -> int:
     r = connect(settings.redis_url, settings.redis_ca_file)
     # The scrape-time collector gets its own connection with a timeout: a hung Redis must not hang /metrics.
     scrape = connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5)
-    metrics = SchedulerMetrics(redis_client=scrape, keys=Keys(settings.prefix))
+    metrics = SchedulerMetrics(redis_client=scrape, keys=settings.keys())
     readiness = Readiness(stall_after=STALL_AFTER_S)
     readiness.add_probe("redis", r.ping)
     server = serve(settings.metrics_port, metrics.registry, readiness, settings.metrics_host)

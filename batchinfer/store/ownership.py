@@ -1,11 +1,13 @@
 """Which scheduler does the work: an ownership lease in Redis, and the fence on its writes.
 
-Any number of ``batchinfer scheduler`` processes may run against one queue; one of them, the owner,
-does the work (intake, dispatch, lease sweeps, the held area, job accounting) and the others stand
-by. The owner holds ``{p}:scheduler:owner`` (its token: host, pid and a random part) with a time to
-live of ``takeover_seconds``, renewed every third of that by a thread of its own (so a long pass
-does not lose it); a standby takes the key when it is free, so a scheduler that dies or hangs is
-replaced within ``takeover_seconds`` (one that stops cleanly gives the key up at once).
+Any number of ``batchinfer scheduler`` processes may run against one queue. Each partition of the
+queue (``BATCHINFER_PARTITIONS``, keys.py) has one owner at a time, which does its work (intake,
+dispatch, lease sweeps, the held area, job accounting) while the others stand by for it; the
+partitions are spread over the live schedulers (:func:`share_of`, :func:`to_release`). The owner
+holds ``{p}:scheduler:owner`` (its token: host, pid and a random part) with a time to live of
+``takeover_seconds``, renewed every third of that by a thread of its own (so a long pass does not
+lose it); a standby takes the key when it is free, so a scheduler that dies or hangs is replaced
+within ``takeover_seconds`` (one that stops cleanly gives the key up at once).
 
 Every change of holder bumps ``{p}:scheduler:epoch``, and the owner remembers the epoch it took.
 A paused owner (SIGSTOP, a VM freeze) may wake up after a standby took over; it must then write
@@ -26,6 +28,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -38,6 +41,23 @@ log = logging.getLogger(__name__)
 FORGET_AFTER_MS = 3600 * 1000  # announcements older than this are removed from the hash
 
 
+def new_token(label: str | None = None) -> str:
+    """A scheduler process's token: its label (default host:pid) and a random part."""
+    return f"{label or f'{socket.gethostname()}:{os.getpid()}'}:{uuid.uuid4().hex[:12]}"
+
+
+def share_of(partitions: int, schedulers: int) -> int:
+    """How many of ``partitions`` one of ``schedulers`` live schedulers should own: an even spread
+    (the first ones to come get the extra one; a lone scheduler owns them all)."""
+    return -(-partitions // max(1, schedulers))
+
+
+def to_release(held: Collection[int], share: int) -> list[int]:
+    """The partitions a scheduler holding ``held`` gives up to come down to ``share`` (its highest
+    ones): a scheduler that joins then finds them free."""
+    return sorted(held)[share:] if len(held) > share else []
+
+
 class NotOwner(RuntimeError):
     """This scheduler no longer holds the ownership: it must stop writing and stand by."""
 
@@ -47,14 +67,16 @@ class Ownership:
     process sees it."""
 
     def __init__(self, r: redis.Redis, key: str, epoch_key: str, *, takeover_seconds: float,
-                 name: str | None = None):
+                 name: str | None = None, token: str | None = None):
+        """``name``: the process's label (default host:pid); ``token``: its unique token (default the
+        label and a random part; one process's leases of several partitions share one)."""
         if takeover_seconds <= 0:
             raise ValueError("takeover_seconds (BATCHINFER_SCHEDULER_TAKEOVER_SECONDS) must be > 0, "
                              f"got {takeover_seconds}")
         self.redis, self.key, self.epoch_key = r, key, epoch_key
         self.ttl_ms = max(1, int(takeover_seconds * 1000))
-        self.label = name or f"{socket.gethostname()}:{os.getpid()}"
-        self.token = f"{self.label}:{uuid.uuid4().hex[:12]}"
+        self.token = token or new_token(name)
+        self.label = self.token.rsplit(":", 1)[0]  # an earlier object of this process may hand over
         self.epoch = 0  # the epoch this scheduler took; 0: never held
         self.held = False
         self._renewed_at = float("-inf")  # time.monotonic(): Redis' expiry runs on real time
@@ -102,8 +124,8 @@ class Ownership:
         if not epoch:
             return False
         self.held, self.epoch = True, epoch
-        log.info("scheduler %s: took the ownership, epoch %d (standbys take over %g s after it lapses)",
-                 self.token, epoch, self.ttl_ms / 1000)
+        log.info("scheduler %s: took the ownership (%s), epoch %d (others take over %g s after it lapses)",
+                 self.token, self.key, epoch, self.ttl_ms / 1000)
         return True
 
     def lost(self, why: str) -> None:
@@ -113,8 +135,8 @@ class Ownership:
 
     def _forget(self, why: str) -> None:
         if self.held:
-            log.warning("scheduler %s: no longer the owner (%s); standing by (owner now: %s)",
-                        self.token, why, self.owner() or "none")
+            log.warning("scheduler %s: no longer the owner (%s) of %s; standing by (owner now: %s)",
+                        self.token, why, self.key, self.owner() or "none")
         self.held = False
         self._renewed_at = float("-inf")
 
@@ -155,24 +177,30 @@ class SchedulerView:
     """One scheduler's last announcement (``batchinfer top``)."""
 
     token: str
-    owner: bool
+    partitions: tuple[int, ...]  # those it owns now (empty: standing by)
     heartbeat_at: int  # ms since the epoch
     takeover_seconds: float
+
+    @property
+    def owner(self) -> bool:
+        """Whether it owns any partition's work."""
+        return bool(self.partitions)
 
     def live(self, now: int) -> bool:
         """Announced within ``max(3 s, takeover)`` of ``now`` (ms): it announces at least once a second."""
         return now - self.heartbeat_at <= max(3.0, self.takeover_seconds) * 1000
 
 
-def announce(r: redis.Redis, key: str, ownership: Ownership) -> None:
-    """Record that this scheduler is alive, and whether it owns the work (``{p}:schedulers``)."""
-    r.hset(key, ownership.token, json.dumps({"owner": ownership.held, "heartbeat_at": now_ms(),
-                                             "takeover_seconds": ownership.ttl_ms / 1000}))
+def announce(r: redis.Redis, key: str, token: str, partitions: Sequence[int],
+             takeover_seconds: float) -> None:
+    """Record that scheduler ``token`` is alive and which partitions it owns (``{p}:schedulers``)."""
+    r.hset(key, token, json.dumps({"owner": bool(partitions), "partitions": sorted(partitions),
+                                   "heartbeat_at": now_ms(), "takeover_seconds": takeover_seconds}))
 
 
-def withdraw(r: redis.Redis, key: str, ownership: Ownership) -> None:
-    """A clean stop: this scheduler's announcement goes."""
-    r.hdel(key, ownership.token)
+def withdraw(r: redis.Redis, key: str, token: str) -> None:
+    """A clean stop: scheduler ``token``'s announcement goes."""
+    r.hdel(key, token)
 
 
 def live_schedulers(r: redis.Redis, key: str) -> list[SchedulerView]:
@@ -184,7 +212,9 @@ def live_schedulers(r: redis.Redis, key: str) -> list[SchedulerView]:
         name = token.decode() if isinstance(token, bytes) else str(token)
         try:
             info = json.loads(raw)
-            view = SchedulerView(name, bool(info["owner"]), int(info["heartbeat_at"]),
+            # an announcement without "partitions" (an older scheduler): partition 0 when it owned
+            owned = info.get("partitions", [0] if info["owner"] else [])
+            view = SchedulerView(name, tuple(int(p) for p in owned), int(info["heartbeat_at"]),
                                  float(info["takeover_seconds"]))
         except (ValueError, KeyError, TypeError):
             stale.append(name)
@@ -195,4 +225,4 @@ def live_schedulers(r: redis.Redis, key: str) -> list[SchedulerView]:
             stale.append(name)
     if stale:
         r.hdel(key, *stale)
-    return sorted(views, key=lambda v: (not v.owner, v.token))
+    return sorted(views, key=lambda v: (not v.owner, v.partitions, v.token))

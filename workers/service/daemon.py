@@ -57,12 +57,11 @@ import redis
 
 from batchinfer.clock import MONOTONIC, Clock
 from batchinfer.config import Settings
-from batchinfer.keys import Keys
 from batchinfer.ops.httpserver import Readiness
 from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.redis_conn import Backoff, own_client
 from batchinfer.store.publish import Publisher
-from batchinfer.store.registry import NameConflict
+from batchinfer.store.registry import NameConflict, PartitionsMismatch, check_partitions
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.service.feeder import Cancellations, Feeder
 from batchinfer.workers.service.inflight import Book
@@ -111,7 +110,7 @@ class WorkerDaemon:
         assert config.name is not None  # WorkerConfig fills in the default
         self.redis, self.settings, self.engine, self.config = r, settings, engine, config
         self.name, self.model, self.device = config.name, config.canonical, config.device
-        self.keys = Keys(settings.prefix)
+        self.keys = settings.keys()
         self.adapters = list(engine.lora_adapters() or [])  # LoRA adapters served: BASE:NAME models
         self.streams = BatchStreams(self.keys, self.model, self.adapters)
         self.capacity = dict(engine.capacity())
@@ -165,7 +164,9 @@ class WorkerDaemon:
         """Serve until ``stop`` is set and everything held is published; returns the exit code.
 
         Raises :class:`~batchinfer.store.registry.NameConflict` when the worker's name or a served
-        model name is a live worker's (nothing was pulled then).
+        model name is a live worker's (nothing was pulled then), and
+        :class:`~batchinfer.store.registry.PartitionsMismatch` when its ``BATCHINFER_PARTITIONS`` is
+        not the deployment's.
         """
         backoff = Backoff(BACKOFF_START_S, BACKOFF_CAP_S)
         try:
@@ -182,7 +183,7 @@ class WorkerDaemon:
                             continue  # stopped while waiting for the name
                     self._iteration()
                     backoff.reset()
-                except NameConflict:
+                except (NameConflict, PartitionsMismatch):
                     raise
                 except PublisherStopped:
                     continue  # a hard stop while the publisher queue was full: the loop ends
@@ -268,6 +269,7 @@ class WorkerDaemon:
     def _start(self) -> None:
         """Claim the names, register the model, create the groups, take back this worker's own
         pending batches."""
+        check_partitions(self.redis, self.keys)
         if not self.registration.claim_name():
             return  # hard stop while waiting for the name
         self.registration.check_served_names()

@@ -47,7 +47,6 @@ class Keeper:
         """``clock`` times the refreshes, the heartbeats and the stall; the thread waits in real time."""
         self.redis, self.clock = r, clock
         self.streams = streams or BatchStreams(keys, model)
-        self.stream = self.streams.base
         self.model = model
         self.registry = Registry(r, keys)
         self.worker = worker

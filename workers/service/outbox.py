@@ -202,13 +202,14 @@ class Outbox:
         """One MULTI: new batch entries holding every request to retry (those on their last attempt
         alone, in ``solo`` batches: ``retry_batches``) on its own stream, and their attempt counts."""
         requests = list(self.retries)
-        by_adapter: dict[str | None, list[BatchRequest]] = {}
+        by_stream: dict[str, list[BatchRequest]] = {}  # its adapter's, in its job's partition
         for q in requests:
-            by_adapter.setdefault(q.lora, []).append(q)
+            stream = self.streams.stream(q.lora, self.keys.job_partition(q.job_id))
+            by_stream.setdefault(stream, []).append(q)
         pipe = self.redis.pipeline(transaction=True)
-        for adapter, group in by_adapter.items():
+        for stream, group in by_stream.items():
             for fields in retry_batches(group, self.max_attempts):
-                pipe.xadd(self.streams.stream(adapter), replies.xadd_fields(fields))
+                pipe.xadd(stream, replies.xadd_fields(fields))
         for q in requests:
             job, field = attempts_field(q)
             pipe.hset(self.keys.attempts(job), field, q.attempts)

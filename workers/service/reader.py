@@ -84,6 +84,7 @@ class BatchReader:
         self.publisher, self.block_ms = publisher, block_ms
         self.task = engine.task
         self.resident = self._read_resident()  # adapters loaded in the engine, as of the last step
+        self._next_partition = 0  # the partition a busy worker's next read starts with
 
     def ensure_groups(self) -> None:
         """Create the group ``workers`` on every stream this worker serves, if needed."""
@@ -106,9 +107,26 @@ class BatchReader:
 
     def read(self, idle: bool, block_ms: int | None) -> list[tuple[str, replies.Fields]]:
         """The next batch of each stream to read now (``idle``: nothing held or running), waiting up
-        to ``block_ms`` for one (None: not at all); each entry is held by the keeper at once."""
-        starts = dict.fromkeys(self.streams_now(idle=idle), b">")
-        read = [e for _stream, entries, _last in self._read(starts, block=block_ms) for e in entries]
+        to ``block_ms`` for one (None: not at all); each entry is held by the keeper at once.
+
+        With partitions, a worker that holds work reads the partitions in turn: first the one after
+        the partition that last gave it a batch, then, only if that one had none, all the others in
+        one read (at most two round trips; no partition waits behind another's backlog, and a busy
+        worker takes one partition's batch, not one of each). An idle one reads them all at once."""
+        streams = self.streams_now(idle=idle)
+        rounds = [streams]
+        if not idle and self.streams.partitions > 1:
+            turn = self._next_partition
+            rounds = [[s for s in streams if self.streams.partition_of(s) == turn],
+                      [s for s in streams if self.streams.partition_of(s) != turn]]
+        read: list[tuple[str, replies.Fields]] = []
+        for group in rounds:
+            got = self._read(dict.fromkeys(group, b">"), block=block_ms)
+            read = [e for _stream, entries, _last in got for e in entries]
+            if read:
+                last = max(self.streams.partition_of(stream) for stream, entries, _ in got if entries)
+                self._next_partition = (last + 1) % self.streams.partitions
+                break
         for key, _fields in read:
             self.keeper.hold(key)
         return read
@@ -139,11 +157,12 @@ class BatchReader:
             self.outbox.ack([fetched.entry])  # nothing left to run (a re-delivery of finished work)
 
     def streams_now(self, idle: bool) -> list[str]:
-        """The streams to read now: the base alone without adapters, else the affinity policy's."""
+        """The streams to read now, in every partition (one XREADGROUP takes at most one batch of each:
+        no partition starves): the base alone without adapters, else the affinity policy's."""
         if not self.adapters:
-            return [self.streams.base]
+            return self.streams.streams(None)
         picked = streams_to_read(self.adapters, set(self.resident), self.keeper.resident_elsewhere(), idle)
-        return [self.streams.stream(a) for a in picked]
+        return [stream for a in picked for stream in self.streams.streams(a)]
 
     def refresh_resident(self) -> None:
         """Note the adapters the engine has loaded now (a list replaced whole: other threads read it)."""

@@ -111,7 +111,7 @@ class Daemon:
         return self.proc.returncode
 
 
-def wait_for(cond, timeout: float, what: str, daemons: tuple[Daemon, ...] = ()):
+def wait_for(cond, timeout: float, what: str, daemons: tuple[Daemon, ...] = (), poll: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = cond()
@@ -120,7 +120,7 @@ def wait_for(cond, timeout: float, what: str, daemons: tuple[Daemon, ...] = ()):
         for d in daemons:
             if d.proc.poll() is not None:
                 raise RuntimeError(f"{d.proc.args[3]} exited with {d.proc.returncode} (log: {d.log.name})")
-        time.sleep(0.05)
+        time.sleep(poll)
     raise TimeoutError(f"timed out waiting for {what}")
 
 
@@ -401,6 +401,129 @@ def bench_replica_acks(workdir: Path, n: int, repeats: int) -> dict:
             "rows_per_s_replica_acks": round(best[1]), "replica_acks_ratio": round(best[1] / best[0], 3)}
 
 
+# -- several schedulers over partitions (issue 32) ---------------------------------------------------
+
+
+def bench_schedulers(url: str, workdir: Path, n: int, repeats: int, redis_pid: int) -> dict:
+    """Intake entries/s of one scheduler vs two over ``BATCHINFER_PARTITIONS=2``: ``n`` requests per
+    partition (a job in each) are queued once the schedulers own their partitions; each partition's
+    time runs from its first entry read to the moment its intake group has read and settled everything
+    (validation, tokenisation, staging; no worker reads the batches, so dispatch stops at its
+    backpressure and staging holds the rest). One scheduler is pinned to CPU 0; two to CPUs 0 and 1,
+    one partition each; Redis is not pinned, and its CPU share is reported (what the two schedulers
+    cannot have of two cores). Best of ``repeats`` each, alternating."""
+    from batchinfer.store.jobstore import JobStore
+    from batchinfer.store.registry import Registry
+    from batchinfer.workers.models.tiny import make_tiny_model
+    from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
+
+    model_dir = make_tiny_model(workdir / "tiny-llama-intake")
+    r = redis.Redis.from_url(url)
+    keys = Keys(PREFIX, 2)
+    env = {"BATCHINFER_PARTITIONS": "2"}
+    cap = {"max_model_len": 2048, "max_num_seqs": 64, "max_num_batched_tokens": 4096, "kv_tokens": 65536}
+    best = {1: 0.0, 2: 0.0}
+    redis_share = {1: 0.0, 2: 0.0}
+    for _ in range(repeats):
+        for count in (1, 2):
+            r.flushdb()
+            registry = Registry(r, keys)
+            registry.register_model("tiny", read_tokenizer_files(model_dir), cap)
+            registry.heartbeat_worker("w0", {"model": "tiny", "capacity": cap}, ttl=3600)  # nobody reads
+            jobs = [next(f"p{p}-{i}" for i in range(100) if keys.job_partition(f"p{p}-{i}") == p)
+                    for p in (0, 1)]
+            daemons = tuple(Daemon(url, workdir, "scheduler", cpus={i}, env=env) for i in range(count))
+            try:
+                # the partitions spread first (a scheduler that starts alone takes both until it sees
+                # the other), then the entries come, through submit's script (~370k/s: a fraction of a
+                # second of the run)
+                wait_for(lambda count=count: _spread(r, keys, count), 60, "each scheduler to own its share",
+                         daemons)
+                for job in jobs:
+                    JobStore(r, keys).create(job, model="tiny")
+                add_requests = scripts.register(r, "add_requests")
+                spans = IntakeSpans(r, keys)
+                cpu0, sched0, t0 = _cpu_s(redis_pid), sum(d.cpu_s() for d in daemons), time.perf_counter()
+                for start in range(0, n, SUBMIT_CHUNK):  # the two partitions' entries interleaved
+                    bodies = [json.dumps({"custom_id": f"r{i}", "prompt": f"request {i}: say something",
+                                          "max_tokens": 8}).encode()
+                              for i in range(start, min(n, start + SUBMIT_CHUNK))]
+                    numbers = " ".join(f"{start + i} {start + i + 1} {len(b)}" for i, b in enumerate(bodies))
+                    for job in jobs:
+                        add_requests(keys=[keys.for_job(job).requests],
+                                     args=[PROTOCOL_VERSION, job, numbers, b"".join(bodies)])
+                wait_for(spans.poll, 600, "the intake", daemons, poll=0.01)
+                elapsed = time.perf_counter() - t0
+                share = (_cpu_s(redis_pid) - cpu0) / elapsed
+                busy = (sum(d.cpu_s() for d in daemons) - sched0) / elapsed
+                if not _spread(r, keys, count):
+                    raise RuntimeError("the partitions changed hands during the run")
+            finally:
+                for d in daemons:
+                    d.stop()
+            rate = spans.rate(n)
+            print(f"  {count} scheduler(s): {rate:,.0f} entries/s (schedulers busy {busy:.0%} of a core, "
+                  f"Redis {share:.0%})", flush=True)
+            if rate > best[count]:
+                best[count], redis_share[count] = rate, share
+    r.flushdb()
+    return {"schedulers_intake_requests": 2 * n, "intake_rps_1_scheduler": round(best[1]),
+            "intake_rps_2_schedulers": round(best[2]), "schedulers_ratio": round(best[2] / best[1], 3),
+            "redis_core_share_2_schedulers": round(redis_share[2], 2)}
+
+
+class IntakeSpans:
+    """Each partition's intake span, from its first entry read to its last one settled (polled): the
+    rate is the sum of the partitions' (two schedulers seldom start in the same instant, and the one
+    that started later would otherwise count as idle time of both)."""
+
+    def __init__(self, r: redis.Redis, keys: Keys):
+        self.r, self.keys = r, keys
+        self.starts: dict[int, float] = {}
+        self.ends: dict[int, float] = {}
+
+    def poll(self) -> bool:
+        """Note what changed since the last poll; True once every partition is settled."""
+        now = time.perf_counter()
+        for view in self.keys.parts():
+            i = view.partition
+            if i not in self.starts and _entries_read(self.r, [view]) > 0:
+                self.starts[i] = now
+            if i in self.starts and i not in self.ends and _settled(self.r, view.requests):
+                self.ends[i] = now
+        return len(self.ends) == self.keys.partitions
+
+    def rate(self, per_partition: int) -> float:
+        """Entries per second, each partition holding ``per_partition``."""
+        return sum(per_partition / (self.ends[i] - self.starts[i]) for i in self.starts)
+
+
+def _entries_read(r: redis.Redis, views: list[Keys]) -> int:
+    """Entries the intake groups of these partitions have read so far."""
+    total = 0
+    for view in views:
+        for group in (r.xinfo_groups(view.requests) if r.exists(view.requests) else []):
+            total += int(group.get("entries-read") or 0)
+    return total
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _spread(r: redis.Redis, keys: Keys, count: int) -> bool:
+    """Each of ``count`` schedulers owns its share of the partitions."""
+    owners = {r.get(k.scheduler_owner) for k in keys.parts()}
+    return len(owners) == count and None not in owners
+
+
+def _settled(r: redis.Redis, stream: str) -> bool:
+    """Every entry of ``stream`` settled: the intake acknowledges and deletes each one it took in."""
+    groups = r.xinfo_groups(stream) if r.exists(stream) else []
+    return bool(groups) and groups[0]["pending"] == 0 and r.xlen(stream) == 0
+
+
 def bench_export(r: redis.Redis, url: str, workdir: Path, job: str, n: int, codes: list,
                  idle_mb: float) -> dict:
     """The finished job's queued Parquet export run by an exporter: its peak RSS (exporter, work horse,
@@ -461,6 +584,8 @@ def main() -> None:
     ap.add_argument("--scale-requests", type=int, default=50_000)
     ap.add_argument("--replica-acks", type=int, default=0, metavar="N",
                     help="also time echo jobs of N requests on a master + replica, replica acks off vs on")
+    ap.add_argument("--schedulers", type=int, default=0, metavar="N",
+                    help="also time the intake of N requests per partition, 1 vs 2 schedulers, 2 partitions")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
     args = ap.parse_args()
@@ -506,6 +631,13 @@ def main() -> None:
                   f"{small['export_rss_mb']} MB; the exporter with nothing to export: "
                   f"{large['exporter_idle_rss_mb']} MB; the rows' JSON in the stream: "
                   f"{large['results_json_mb']} MB), {large['export_s']} s", flush=True)
+        if args.schedulers:
+            figures.update(bench_schedulers(server.url, workdir, args.schedulers, args.repeats,
+                                            server.proc.pid))
+            print(f"schedulers: intake {figures['intake_rps_2_schedulers']:,}/s with 2 schedulers over 2 "
+                  f"partitions vs {figures['intake_rps_1_scheduler']:,}/s with one -> ratio "
+                  f"{figures['schedulers_ratio']} (Redis took "
+                  f"{figures['redis_core_share_2_schedulers']:.0%} of a core beside the two)", flush=True)
         if args.replica_acks:
             figures.update(bench_replica_acks(workdir, args.replica_acks, args.repeats))
             print(f"replica acks: {figures['rows_per_s_replica_acks']} rows/s with BATCHINFER_REPLICA_ACKS=1 "

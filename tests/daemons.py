@@ -67,7 +67,8 @@ class Stack:
                     "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.procs: dict[str, subprocess.Popen] = {}
         self.exited: dict[str, int] = {}  # daemons stopped by the test, with their exit codes
-        self.client = Client(settings=Settings(redis_url=redis_url, prefix=self.prefix))
+        self.client = Client(settings=Settings(redis_url=redis_url, prefix=self.prefix,
+                                               partitions=int(self.env.get("BATCHINFER_PARTITIONS") or 1)))
 
     # -- processes --------------------------------------------------------------------------------
 
@@ -263,7 +264,7 @@ class ThreadedWorker:
         return self.code
 
 
-def start_echo_job(stack: Stack, n: int, scheduler: str = "scheduler") -> str:
+def start_echo_job(stack: Stack, n: int, scheduler: str = "scheduler", job_id: str | None = None) -> str:
     """The fault tests' job: a scheduler named ``scheduler``, the exporter and two slow echo workers
     (``a``, ``b``) are started and live, then ``n`` requests ``r0`` .. ``r<n-1>`` are submitted to
     model ``echo``; returns the job id."""
@@ -272,8 +273,13 @@ def start_echo_job(stack: Stack, n: int, scheduler: str = "scheduler") -> str:
     for name in ("a", "b"):
         stack.worker(name, echo=True, options=SLOW_ECHO)
     stack.wait_for_workers(2)
+    return submit_echo_job(stack, n, job_id)
+
+
+def submit_echo_job(stack: Stack, n: int, job_id: str | None = None) -> str:
+    """``n`` requests ``r0`` .. ``r<n-1>`` to model ``echo``, as job ``job_id`` (default: a new id)."""
     return stack.client.submit([{"custom_id": f"r{i}", "prompt": f"request {i:03d}", "max_tokens": 3}
-                                for i in range(n)], model="echo")
+                                for i in range(n)], model="echo", job_id=job_id)
 
 
 def poison_stack(stacks: Callable[..., Stack], redis_url: str, max_attempts: int) -> Stack:

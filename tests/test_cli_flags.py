@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -317,3 +318,16 @@ def test_the_exporter_leaves_without_sitting_out_a_pubsub_poll(redis_server):
     leaving.join(timeout=20)  # a bound far above the poll, far below rq's 60 s
     assert not leaving.is_alive(), "unsubscribe still waiting for the pub/sub thread"
     assert not worker.pubsub_thread.is_alive()
+
+
+def test_a_scheduler_with_another_partition_count_is_a_start_up_error(redis_server, tmp_path):
+    from batchinfer.keys import Keys
+    from batchinfer.store.registry import check_partitions
+
+    check_partitions(redis_server.client(), Keys("{bi}", 2))  # the deployment runs with 2
+    env = {**os.environ, "BATCHINFER_PARTITIONS": "3"}
+    proc = subprocess.run([*CLI, "--redis-url", redis_server.url, "scheduler"], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path, env=env)
+    assert proc.returncode == cli_context.EXIT_STARTUP, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "BATCHINFER_PARTITIONS is 3 here, but this deployment ({bi}) runs with 2" in line

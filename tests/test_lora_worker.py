@@ -51,7 +51,7 @@ KEYS = Keys(PREFIX)
 def test_entry_keys_name_the_stream_and_round_trip():
     assert entry_key(None, "1700-0") == "1700-0"  # a base entry keys as before
     assert entry_key("sql", "1700-0") == "sql/1700-0"
-    assert split_key("sql/1700-0") == ("sql", "1700-0") and split_key("1700-0") == (None, "1700-0")
+    assert split_key("sql/1700-0") == ("sql", "1700-0", 0) and split_key("1700-0") == (None, "1700-0", 0)
     streams = BatchStreams(KEYS, "m", ["sql", "chat.v2"])
     assert streams.all() == [KEYS.batches("m"), KEYS.batches("m:sql"), KEYS.batches("m:chat.v2")]
     assert streams.key(KEYS.batches("m:sql").encode(), b"5-0") == "sql/5-0"

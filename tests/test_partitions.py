@@ -1,0 +1,398 @@
+"""Partitions of the queue (issue 32, part 1): the key names, the routing rules producers follow, the
+spread of partitions over schedulers, and jobs and direct requests through two schedulers and one
+worker on a real redis-server with ``BATCHINFER_PARTITIONS=2``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections import Counter
+
+import pytest
+import redis
+from daemons import ThreadedWorker, wait_until, worker_daemon
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from redis.crc import key_slot
+
+from batchinfer.client.client import Client
+from batchinfer.config import Settings
+from batchinfer.keys import Keys, direct_request_id, partition_of
+from batchinfer.protocol import batches
+from batchinfer.protocol.entries import IntakeEntry, JobOp
+from batchinfer.protocol.rows import BatchRequest, ResultRow
+from batchinfer.scheduler.daemon import SchedulerDaemon
+from batchinfer.store.jobstore import JobStore
+from batchinfer.store.ownership import live_schedulers, share_of, to_release
+from batchinfer.store.queue_state import queue_state
+from batchinfer.store.registry import PartitionsMismatch
+from batchinfer.workers.service.echo_engine import EchoEngine
+from batchinfer.workers.service.streams import BatchStreams, entry_key, split_key
+
+TAKEOVER_S = 0.9
+
+
+# -- names ----------------------------------------------------------------------------------------
+
+
+def test_one_partition_names_every_key_as_before():
+    keys = Keys("{bi}")
+    assert (keys.requests, keys.batches("m"), keys.job("j"), keys.results("j"), keys.published("j"),
+            keys.held, keys.scheduler_owner, keys.queue("m", "0:j"), keys.jobs, keys.results("direct")) == (
+        "{bi}:requests", "{bi}:batches:m", "{bi}:job:j", "{bi}:results:j", "{bi}:published:j",
+        "{bi}:held", "{bi}:scheduler:owner", "{bi}:queue:m:0:j", "{bi}:jobs", "{bi}:results:direct")
+    assert keys.parts() == [keys] and keys.for_job("j") is keys and keys.for_direct("c") is keys
+    assert Keys("{bi}", 4).part(0).requests == "{bi}:requests"  # partition 0 keeps the old names
+
+
+def test_a_partition_moves_the_hash_tag():
+    assert Keys("{bi}", 4).partition_prefix(3) == "{bi.3}"
+    assert Keys("app{t}x", 2).partition_prefix(1) == "app{t.1}x"  # only the tag changes
+    assert Keys("bi", 2).partition_prefix(1) == "bi.1"  # no tag: the name changes
+    assert Keys("{}x", 2).partition_prefix(1) == "{}x.1"  # an empty tag is no tag to Redis Cluster
+    assert Keys("{bi}", 3).part(2).requests == "{bi.2}:requests"
+
+
+def test_partition_of_is_crc32_of_the_id():
+    # 0xCBF43926 is CRC-32's published check value for "123456789": any language's zlib/IEEE CRC-32
+    assert partition_of("123456789", 1000) == 0xCBF43926 % 1000 == 262
+    assert partition_of("anything", 1) == 0
+    keys = Keys("{bi}", 8)
+    spread = Counter(keys.job_partition(f"job-{i}") for i in range(800))
+    assert set(spread) == set(range(8)) and min(spread.values()) > 60  # every partition gets jobs
+
+
+def test_everything_of_a_job_shares_one_slot_and_partitions_get_different_slots():
+    keys = Keys("{bi}", 4)
+    for job in ("a", "job-1", "ü-9"):
+        home = keys.for_job(job)
+        assert home.partition == partition_of(job, 4)
+        names = [keys.job(job), keys.results(job), keys.published(job), keys.attempts(job),
+                 keys.admitted(job), home.requests, home.batches("m"), home.queue("m", f"0:{job}"),
+                 home.queues("m"), home.held, home.scheduler_owner, home.scheduler_epoch]
+        assert len({key_slot(n.encode()) for n in names}) == 1, names
+        assert {k.job(job) for k in keys.parts()} == {keys.job(job)}  # the same name from every view
+    assert len({key_slot(k.requests.encode()) for k in keys.parts()}) == 4
+    direct = [keys.results("direct"), keys.published_direct("1-0"), keys.redelivery("1-0"), keys.jobs,
+              keys.idempotency("c"), keys.reply("t"), keys.deadletter]
+    assert {key_slot(n.encode()) for n in direct} == {key_slot(b"{bi}")}  # registries: partition 0's slot
+
+
+def test_bad_partition_settings_are_refused_with_their_name():
+    with pytest.raises(ValueError, match="BATCHINFER_PARTITIONS.*got 0"):
+        Keys("{bi}", 0)
+    with pytest.raises(ValueError, match="BATCHINFER_PARTITIONS"):
+        Settings(partitions=5000).keys()
+    with pytest.raises(ValueError, match=r"partition must be in 0\.\.1"):
+        Keys("{bi}", 2, partition=2)
+    assert Settings.from_env({"BATCHINFER_PARTITIONS": "4"}).keys().partitions == 4
+
+
+def test_direct_ids_and_worker_entry_keys_carry_the_partition():
+    assert direct_request_id("17-0", 0) == "17-0" and direct_request_id("17-0", 3) == "17-0@3"
+    assert Keys("{bi}", 4).part(3).direct_id("17-0") == "17-0@3"
+    for adapter in (None, "sql"):
+        for partition in (0, 1, 5):
+            key = entry_key(adapter, "17-4", partition)
+            assert split_key(key) == (adapter, "17-4", partition)
+    assert entry_key(None, "17-4") == "17-4" and entry_key("sql", "17-4") == "sql/17-4"  # as before
+    streams = BatchStreams(Keys("{bi}", 2), "m", ["sql"])
+    assert streams.all() == ["{bi}:batches:m", "{bi.1}:batches:m",
+                             "{bi}:batches:m:sql", "{bi.1}:batches:m:sql"]
+    for stream in streams.all():
+        assert streams.stream_of(streams.key(stream, "5-0")) == stream
+    assert streams.by_stream(["1-0", "2-0@1", "sql/3-0@1"]) == {
+        "{bi}:batches:m": ["1-0"], "{bi.1}:batches:m": ["2-0"], "{bi.1}:batches:m:sql": ["3-0"]}
+    with pytest.raises(ValueError, match="'@'"):
+        BatchStreams(Keys("{bi}", 2), "m", ["a@b"])
+
+
+# -- the spread (pure) ----------------------------------------------------------------------------
+
+
+def test_the_share_spreads_partitions_evenly():
+    assert [share_of(4, n) for n in (0, 1, 2, 3, 4, 5)] == [4, 4, 2, 2, 1, 1]
+    assert share_of(1, 3) == 1  # one partition: one owner, the others stand by
+    assert to_release([0, 1, 2, 3], 2) == [2, 3] and to_release([1], 1) == [] and to_release([], 2) == []
+
+
+@given(partitions=st.integers(1, 64), schedulers=st.integers(1, 64))
+def test_the_shares_of_live_schedulers_cover_every_partition_and_no_more_than_needed(partitions, schedulers):
+    share = share_of(partitions, schedulers)
+    assert share * schedulers >= partitions  # nobody's partition is left without an owner
+    assert (share - 1) * schedulers < partitions  # and no scheduler takes one more than needed
+
+
+# -- on a real Redis ------------------------------------------------------------------------------
+
+
+def _settings(server, prefix: str) -> Settings:
+    return Settings(redis_url=server.url, prefix=prefix, partitions=2, scheduler_takeover_seconds=TAKEOVER_S,
+                    heartbeat_seconds=0.3)
+
+
+def _job_in(keys: Keys, partition: int, stem: str) -> str:
+    return next(f"{stem}{i}" for i in range(1000) if keys.job_partition(f"{stem}{i}") == partition)
+
+
+def _rows(r, keys: Keys, job: str) -> list[ResultRow]:
+    return [ResultRow.from_json(f[b"row"]) for _, f in r.xrange(keys.results(job))]
+
+
+class Schedulers:
+    """Schedulers serving in threads of the test."""
+
+    def __init__(self, r, settings: Settings):
+        self.r, self.settings = r, settings
+        self.running: dict[str, tuple[SchedulerDaemon, threading.Event, threading.Thread]] = {}
+
+    def start(self, name: str) -> SchedulerDaemon:
+        sched = SchedulerDaemon(self.r, self.settings, instance=name, block_ms=50)
+        sched.admission.models.refresh = 0
+        stop = threading.Event()
+        thread = threading.Thread(target=sched.run, args=(stop,), daemon=True)
+        thread.start()
+        self.running[name] = (sched, stop, thread)
+        return sched
+
+    def stop(self, name: str) -> None:
+        _, stop, thread = self.running.pop(name)
+        stop.set()
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+
+    def close(self) -> None:
+        for name in list(self.running):
+            self.stop(name)
+
+
+def _owned(r, keys: Keys) -> dict[str, tuple[int, ...]]:
+    return {v.token.split(":", 1)[0]: v.partitions for v in live_schedulers(r, keys.schedulers)}
+
+
+def test_two_schedulers_share_two_partitions_and_every_request_gets_one_row(redis_server):
+    r = redis_server.client()
+    settings = _settings(redis_server, "{pt}")
+    keys = settings.keys()
+    worker = ThreadedWorker(worker_daemon(r, settings, EchoEngine(max_num_seqs=8), name="w1", block_ms=50))
+    scheds = Schedulers(r, settings)
+    try:
+        scheds.start("a")
+        wait_until(lambda: _owned(r, keys).get("a") == (0, 1), timeout=10, what="a alone owns both")
+        scheds.start("b")
+        # b joins: a gives its share's excess up and b takes it, within a rebalance or two
+        wait_until(lambda: sorted(_owned(r, keys).values()) == [(0,), (1,)], timeout=10,
+                   what="one partition each")
+        client = Client(settings=settings)
+        jobs = [_job_in(keys, p, "job-") for p in (0, 1)]
+        for job in jobs:
+            client.submit([{"prompt": f"{job} line {i}", "max_tokens": 3} for i in range(40)], model="echo",
+                          job_id=job)
+        # direct requests go to their client_request_id's partition
+        ids = [f"c{i}" for i in range(12)]
+        direct = list(client.requests([{"prompt": f"direct {i}", "max_tokens": 2} for i in range(12)],
+                                      model="echo", client_request_ids=ids, timeout=30))
+        for job in jobs:
+            wait_until(lambda job=job: len(_rows(r, keys, job)) == 40, timeout=30, what=f"{job}'s rows")
+        client.close()
+    finally:
+        scheds.close()
+        assert worker.stop() == 0
+    for job in jobs:
+        rows = _rows(r, keys, job)
+        assert sorted(row.idx for row in rows) == list(range(40))  # every idx once
+        assert all(row.status == "completed" for row in rows)
+        assert JobStore(r, keys).get(job).status.value in ("finalizing", "completed")
+    assert len(direct) == 12 and len({row.request_id for row in direct}) == 12
+    home = {f"c{i}": partition_of(f"c{i}", 2) for i in range(12)}
+    assert set(home.values()) == {0, 1}  # the ids chosen land in both partitions
+    by_partition = Counter(int(row.request_id.partition("@")[2] or 0) for row in direct)
+    assert by_partition == Counter(home.values())
+    for view in keys.parts():  # both partitions' streams carried work, and none is left behind
+        assert r.xinfo_stream(view.requests)["entries-added"] > 0
+        assert r.xinfo_stream(view.batches("echo"))["entries-added"] > 0
+    state = queue_state(r, keys)
+    assert state.intake.undelivered == 0 and state.batches["echo"].undelivered == 0
+    assert live_schedulers(r, keys.schedulers) == []  # clean stops withdraw and release
+    assert [r.get(k.scheduler_owner) for k in keys.parts()] == [None, None]
+
+
+def test_a_scheduler_that_stops_hands_its_partition_over(redis_server):
+    r = redis_server.client()
+    settings = _settings(redis_server, "{pu}")
+    keys = settings.keys()
+    worker = ThreadedWorker(worker_daemon(r, settings, EchoEngine(max_num_seqs=8), name="w1", block_ms=50))
+    scheds = Schedulers(r, settings)
+    try:
+        scheds.start("a")
+        scheds.start("b")
+        wait_until(lambda: sorted(_owned(r, keys).values()) == [(0,), (1,)], timeout=10, what="one each")
+        scheds.stop("a")
+        wait_until(lambda: _owned(r, keys).get("b") == (0, 1), timeout=10, what="b to take both")
+        client = Client(settings=settings)
+        jobs = [_job_in(keys, p, "late-") for p in (0, 1)]
+        for job in jobs:
+            client.submit([{"prompt": f"{i}", "max_tokens": 2} for i in range(10)], model="echo", job_id=job)
+        for job in jobs:
+            wait_until(lambda job=job: len(_rows(r, keys, job)) == 10, timeout=30, what=f"{job}'s rows")
+        client.close()
+    finally:
+        scheds.close()
+        assert worker.stop() == 0
+
+
+def test_an_entry_in_the_wrong_partition_is_refused_with_where_it_belongs(redis_server):
+    r = redis_server.client()
+    settings = _settings(redis_server, "{pw}")
+    keys = settings.keys()
+    job = _job_in(keys, 1, "w-")
+    JobStore(r, keys).create(job, model="echo")
+    wrong = keys.part(0)
+    entry = IntakeEntry(body=json.dumps({"prompt": "x"}), job_id=job, idx=0, line=1)
+    r.xadd(wrong.requests, entry.to_fields())
+    reply = keys.reply("op")
+    r.xadd(wrong.requests, dataclasses.replace(JobOp.close(job, 1), reply_to=reply).to_fields())
+    sched = SchedulerDaemon(r, settings, instance="a")
+    for _ in range(3):
+        sched.run_once()
+    (row,) = _rows(r, keys, job)
+    assert row.status == "failed" and row.error_code == "protocol_error" and row.idx == 0
+    assert "partition 1 of 2" in row.error_message and keys.part(1).requests in row.error_message
+    (_, answer), = r.xrange(reply)
+    op_row = json.loads(answer[b"row"])
+    assert op_row["error_code"] == "protocol_error" and "op close was not applied" in op_row["error_message"]
+    assert JobStore(r, keys).get(job).total is None  # the close was not applied
+
+
+def test_a_worker_reads_every_partition_fairly(redis_server):
+    """A worker with batches waiting in both partitions takes from both in turn: one partition's
+    backlog does not starve the other's."""
+    r = redis_server.client()
+    settings = _settings(redis_server, "{pf}")
+    keys = settings.keys()
+    worker = worker_daemon(r, settings, EchoEngine(max_num_seqs=64), name="w1", block_ms=50)
+    worker.reader.ensure_groups()
+    with pytest.raises(redis.ResponseError, match="BUSYGROUP"):
+        r.xgroup_create(keys.part(1).batches("echo"), "workers", id="0")  # made in every partition
+    for view in keys.parts():
+        for i in range(3):
+            job = _job_in(keys, view.partition, f"f{i}-")
+            request = BatchRequest(request_id=f"{job}:0", job_id=job, idx=0, prompt_token_ids=[1, 2],
+                                   sampling_params={"max_tokens": 1}, model="echo")
+            r.xadd(view.batches("echo"), batches.encode([request]))
+    read = worker.reader.read(idle=True, block_ms=None)
+    assert sorted(split_key(key)[2] for key, _ in read) == [0, 1]  # idle: one of each, not two of one
+    # busy (it holds work): one batch a read, the partitions in turn
+    turns = [[split_key(key)[2] for key, _ in worker.reader.read(idle=False, block_ms=None)]
+             for _ in range(5)]
+    assert turns == [[0], [1], [0], [1], []]  # two left in each, then nothing: no partition waited
+
+
+def test_a_process_with_another_partition_count_is_refused(redis_server):
+    r = redis_server.client()
+    settings = _settings(redis_server, "{pm}")
+    keys = settings.keys()
+    Client(settings=settings).check_partitions()  # the first process records the deployment's count
+    assert r.get(keys.partitions_count) == b"2"
+    other = Settings(redis_url=redis_server.url, prefix="{pm}", partitions=3)
+    with pytest.raises(PartitionsMismatch, match=r"BATCHINFER_PARTITIONS is 3 here, but this deployment "
+                                                 r"\(\{pm\}\) runs with 2"):
+        SchedulerDaemon(r, other).run(threading.Event())
+    client = Client(settings=other)
+    with pytest.raises(ValueError, match="BATCHINFER_PARTITIONS is 3"):
+        client.submit([{"prompt": "x"}], model="echo")
+    assert r.xlen(Keys("{pm}", 3).requests) == 0 and r.zcard(keys.jobs) == 0  # nothing was sent
+    worker = ThreadedWorker(worker_daemon(r, other, EchoEngine(), name="w9", block_ms=50))
+    worker.thread.join(timeout=30)
+    assert isinstance(worker.error, PartitionsMismatch) and r.exists(keys.worker("w9")) == 0
+
+
+def test_doctor_names_a_partition_count_that_is_not_the_deployments(redis_server):
+    from batchinfer.cli.doctor import check_partitions_setting
+    from batchinfer.store.registry import check_partitions
+
+    r = redis_server.client()
+    first = check_partitions_setting(r, Keys("{pd}", 2))
+    assert first.ok and "no scheduler or worker has run under {pd}" in first.detail
+    check_partitions(r, Keys("{pd}", 2))
+    assert check_partitions_setting(r, Keys("{pd}", 2)).ok
+    wrong = check_partitions_setting(r, Keys("{pd}", 4))
+    assert not wrong.ok and wrong.detail == "BATCHINFER_PARTITIONS=4; the deployment's: 2"
+    assert wrong.fix.startswith("set BATCHINFER_PARTITIONS=2")
+
+
+# -- two schedulers over two partitions, passes interleaved step by step ---------------------------
+
+LAPSE_S = 0.1
+CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_tokens": 4096}
+
+
+def _dispatched(r, keys: Keys) -> Counter:
+    """(job, idx) -> how many places hold it, in every partition: batch entries (no worker reads them)
+    and staging streams (dispatch stops at its backpressure while nobody reads)."""
+    from batchinfer.scheduler.staging import Staging, queue_key
+
+    seen: Counter = Counter()
+    for view in keys.parts():
+        for _, fields in r.xrange(view.batches("tiny")):
+            for q in json.loads(fields[b"requests"]):
+                seen[(q["job_id"], q["idx"])] += 1
+        for member, _ in Staging(r, view).members("tiny"):
+            for _, fields in r.xrange(queue_key(view, "tiny", member)):
+                q = json.loads(fields[b"req"])
+                seen[(q["job_id"], q["idx"])] += 1
+    return seen
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tiny_llama):
+    from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
+
+    return read_tokenizer_files(tiny_llama)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.sampled_from(["a", "b", "lapse", "submit"]), min_size=4, max_size=16))
+def test_interleaved_passes_over_two_partitions_dispatch_every_request_once(redis_server, tiny_files, steps):
+    """Two schedulers' passes in any order over two partitions (taking, spreading and giving up
+    partitions as they go, leases lapsing at any point, jobs arriving in either partition): every
+    request ends up in exactly one batch or staging entry, and each partition has one holder at most."""
+    from batchinfer.store.registry import Registry
+
+    r = redis_server.client()
+    r.flushdb()
+    keys = Keys("{pi}", 2)
+    Registry(r, keys).register_model("tiny", tiny_files, CAP)
+    Registry(r, keys).heartbeat_worker("w1", {"model": "tiny", "capacity": CAP}, ttl=600)
+    config = Settings(prefix=keys.prefix, partitions=2, scheduler_takeover_seconds=LAPSE_S)
+    scheds = {name: SchedulerDaemon(r, config, instance=name) for name in ("a", "b")}
+    for sched in scheds.values():
+        for part in sched.parts:
+            part.dispatcher.jobs.ttl = part.admission.jobs.ttl = 0
+    jobs = []
+    for step in [*steps, "submit"]:
+        if step == "submit":
+            job = f"j{len(jobs)}"
+            jobs.append(job)
+            JobStore(r, keys).create(job, model="tiny")
+            for i in range(3):
+                entry = IntakeEntry(body=json.dumps({"prompt": f"p{i}", "max_tokens": 2}), job_id=job, idx=i,
+                                    line=i + 1)
+                r.xadd(keys.for_job(job).requests, entry.to_fields())
+        elif step == "lapse":
+            time.sleep(LAPSE_S * 1.2)
+        else:
+            scheds[step].run_once()
+    for _ in range(3):  # then both run until there is nothing left to do
+        for sched in scheds.values():
+            for _ in range(20):
+                if not sched.run_once():
+                    break
+    tokens = {s.token for s in scheds.values()}
+    for view in keys.parts():
+        holder = r.get(view.scheduler_owner)
+        assert holder is None or holder.decode() in tokens
+    assert {keys.job_partition(j) for j in jobs} <= {0, 1}
+    assert _dispatched(r, keys) == Counter({(job, i): 1 for job in jobs for i in range(3)})

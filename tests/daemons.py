@@ -239,6 +239,43 @@ def worker_daemon(r: Any, settings: Settings, engine: Any, name: str | None = No
     return WorkerDaemon(r, settings, engine, config, **{k: v for k, v in kw.items() if k not in fields})
 
 
+def dispatched(r: Any, keys: Any, model: str) -> Counter:
+    """(job, idx) -> how many places hold it, in every partition of ``keys``: batch entries of
+    ``model`` (tests where no worker reads them) and its staging streams (dispatch stops at its
+    backpressure while nobody reads)."""
+    from batchinfer.scheduler.staging import Staging, queue_key
+
+    seen: Counter = Counter()
+    for view in keys.parts():
+        for _, fields in r.xrange(view.batches(model)):
+            for q in json.loads(fields[b"requests"]):
+                seen[(q["job_id"], q["idx"])] += 1
+        for member, _ in Staging(r, view).members(model):
+            for _, fields in r.xrange(queue_key(view, model, member)):
+                q = json.loads(fields[b"req"])
+                seen[(q["job_id"], q["idx"])] += 1
+    return seen
+
+
+def interleave(steps: list[str], schedulers: dict[str, Any], submit: Callable[[], None],
+               lapse_s: float) -> None:
+    """The schedulers' passes in the order ``steps`` gives: a scheduler's name runs one of its passes,
+    ``lapse`` sleeps past the takeover time ``lapse_s`` (nobody runs meanwhile), ``submit`` calls
+    ``submit()``; one more ``submit`` at the end, then every scheduler runs until it finds no work."""
+    for step in [*steps, "submit"]:
+        if step == "submit":
+            submit()
+        elif step == "lapse":
+            time.sleep(lapse_s * 1.2)
+        else:
+            schedulers[step].run_once()
+    for _ in range(3):
+        for sched in schedulers.values():
+            for _ in range(20):
+                if not sched.run_once():
+                    break
+
+
 class ThreadedWorker:
     """A ``WorkerDaemon`` serving in a thread; ``stop()`` drains it and returns its exit code. An
     exception ``run`` raised is kept in ``error`` (tests of refused starts look at it)."""

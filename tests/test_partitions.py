@@ -4,15 +4,15 @@ worker on a real redis-server with ``BATCHINFER_PARTITIONS=2``."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
-import time
 from collections import Counter
 
 import pytest
 import redis
-from daemons import ThreadedWorker, wait_until, worker_daemon
+from daemons import ThreadedWorker, dispatched, interleave, wait_until, worker_daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
@@ -172,13 +172,23 @@ def _owned(r, keys: Keys) -> dict[str, tuple[int, ...]]:
     return {v.token.split(":", 1)[0]: v.partitions for v in live_schedulers(r, keys.schedulers)}
 
 
-def test_two_schedulers_share_two_partitions_and_every_request_gets_one_row(redis_server):
+@contextlib.contextmanager
+def _partitioned(redis_server, prefix: str):
+    """``(redis, settings, keys, schedulers)`` of a two-partition queue served by one echo worker in a
+    thread; the schedulers the test starts are stopped, and the worker drained, at the end."""
     r = redis_server.client()
-    settings = _settings(redis_server, "{pt}")
-    keys = settings.keys()
+    settings = _settings(redis_server, prefix)
     worker = ThreadedWorker(worker_daemon(r, settings, EchoEngine(max_num_seqs=8), name="w1", block_ms=50))
     scheds = Schedulers(r, settings)
     try:
+        yield r, settings, settings.keys(), scheds
+    finally:
+        scheds.close()
+        assert worker.stop() == 0
+
+
+def test_two_schedulers_share_two_partitions_and_every_request_gets_one_row(redis_server):
+    with _partitioned(redis_server, "{pt}") as (r, settings, keys, scheds):
         scheds.start("a")
         wait_until(lambda: _owned(r, keys).get("a") == (0, 1), timeout=10, what="a alone owns both")
         scheds.start("b")
@@ -197,9 +207,6 @@ def test_two_schedulers_share_two_partitions_and_every_request_gets_one_row(redi
         for job in jobs:
             wait_until(lambda job=job: len(_rows(r, keys, job)) == 40, timeout=30, what=f"{job}'s rows")
         client.close()
-    finally:
-        scheds.close()
-        assert worker.stop() == 0
     for job in jobs:
         rows = _rows(r, keys, job)
         assert sorted(row.idx for row in rows) == list(range(40))  # every idx once
@@ -220,12 +227,7 @@ def test_two_schedulers_share_two_partitions_and_every_request_gets_one_row(redi
 
 
 def test_a_scheduler_that_stops_hands_its_partition_over(redis_server):
-    r = redis_server.client()
-    settings = _settings(redis_server, "{pu}")
-    keys = settings.keys()
-    worker = ThreadedWorker(worker_daemon(r, settings, EchoEngine(max_num_seqs=8), name="w1", block_ms=50))
-    scheds = Schedulers(r, settings)
-    try:
+    with _partitioned(redis_server, "{pu}") as (r, settings, keys, scheds):
         scheds.start("a")
         scheds.start("b")
         wait_until(lambda: sorted(_owned(r, keys).values()) == [(0,), (1,)], timeout=10, what="one each")
@@ -238,9 +240,6 @@ def test_a_scheduler_that_stops_hands_its_partition_over(redis_server):
         for job in jobs:
             wait_until(lambda job=job: len(_rows(r, keys, job)) == 10, timeout=30, what=f"{job}'s rows")
         client.close()
-    finally:
-        scheds.close()
-        assert worker.stop() == 0
 
 
 def test_an_entry_in_the_wrong_partition_is_refused_with_where_it_belongs(redis_server):
@@ -329,23 +328,6 @@ LAPSE_S = 0.1
 CAP = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_tokens": 4096}
 
 
-def _dispatched(r, keys: Keys) -> Counter:
-    """(job, idx) -> how many places hold it, in every partition: batch entries (no worker reads them)
-    and staging streams (dispatch stops at its backpressure while nobody reads)."""
-    from batchinfer.scheduler.staging import Staging, queue_key
-
-    seen: Counter = Counter()
-    for view in keys.parts():
-        for _, fields in r.xrange(view.batches("tiny")):
-            for q in json.loads(fields[b"requests"]):
-                seen[(q["job_id"], q["idx"])] += 1
-        for member, _ in Staging(r, view).members("tiny"):
-            for _, fields in r.xrange(queue_key(view, "tiny", member)):
-                q = json.loads(fields[b"req"])
-                seen[(q["job_id"], q["idx"])] += 1
-    return seen
-
-
 @pytest.fixture(scope="module")
 def tiny_files(tiny_llama):
     from batchinfer.workers.text.tokenizer_files import read_tokenizer_files
@@ -371,28 +353,21 @@ def test_interleaved_passes_over_two_partitions_dispatch_every_request_once(redi
     for sched in scheds.values():
         for part in sched.parts:
             part.dispatcher.jobs.ttl = part.admission.jobs.ttl = 0
-    jobs = []
-    for step in [*steps, "submit"]:
-        if step == "submit":
-            job = f"j{len(jobs)}"
-            jobs.append(job)
-            JobStore(r, keys).create(job, model="tiny")
-            for i in range(3):
-                entry = IntakeEntry(body=json.dumps({"prompt": f"p{i}", "max_tokens": 2}), job_id=job, idx=i,
-                                    line=i + 1)
-                r.xadd(keys.for_job(job).requests, entry.to_fields())
-        elif step == "lapse":
-            time.sleep(LAPSE_S * 1.2)
-        else:
-            scheds[step].run_once()
-    for _ in range(3):  # then both run until there is nothing left to do
-        for sched in scheds.values():
-            for _ in range(20):
-                if not sched.run_once():
-                    break
+    jobs: list[str] = []
+
+    def submit() -> None:  # a job of three requests, in whichever partition its id picks
+        job = f"j{len(jobs)}"
+        jobs.append(job)
+        JobStore(r, keys).create(job, model="tiny")
+        for i in range(3):
+            entry = IntakeEntry(body=json.dumps({"prompt": f"p{i}", "max_tokens": 2}), job_id=job, idx=i,
+                                line=i + 1)
+            r.xadd(keys.for_job(job).requests, entry.to_fields())
+
+    interleave(steps, scheds, submit, LAPSE_S)
     tokens = {s.token for s in scheds.values()}
     for view in keys.parts():
         holder = r.get(view.scheduler_owner)
         assert holder is None or holder.decode() in tokens
     assert {keys.job_partition(j) for j in jobs} <= {0, 1}
-    assert _dispatched(r, keys) == Counter({(job, i): 1 for job in jobs for i in range(3)})
+    assert dispatched(r, keys, "tiny") == Counter({(job, i): 1 for job in jobs for i in range(3)})

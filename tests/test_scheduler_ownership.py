@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import redis
-from daemons import wait_until
+from daemons import dispatched, interleave, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +19,6 @@ from batchinfer.keys import Keys
 from batchinfer.protocol.entries import IntakeEntry
 from batchinfer.protocol.rows import now_ms
 from batchinfer.scheduler.daemon import SchedulerDaemon
-from batchinfer.scheduler.staging import Staging, queue_key
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.ownership import NotOwner, Ownership
 from batchinfer.store.registry import Registry
@@ -128,17 +127,7 @@ def _submit(r, job: str, n: int) -> None:
 
 
 def _dispatched(r) -> Counter:
-    """(job, idx) -> how many places hold it: batch entries (no worker reads them in these tests)
-    and staging streams (dispatch stops at its backpressure while nobody reads)."""
-    seen: Counter = Counter()
-    for _, fields in r.xrange(KEYS.batches("tiny")):
-        for q in json.loads(fields[b"requests"]):
-            seen[(q["job_id"], q["idx"])] += 1
-    for member, _ in Staging(r, KEYS).members("tiny"):
-        for _, fields in r.xrange(queue_key(KEYS, "tiny", member)):
-            q = json.loads(fields[b"req"])
-            seen[(q["job_id"], q["idx"])] += 1
-    return seen
+    return dispatched(r, KEYS, "tiny")
 
 
 def test_the_standby_does_nothing_until_the_owner_is_gone(queue):
@@ -203,23 +192,16 @@ def test_interleaved_passes_of_two_schedulers_dispatch_every_request_once(queue,
         if not key.startswith(f"{KEYS.prefix}:model".encode()) and b":worker" not in key:
             r.delete(key)
     scheds = {"a": _scheduler(r, "a", takeover=LAPSE_S), "b": _scheduler(r, "b", takeover=LAPSE_S)}
-    jobs = 0
-    for step in [*steps, "submit"]:
-        if step == "submit":
-            jobs += 1
-            _submit(r, f"j{jobs}", 3)
-        elif step == "lapse":
-            time.sleep(LAPSE_S * 1.2)
-        else:
-            scheds[step].run_once()
-    for _ in range(3):  # then both run until there is nothing left to do
-        for sched in scheds.values():
-            for _ in range(20):
-                if not sched.run_once():
-                    break
+    jobs = []
+
+    def submit() -> None:
+        jobs.append(f"j{len(jobs) + 1}")
+        _submit(r, jobs[-1], 3)
+
+    interleave(steps, scheds, submit, LAPSE_S)
     holder = r.get(KEYS.scheduler_owner)
     assert holder is None or holder.decode() in {s.ownership.token for s in scheds.values()}
-    assert _dispatched(r) == Counter({(f"j{j}", i): 1 for j in range(1, jobs + 1) for i in range(3)})
+    assert _dispatched(r) == Counter({(job, i): 1 for job in jobs for i in range(3)})
 
 
 def test_the_metrics_say_which_scheduler_owns(queue):

@@ -371,3 +371,15 @@ def test_interleaved_passes_over_two_partitions_dispatch_every_request_once(redi
         assert holder is None or holder.decode() in tokens
     assert {keys.job_partition(j) for j in jobs} <= {0, 1}
     assert dispatched(r, keys, "tiny") == Counter({(job, i): 1 for job in jobs for i in range(3)})
+
+
+def test_top_names_each_scheduler_with_its_partitions():
+    from batchinfer.cli.top import scheduler_text
+    from batchinfer.store.ownership import SchedulerView
+
+    views = [SchedulerView("a:1:x", (0, 2), 0, 2.0), SchedulerView("b:2:y", (1,), 0, 2.0),
+             SchedulerView("c:3:z", (), 0, 2.0)]
+    text = "schedulers a:1 (partitions 0, 2), b:2 (partition 1) (+1 standing by)"
+    assert scheduler_text(views).plain == text
+    one = [SchedulerView("a:1:x", (0,), 0, 2.0)]
+    assert scheduler_text(one).plain == "scheduler a:1"  # one partition: as before

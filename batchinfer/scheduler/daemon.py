@@ -80,7 +80,7 @@ class PartitionWork:
     def __init__(self, r: redis.Redis, settings: Settings, keys: Keys, *, name: str, token: str,
                  registry: Registry, jobs: JobCache, models: ModelCache, metrics: SchedulerMetrics | None,
                  direct_hold_s: float | None, clock: Clock, wall_clock: WallClock):
-        self.keys, self.metrics = keys, metrics
+        self.keys = keys
         self.ownership = Ownership(r, keys.scheduler_owner, keys.scheduler_epoch, token=token,
                                    takeover_seconds=settings.scheduler_takeover_seconds)
         staging = Staging(r, keys)

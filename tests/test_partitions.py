@@ -383,3 +383,36 @@ def test_top_names_each_scheduler_with_its_partitions():
     assert scheduler_text(views).plain == text
     one = [SchedulerView("a:1:x", (0,), 0, 2.0)]
     assert scheduler_text(one).plain == "scheduler a:1"  # one partition: as before
+
+
+def test_the_http_api_serves_sync_requests_and_batches_over_two_partitions(redis_server, tiny_llama,
+                                                                           tmp_path):
+    """The HTTP API's doors route by the partition rules too: synchronous requests (direct, a random
+    partition each) and a batch (a job, its id's partition) through the official SDK."""
+    from api_stack import MODEL_NAME, ApiStack
+
+    stack = ApiStack(redis_server.url, tmp_path / "api", tiny_llama, env={"BATCHINFER_PARTITIONS": "2"})
+    try:
+        stack.start_all()
+        stack.wait_for_model()
+        client = stack.openai(stack.key("p"))
+        texts = [client.completions.create(model=MODEL_NAME, prompt=f"say {i}", max_tokens=3, temperature=0)
+                 for i in range(8)]
+        assert all(t.usage.completion_tokens == 3 for t in texts)
+        lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"say {i}"}],
+                           "max_tokens": 4}} for i in range(6)]
+        data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+        file_id = client.files.create(file=("in.jsonl", data), purpose="batch").id
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        done = stack.until(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, 120,
+                           "the batch", poll=0.2)
+        assert (done.request_counts.total, done.request_counts.completed) == (6, 6)
+        out = client.files.content(done.output_file_id).content.decode().splitlines()
+        assert sorted(json.loads(x)["custom_id"] for x in out) == [f"b{i}" for i in range(6)]
+        keys = stack.client.keys
+        added = [stack.client.redis.xinfo_stream(k.requests)["entries-added"] for k in keys.parts()]
+        assert keys.partitions == 2 and sum(added) >= 8 + 6  # the sync requests and the batch's lines
+    finally:
+        stack.close()

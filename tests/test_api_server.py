@@ -53,7 +53,8 @@ def test_health_ready_metrics_and_a_graceful_stop(api_only, redis_server):
     root = api_only.root_url
     assert _get(f"{root}/healthz")[0] == 200
     status, body = _get(f"{root}/readyz")
-    assert status == 200 and json.loads(body) == {"ready": True, "checks": {"redis": "ok"}}
+    assert status == 200
+    assert json.loads(body) == {"ready": True, "checks": {"redis": "ok", "partitions": "ok"}}
     api_only.openai(api_only.key("alice")).files.list()
     status, metrics = _get(f"{root}/metrics")
     assert status == 200

@@ -416,3 +416,17 @@ def test_the_http_api_serves_sync_requests_and_batches_over_two_partitions(redis
         assert keys.partitions == 2 and sum(added) >= 8 + 6  # the sync requests and the batch's lines
     finally:
         stack.close()
+
+
+def test_an_api_server_with_another_partition_count_is_not_ready(redis_server):
+    from batchinfer.api.app import create_app
+    from batchinfer.store.registry import check_partitions
+
+    def readiness(partitions: int) -> tuple[bool, dict]:
+        app = create_app(Settings(redis_url=redis_server.url, prefix="{pa}", partitions=partitions))
+        return app.state.readiness.check()
+
+    check_partitions(redis_server.client(), Keys("{pa}", 2))
+    assert readiness(2) == (True, {"redis": "ok", "partitions": "ok"})
+    ready, report = readiness(3)
+    assert not ready and report["partitions"].startswith("PartitionsMismatch: BATCHINFER_PARTITIONS is 3")

@@ -46,6 +46,7 @@ from batchinfer.redis_conn import connect
 from batchinfer.store.apibatches import ApiBatches
 from batchinfer.store.apikeys import ApiKeys
 from batchinfer.store.filestore import FileStore
+from batchinfer.store.registry import check_partitions
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("batchinfer.api.access")
@@ -143,7 +144,8 @@ def healthz(request: Request) -> Response:
 
 
 def readyz(request: Request) -> Response:
-    """Readiness: Redis answers ``PING`` (503 with the reason when not)."""
+    """Readiness: Redis answers ``PING`` and this server's ``BATCHINFER_PARTITIONS`` is the
+    deployment's (503 with the reason when not)."""
     ready, report = request.app.state.readiness.check()
     return JSONResponse({"ready": ready, "checks": report}, status_code=200 if ready else 503)
 
@@ -270,6 +272,16 @@ def create_app(settings: Settings) -> Starlette:
     probe = connect(settings.redis_url, settings.redis_ca_file, socket_timeout=PROBE_TIMEOUT_S)
     readiness = Readiness()
     readiness.add_probe("redis", probe.ping)
+
+    checked: list[bool] = []
+
+    def partitions() -> bool:  # a server under another BATCHINFER_PARTITIONS would misroute requests
+        if not checked:  # the deployment's count does not change: once it matched, no more reads
+            check_partitions(probe, ctx.keys)
+            checked.append(True)
+        return True
+
+    readiness.add_probe("partitions", partitions)
     app.state.readiness = readiness
     return app
 

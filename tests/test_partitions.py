@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -430,3 +431,21 @@ def test_an_api_server_with_another_partition_count_is_not_ready(redis_server):
     assert readiness(2) == (True, {"redis": "ok", "partitions": "ok"})
     ready, report = readiness(3)
     assert not ready and report["partitions"].startswith("PartitionsMismatch: BATCHINFER_PARTITIONS is 3")
+
+
+def test_one_renewal_thread_keeps_every_partition_a_scheduler_owns(redis_server):
+    r = redis_server.client()
+    config = Settings(redis_url=redis_server.url, prefix="{pr}", partitions=8, scheduler_takeover_seconds=0.6)
+    keys = config.keys()
+    scheds = Schedulers(r, config)
+    try:
+        sched = scheds.start("a")
+        wait_until(lambda: sched.held() == list(range(8)), timeout=10, what="a to own the 8 partitions")
+        renewals = [t for t in threading.enumerate() if t.name == "ownership-renewal"]
+        assert len(renewals) == 1  # one thread, not one per partition
+        ttls = [r.pttl(k.scheduler_owner) for k in keys.parts()]
+        time.sleep(1.5)  # past twice the takeover time: every lease was renewed meanwhile
+        assert all(r.get(k.scheduler_owner) == sched.token.encode() for k in keys.parts()), ttls
+    finally:
+        scheds.close()
+    assert [t for t in threading.enumerate() if t.name == "ownership-renewal"] == []

@@ -46,6 +46,7 @@ from batchinfer.store.ownership import (
     announce,
     live_schedulers,
     new_token,
+    renew_while,
     share_of,
     to_release,
     withdraw,
@@ -237,7 +238,7 @@ class SchedulerDaemon:
                  self.settings.max_attempts)
         standby_wait = min(1.0, self.takeover_s / 3)
         renewing = threading.Event()  # its own: the loop's waits are on ``stop`` alone
-        renewals = [p.ownership.renew_while(renewing) for p in self.parts]  # a long pass keeps them
+        renewal = renew_while([p.ownership for p in self.parts], renewing)  # a long pass keeps them
         while not stop.is_set():
             try:
                 busy = self.run_once(block_ms=None if busy else self.block_ms) > 0
@@ -256,8 +257,7 @@ class SchedulerDaemon:
                 self._reset()
                 stop.wait(1.0)
         renewing.set()
-        for renewal in renewals:
-            renewal.join(timeout=5)
+        renewal.join(timeout=5)
         try:
             for p in self.parts:
                 p.ownership.release()  # a standby takes over now, not after the lease runs out

@@ -58,6 +58,27 @@ def to_release(held: Collection[int], share: int) -> list[int]:
     return sorted(held)[share:] if len(held) > share else []
 
 
+def renew_while(leases: Sequence[Ownership], stop: threading.Event) -> threading.Thread:
+    """Renew the held ``leases`` every third of their time on one thread of its own until ``stop``
+    (a process's leases of all its partitions: one thread however many): a pass that runs long (a
+    large prompt to tokenise) keeps them; only a stuck or paused process loses them. Returns the
+    started thread."""
+    period = min((lease.ttl_ms for lease in leases), default=1000) / 3000
+
+    def loop() -> None:
+        while not stop.wait(period):
+            for lease in leases:
+                try:
+                    if lease.held:
+                        lease.tick()
+                except redis.RedisError as e:  # the loop's next tick tries again
+                    log.debug("scheduler %s: renewal of %s failed (%s)", lease.token, lease.key, e)
+
+    thread = threading.Thread(target=loop, name="ownership-renewal", daemon=True)
+    thread.start()
+    return thread
+
+
 class NotOwner(RuntimeError):
     """This scheduler no longer holds the ownership: it must stop writing and stand by."""
 
@@ -102,20 +123,8 @@ class Ownership:
             return kept
 
     def renew_while(self, stop: threading.Event) -> threading.Thread:
-        """Renew the lease every third of its time on a thread of its own until ``stop``: a pass
-        that runs long (a large prompt to tokenise) keeps it; only a stuck or paused process
-        loses it. Returns the started thread."""
-        def loop() -> None:
-            while not stop.wait(self.ttl_ms / 3000):
-                try:
-                    if self.held:
-                        self.tick()
-                except redis.RedisError as e:  # the loop's next tick tries again
-                    log.debug("scheduler %s: renewal failed (%s)", self.token, e)
-
-        thread = threading.Thread(target=loop, name="ownership-renewal", daemon=True)
-        thread.start()
-        return thread
+        """:func:`renew_while` for this lease alone."""
+        return renew_while([self], stop)
 
     def _take(self) -> bool:
         # free, or an earlier scheduler object of this process's (a restart within the process)

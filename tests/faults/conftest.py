@@ -17,7 +17,9 @@ from daemons import FAULT_ENV, Stack, TcpProxy  # noqa: E402
 
 @pytest.fixture
 def stacks(tmp_path):
-    """``stacks(redis_url, **env)`` -> a :class:`Stack`; all are closed and their logs printed."""
+    """``stacks(redis_url, **env)`` -> a :class:`Stack`; all are closed and their logs printed. Ask for
+    the Redis fixture before this one (``(redis_server, stacks)``): fixtures end in reverse order, and
+    daemons stopped after their Redis cannot drain (each waits out its stop timeout: ~1 min a test)."""
     made: list[Stack] = []
 
     def make(redis_url: str, **env: str) -> Stack:

@@ -29,7 +29,7 @@ def owners(stack) -> list[str | None]:
     return out
 
 
-def test_partitions_move_from_a_killed_owner_to_a_joiner_and_away_from_a_paused_one(stacks, redis_server):
+def test_partitions_move_from_a_killed_owner_to_a_joiner_and_away_from_a_paused_one(redis_server, stacks):
     stack = stacks(redis_server.url, BATCHINFER_PARTITIONS="2")
     keys = stack.client.keys
     stack.start("s1", "scheduler")

@@ -28,7 +28,7 @@ def owner_name(stack) -> str | None:
     return next((name for name, proc in stack.procs.items() if proc.pid == pid), None)
 
 
-def test_schedulers_take_over_from_a_killed_and_a_paused_owner(stacks, redis_server):
+def test_schedulers_take_over_from_a_killed_and_a_paused_owner(redis_server, stacks):
     stack = stacks(redis_server.url)
     job = start_echo_job(stack, N, scheduler="s1")  # s1 owns the queue; two echo workers
     stack.start("s2", "scheduler")

@@ -9,18 +9,23 @@ prefix as it is, so P = 1 names every key as before; partition ``i`` > 0 puts ``
 hash tag, ``{bi}`` -> ``{bi.1}``). Three kinds of names:
 
 - a **partition's own**: the intake stream, the batch streams, the staging streams and their sets,
-  the holding area, the scheduler ownership lease and its epoch. A :class:`Keys` is a *view* of one
+  the holding area and its per-model counts, the jobs index, the cancelled set, the dead letters,
+  the reply streams, the scheduler ownership lease and its epoch. A :class:`Keys` is a *view* of one
   partition (``partition``, default 0) and names these in it; :meth:`Keys.part` gives another view.
-- a **job's**: its record, results, publication guard, attempts and admissions live in the job's
-  partition (:func:`partition_of` its id, the same in every view), so that everything one Lua call
-  touches for a job shares a slot. The direct pseudo-job's (``results:direct``...) live in partition 0.
-- **registries**, one per deployment under the prefix as it is: jobs index, workers, models,
-  dead letters, cancellations, schedulers, idempotency, reply streams, the HTTP API's records.
+- a **job's**: its record, results, publication guard, attempts and admissions, and the claims and
+  redelivery records of its requests' ``client_request_id``, live in the job's partition
+  (:func:`partition_of` its id, the same in every view), so that everything one Lua call or MULTI
+  touches for a job shares a slot. The direct pseudo-job's (``results:direct``...) live in
+  partition 0.
+- **registries**, one per deployment under the prefix as it is (partition 0's slot): workers,
+  models, schedulers, cancelled direct requests, direct requests' publication guards, the HTTP
+  API's records.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import zlib
 from dataclasses import dataclass
@@ -43,6 +48,13 @@ def direct_request_id(entry_id: str, partition: int) -> str:
     """A direct request's id: its intake entry id, with ``@<partition>`` outside partition 0 (two
     partitions' streams may hand out the same entry id)."""
     return entry_id if partition == 0 else f"{entry_id}{PARTITION_SEP}{partition}"
+
+
+@functools.lru_cache(maxsize=16)
+def _partition_prefixes(prefix: str, partitions: int) -> dict[str, int]:
+    """Each partition's prefix -> its number (for reading a key name back)."""
+    keys = Keys(prefix, partitions)
+    return {keys.partition_prefix(i): i for i in range(partitions)}
 
 
 @dataclass(frozen=True)
@@ -133,7 +145,8 @@ class Keys:
 
     @property
     def jobs(self) -> str:
-        return self._k("jobs")
+        """Sorted set: the ids of this partition's jobs, scored by creation time (ms)."""
+        return self._p("jobs")
 
     def published(self, job_id: str) -> str:
         return self._j(job_id, "published", job_id)
@@ -146,7 +159,8 @@ class Keys:
 
     @property
     def deadletter(self) -> str:
-        return self._k("deadletter")
+        """Stream: this partition's dead-lettered requests (a job's: in its partition; direct: 0)."""
+        return self._p("deadletter")
 
     def worker(self, name: str) -> str:
         return self._k("worker", name)
@@ -188,26 +202,38 @@ class Keys:
         """Hash: served alias -> the canonical model name it routes to (``--served-model-name``)."""
         return self._k("model_aliases")
 
-    def idempotency(self, client_request_id: str) -> str:
-        return self._k("idempotency", client_request_id)
+    def idempotency(self, client_request_id: str, job_id: str | None = None) -> str:
+        """A ``client_request_id``'s claim, in the partition where the rows of ``job_id`` (None: of
+        direct requests) are published, beside :meth:`redelivery` (one Lua call touches both)."""
+        return self._j(job_id or DIRECT, "idempotency", client_request_id)
 
-    def redelivery(self, request_id: str) -> str:
+    def redelivery(self, request_id: str, job_id: str | None = None) -> str:
         """Hash of a request sent with a ``client_request_id``: its original ``reply_to``, the retries'
-        reply streams, and (once published) a copy of its row, for retries to other reply streams."""
-        return self._k("redelivery", request_id)
+        reply streams, and (once published) a copy of its row, for retries to other reply streams.
+        In the partition of the request's job (direct: 0), so that its publication touches one slot."""
+        return self._j(job_id or DIRECT, "redelivery", request_id)
 
     @property
     def cancelled(self) -> str:
-        return self._k("cancelled")
+        """Set: this partition's jobs asked to cancel (or expired), until their export."""
+        return self._p("cancelled")
 
     def reply(self, token: str) -> str:
-        """A client's private reply stream (``Client.request`` / ``requests``)."""
-        return self._k("reply", token)
+        """A private reply stream in this view's partition (``Client.request`` / ``requests``: 0)."""
+        return self._p("reply", token)
+
+    def reply_partition(self, name: str) -> int | None:
+        """The partition whose reply namespace ``name`` is in (``<partition prefix>:reply:<token>``,
+        the token non-empty), None when it is none's: the only keys a producer's ``reply_to`` may
+        name (docs/protocol.md, rules for producers)."""
+        head, sep, token = name.partition(":reply:")
+        if not sep or not token:
+            return None
+        return _partition_prefixes(self.prefix, self.partitions).get(head)
 
     def is_reply(self, name: str) -> bool:
-        """Whether ``name`` is a key of the reply namespace (``{p}:reply:<token>``, token non-empty):
-        the only keys a producer's ``reply_to`` may name (docs/protocol.md, rules for producers)."""
-        return name.startswith(self.reply("")) and len(name) > len(self.reply(""))
+        """Whether ``name`` is a key of any partition's reply namespace (:meth:`reply_partition`)."""
+        return self.reply_partition(name) is not None
 
     def queue(self, model: str, member: str) -> str:
         """Staging stream of one ``<priority>:<job>`` member of ``model``'s queue."""
@@ -224,8 +250,8 @@ class Keys:
 
     @property
     def held_models(self) -> str:
-        """Hash: model name -> requests held for it now (job and direct requests together)."""
-        return self._k("held_models")
+        """Hash: model name -> requests held for it now in this partition (job and direct requests)."""
+        return self._p("held_models")
 
     def admitted(self, job_id: str) -> str:
         """Bitmap: bit ``idx`` set once the scheduler took in an entry for request ``idx`` of the job."""

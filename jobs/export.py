@@ -266,17 +266,18 @@ class TokenSums:
 
 
 def _connection(redis_url: str | None, settings: Settings) -> redis.Redis:
-    """``redis_url``, else the connection of the rq job running this, else the settings' URL."""
+    """``redis_url``, else the connection of the rq job running this (when rq shares the data Redis:
+    no ``rq_redis_url``), else the settings' Redis."""
     from batchinfer.redis_conn import connect
 
     if redis_url:
-        return connect(redis_url, settings.redis_ca_file)
+        return connect(redis_url, settings.redis_ca_file, cluster=settings.cluster())
     from rq import get_current_job
 
     job = get_current_job()
-    if job is not None:
+    if job is not None and not settings.rq_redis_url:
         return job.connection
-    return connect(settings.redis_url, settings.redis_ca_file)
+    return settings.connect()
 
 
 def _last_attempt() -> bool:
@@ -362,7 +363,8 @@ def export_job(job_id: str, *, prefix: str | None = None, output: str | None = N
                 location = write_rows(counted, dest, fmt, vector=rows.vector, replace=replace, errors=errors,
                                       kept_schema=reader.schema if reader is not None else None)
         final = scripts.register(r, "mark_exported")(
-            keys=[keys.job(job_id), keys.cancelled, keys.results(job_id), keys.published(job_id),
+            keys=[keys.job(job_id), keys.for_job(job_id).cancelled, keys.results(job_id),
+                  keys.published(job_id),
                   keys.attempts(job_id), keys.admitted(job_id)],
             args=[location, now_ms(), settings.results_ttl_seconds, job_id,
                   errors.location if errors is not None else "", *sums.sums.values()])

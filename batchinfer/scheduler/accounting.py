@@ -67,9 +67,10 @@ class Accounting:
         self.cursor = 0
 
     def step(self) -> int:
-        """Sweep the next chunk of jobs; returns how many were acted on."""
-        self.redis.zremrangebyscore(self.keys.cancelled_requests, "-inf",
-                                    f"({self.clock() - CANCEL_KEEP_SECONDS * 1000}")
+        """Sweep the next chunk of this partition's jobs; returns how many were acted on."""
+        if self.keys.partition == 0:  # a registry's upkeep: one partition's owner does it
+            self.redis.zremrangebyscore(self.keys.cancelled_requests, "-inf",
+                                        f"({self.clock() - CANCEL_KEEP_SECONDS * 1000}")
         raw = replies.members(self.redis.zrange(self.keys.jobs, self.cursor, self.cursor + self.chunk - 1))
         ids = [j.decode() for j in raw]
         self.cursor = 0 if len(ids) < self.chunk else self.cursor + self.chunk
@@ -102,7 +103,7 @@ class Accounting:
         expect = [JobStatus.VALIDATING, JobStatus.IN_PROGRESS]
         if not self.store.set_status(job_id, JobStatus.EXPIRED, expect=expect):
             return  # it moved on meanwhile
-        self.redis.sadd(self.keys.cancelled, job_id)
+        self.redis.sadd(self.keys.for_job(job_id).cancelled, job_id)
         self.jobs.forget(job_id)
         log.info("job %s expired (completion window over)", job_id)
         if validating:
@@ -117,7 +118,8 @@ class Accounting:
 
         from batchinfer.jobs.queueing import rq_job_id
 
-        return Job.exists(rq_job_id("export", self.settings.prefix, job_id), connection=self.redis)
+        return Job.exists(rq_job_id("export", self.settings.prefix, job_id),
+                          connection=self.settings.connect_rq(self.redis))
 
 
 # -- settling what cancelled and expired jobs left where no live worker holds it (Settler) -------

@@ -75,8 +75,8 @@ class Periodic:
 
 class PartitionWork:
     """The scheduler's work on one partition (``keys``' view): its ownership lease, and the passes
-    over its intake, staging, batch streams and holding area. The job sweep (expiry, the export safety
-    net) walks the jobs index, a registry: the owner of partition 0 makes it."""
+    over its intake, staging, batch streams and holding area, and the sweep of its jobs (expiry, the
+    export safety net, what cancelled jobs left)."""
 
     def __init__(self, r: redis.Redis, settings: Settings, keys: Keys, *, name: str, token: str,
                  registry: Registry, jobs: JobCache, models: ModelCache, metrics: SchedulerMetrics | None,
@@ -92,8 +92,7 @@ class PartitionWork:
         self.intake = Intake(r, keys, self.admission, staging, self.sink, consumer=name, fence=fence)
         self.dispatcher = Dispatcher(r, keys, registry, models, staging, jobs, self.sink, fence, metrics)
         self.leases = Leases(r, keys, settings, registry, jobs, self.sink, consumer=name, fence=fence)
-        self.accounting = (Accounting(r, keys, settings, jobs, self.sink, clock=wall_clock)
-                           if keys.partition == 0 else None)
+        self.accounting = Accounting(r, keys, settings, jobs, self.sink, clock=wall_clock)
         self.settler = Settler(r, keys, registry, jobs, self.sink, self.intake)
         # the intake's pending entries are re-read every takeover time: a scheduler that lost the
         # ownership in the middle of a pass may have read (never settled) entries under the shared name
@@ -139,7 +138,7 @@ class PartitionWork:
             self._held_releasing = released > 0
             work += released
         if self.timers["accounting"].due():  # expire, then settle what no worker holds
-            work += (self.accounting.step() if self.accounting is not None else 0) + self.settler.step()
+            work += self.accounting.step() + self.settler.step()
         return work
 
     def _reset(self) -> None:
@@ -194,10 +193,19 @@ class SchedulerDaemon:
         giving up those above it); returns how much work it found (0: idle, or standing by)."""
         if self.spread.due():
             self._rebalance()
-        before = len(self.held())
-        owned = [p for p in self.parts if (p.ownership.held or len(self.held()) < self.share) and p.tick()]
+        holding, owned, taken = len(self.held()), [], 0  # a running count: one pass is O(P)
+        for part in self.parts:
+            had = part.ownership.held
+            if not had and holding >= self.share:
+                continue  # at its share: free partitions are the others'
+            if part.tick():
+                owned.append(part)
+                taken += not had
+                holding += not had
+            elif had:  # lost it (its lease lapsed, another took it)
+                holding -= 1
         if self.metrics is not None:
-            self.metrics.set_owner(len(owned), taken=max(0, len(owned) - before))
+            self.metrics.set_owner(len(owned), taken=taken)
         if len(owned) > 1 and block_ms:
             block_ms = max(1, block_ms // len(owned))  # one partition's wait must not stall the others
         return sum(p.run_once(block_ms) for p in owned)
@@ -274,7 +282,6 @@ class SchedulerDaemon:
 def main(settings: Settings) -> int:
     """``batchinfer scheduler``: serve until SIGTERM / SIGINT; returns the exit code."""
     from batchinfer.ops.httpserver import Readiness, serve
-    from batchinfer.redis_conn import connect
 
     stop = threading.Event()
 
@@ -284,9 +291,9 @@ def main(settings: Settings) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    r = connect(settings.redis_url, settings.redis_ca_file)
+    r = settings.connect()
     # The scrape-time collector gets its own connection with a timeout: a hung Redis must not hang /metrics.
-    scrape = connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5)
+    scrape = settings.connect(socket_timeout=5)
     metrics = SchedulerMetrics(redis_client=scrape, keys=settings.keys())
     readiness = Readiness(stall_after=STALL_AFTER_S)
     readiness.add_probe("redis", r.ping)

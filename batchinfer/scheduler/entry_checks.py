@@ -118,10 +118,8 @@ def check_entry(entry: IntakeEntry, keys: Keys, max_requests: int) -> None:
     request limit (admissions are a bitmap: a far idx would cost Redis memory for nothing).
     Raises the entry's ``protocol_error`` (its context routes the row to the job)."""
     context: dict[str, Any] = {"job": entry.job_id, "idx": entry.idx, "line": entry.line}
-    if entry.reply_to is not None and not keys.is_reply(entry.reply_to):
-        raise RequestError("protocol_error", f"reply_to {entry.reply_to!r} is not a reply stream: it must "
-                           f"be a key under {keys.reply('')!r} (docs/protocol.md)", field="reply_to",
-                           line=entry.line, context=context)
+    if entry.reply_to is not None and (why := wrong_reply(keys, entry.reply_to, entry.job_id)):
+        raise RequestError("protocol_error", why, field="reply_to", line=entry.line, context=context)
     context["reply_to"] = entry.reply_to
     if entry.job_id is not None and (why := wrong_partition(keys, entry.job_id)):
         raise RequestError("protocol_error", f"{why}; this entry was not run", field="job", line=entry.line,
@@ -145,17 +143,41 @@ def wrong_partition(keys: Keys, job_id: str) -> str | None:
             "BATCHINFER_PARTITIONS; docs/protocol.md, Partitions)")
 
 
-def reply_stream(keys: Keys, reply_to: object) -> str | None:
-    """``reply_to`` when it names a key of the reply namespace, else None: no row (nor the expiry a
-    row sets) is ever written to a key a producer named outside it."""
-    return reply_to if isinstance(reply_to, str) and keys.is_reply(reply_to) else None
+def wrong_reply(keys: Keys, reply_to: str, job_id: str | None) -> str | None:
+    """Why ``reply_to`` may not get the rows of an entry of ``job_id`` (None: it may). It must be a
+    key of the reply namespace (a row, and its stream's expiry, never reach another key), and of the
+    partition where the row is published (its job's; direct requests': 0), so that the publication
+    touches one Redis Cluster slot (docs/protocol.md)."""
+    home = keys.job_partition(job_id)
+    where = keys.reply_partition(reply_to)
+    if where == home:
+        return None
+    if where is None:
+        return (f"reply_to {reply_to!r} is not a reply stream: it must be a key under "
+                f"{keys.part(home).reply('')!r} (docs/protocol.md)")
+    whose = f"job {job_id!r}" if job_id else "a direct request"
+    return (f"reply_to {reply_to!r} is in partition {where}, but the rows of {whose} are published in "
+            f"partition {home}: name a key under {keys.part(home).reply('')!r} "
+            "(docs/protocol.md, Partitions)")
+
+
+def reply_stream(keys: Keys, reply_to: object, home: int | None = None) -> str | None:
+    """``reply_to`` when it names a key of the reply namespace (of partition ``home`` when given:
+    where the row is published), else None: no row (nor the expiry a row sets) is ever written to a
+    key a producer named outside it."""
+    if not isinstance(reply_to, str):
+        return None
+    where = keys.reply_partition(reply_to)
+    return reply_to if where is not None and (home is None or where == home) else None
 
 
 def routable(e: RequestError, keys: Keys, max_requests: int) -> RequestError:
     """``e`` with only the parts of its context a row may be routed by: a ``reply_to`` in the reply
     namespace, an ``idx`` below the job's request limit (the row is counted in the job: its bit is
     set)."""
-    e.context["reply_to"] = reply_stream(keys, e.context.get("reply_to"))
+    job = e.context.get("job")
+    e.context["reply_to"] = reply_stream(keys, e.context.get("reply_to"),
+                                         keys.job_partition(job if isinstance(job, str) else None))
     idx = e.context.get("idx")
     if not isinstance(idx, int) or not 0 <= idx < max_requests:
         e.context["idx"] = None

@@ -136,7 +136,8 @@ class Admission:
         request_id = request_id_for(entry.job_id, entry.idx, entry_id)
         base: RowBase = {"job_id": entry.job_id, "idx": entry.idx, "request_id": request_id,
                          "line": entry.line, "created_at": entry_ms(entry_id)}
-        if entry.client_request_id and self._duplicate(entry.client_request_id, request_id, entry.reply_to):
+        if entry.client_request_id and self._duplicate(entry.client_request_id, request_id, entry.reply_to,
+                                                       entry.job_id):
             return Duplicate()
         view = self.jobs.get(entry.job_id) if entry.job_id else None
         if view is not None and held_until is None and (refused := refusal(
@@ -230,14 +231,15 @@ class Admission:
                             metadata=spec.metadata, created_at=base["created_at"], lora=served.info.adapter,
                             tools=spec.tools, **embed)
 
-    def _duplicate(self, client_request_id: str, request_id: str, reply_to: str | None) -> bool:
+    def _duplicate(self, client_request_id: str, request_id: str, reply_to: str | None,
+                   job_id: str | None) -> bool:
         """Claim the idempotency key (a re-read of our own entry after a crash is no duplicate); a
         duplicate's ``reply_to`` gets the first request's row, now or when it is published."""
-        first = self.redelivery.claim(client_request_id, request_id, reply_to, IDEMPOTENCY_TTL_S)
+        first = self.redelivery.claim(client_request_id, request_id, reply_to, IDEMPOTENCY_TTL_S, job_id)
         if first == request_id:
             return False
         self.duplicates += 1
-        delivery = self.redelivery.redeliver(first, reply_to) if reply_to else "no reply_to"
+        delivery = self.redelivery.redeliver(first, reply_to, job_id) if reply_to else "no reply_to"
         log.log(logging.WARNING if delivery == "wrongtype" else logging.INFO,
                 "dropped request %s: client_request_id %r was already accepted for %s (its row to %s: %s)",
                 request_id, client_request_id, first, reply_to,
@@ -429,7 +431,7 @@ class Intake:
             try:
                 entry = IntakeEntry.from_fields(fields)
                 job, idx = entry.job_id, entry.idx
-                reply_to = reply_stream(self.keys, entry.reply_to)
+                reply_to = reply_stream(self.keys, entry.reply_to, self.keys.job_partition(job))
             except RequestError:
                 job = idx = reply_to = None
             row = ResultRow.error("internal_error", f"the scheduler failed on this entry: {e!r}", job_id=job,

@@ -63,7 +63,8 @@ class JobOps:
             return
         if op.reply_to is not None and reply_stream(self.keys, op.reply_to) is None:
             self._answer(entry_id, "protocol_error", f"reply_to {op.reply_to!r} is not a reply stream: it "
-                         f"must be a key under {self.keys.reply('')!r}; op {op.op} was not applied",
+                         f"must be a key under {self.keys.part(0).reply('')!r} (or another partition's reply "
+                         f"namespace); op {op.op} was not applied",
                          None, op.job_id)
             return
         if (why := wrong_partition(self.keys, op.job_id)) is not None:

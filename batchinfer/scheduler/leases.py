@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -28,6 +29,9 @@ from batchinfer.scheduler.lookups import JobCache, RowSink
 from batchinfer.store import replies
 from batchinfer.store.ownership import Ownership
 from batchinfer.store.registry import Registry
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,7 @@ class Leases:
         pending = [q for q, done in zip(requests, published, strict=True) if not done]
         views = self.jobs.get_many([q.job_id for q in pending if q.job_id])
         again, dead = [], 0
+        tries: dict[str, dict[FieldT, EncodableT]] = {}  # attempts key -> field -> count (bookkeeping, below)
         for q in pending:
             ended = views[q.job_id].ended_as() if q.job_id else None
             if ended:
@@ -83,8 +88,8 @@ class Leases:
                                                   status=ended, request=q), q.reply_to)
                 continue
             q.attempts += 1
-            pipe.hset(self.keys.attempts(q.job_id or DIRECT), str(q.idx if q.job_id else q.request_id),
-                      q.attempts)
+            tries.setdefault(self.keys.attempts(q.job_id or DIRECT), {})[
+                str(q.idx if q.job_id else q.request_id)] = q.attempts
             if q.attempts < self.max_attempts:
                 again.append(q)
                 continue
@@ -100,6 +105,7 @@ class Leases:
         pipe.xack(stream, WORKERS_GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()
+        self._record_attempts(tries)
         metrics = self.sink.metrics
         if metrics is not None:
             metrics.lease_reclaimed(model, len(pending))
@@ -108,6 +114,15 @@ class Leases:
         solo = sum(SOLO_FIELD in fields for fields in retries)
         log.warning("model %s: lease of batch %s expired: %d published, %d re-dispatched (%d to run alone), "
                     "%d dead-lettered", model, entry_id, len(requests) - len(pending), len(again), solo, dead)
+
+    def _record_attempts(self, tries: dict[str, dict[FieldT, EncodableT]]) -> None:
+        """Write the attempt counts, a record for people (each retry carries its own count): after the
+        fenced MULTI, as a direct request's counts live in partition 0, another Cluster slot."""
+        if tries:
+            pipe = self.redis.pipeline(transaction=False)
+            for key, counts in tries.items():
+                pipe.hset(key, mapping=counts)
+            pipe.execute()
 
     def _parse(self, entry_id: str, fields: dict[bytes, bytes], pipe: redis.client.Pipeline) -> list:
         """The batch's requests; an unreadable batch goes to the dead-letter stream whole."""

@@ -58,6 +58,7 @@ def open_job(r: redis.Redis, keys: Keys, op: JobOp, settings: Settings) -> bool:
     first (:func:`check_open`), so no record ever holds one written through here."""
     check_open(op, settings)
     args: list[str | int] = [op.job_id, now_ms(), op.completion_window, *op.record_fields()]
+    keys = keys.for_job(op.job_id)  # the record and its index entry: the job's partition
     return bool(scripts.register(r, "open_job")(keys=[keys.job(op.job_id), keys.jobs], args=args))
 
 

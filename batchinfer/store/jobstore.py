@@ -390,7 +390,7 @@ class JobStore:
             and not (f.name in _DATASET_FIELDS and not getattr(record, f.name))}  # a plain job has none
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, mapping=mapping)
-        pipe.zadd(self.keys.jobs, {job_id: created})
+        pipe.zadd(self.keys.for_job(job_id).jobs, {job_id: created})
         pipe.execute()
         return record
 
@@ -406,9 +406,9 @@ class JobStore:
         return [JobRecord.from_hash(raw) if raw else None for raw in pipe.execute()]
 
     def list(self, limit: int = 100, offset: int = 0) -> list[JobRecord]:
-        """The newest ``limit`` jobs first."""
-        ids = replies.members(self.redis.zrevrange(self.keys.jobs, offset, offset + limit - 1))
-        return [r for r in self.get_many(as_text(job_id) for job_id in ids) if r is not None]
+        """The newest ``limit`` jobs first (of every partition)."""
+        ids = newest_jobs(self.redis, self.keys, offset + limit)[offset:]
+        return [r for r in self.get_many(ids) if r is not None]
 
     def delete(self, job_id: str, *, files_root: str | None = None) -> None:
         """Delete the job: its record, results, bookkeeping and index entries (one MULTI). For an
@@ -418,7 +418,7 @@ class JobStore:
         missing one is no error), so that no table outlives its record unnoticed."""
         if files_root is not None:
             delete_kept(files_root, job_id)
-        keys = self.keys
+        keys = self.keys.for_job(job_id)  # every name below is in the job's partition
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(keys.job(job_id), keys.results(job_id), keys.published(job_id), keys.attempts(job_id),
                     keys.admitted(job_id))
@@ -465,7 +465,7 @@ class JobStore:
         return int(self.redis.hincrby(self.keys.job(job_id), JobField(field_name), amount))
 
     def cancel(self, job_id: str) -> JobStatus | None:
-        """Ask for cancellation: a live job goes ``cancelling`` and joins ``{bi}:cancelled``.
+        """Ask for cancellation: a live job goes ``cancelling`` and joins its partition's ``{p}:cancelled``.
 
         Returns the job's status after the call (unchanged when it had already ended, or is
         ``finalizing``: every request has its row, so nothing is left to cancel), ``None``
@@ -474,7 +474,8 @@ class JobStore:
         ``batchinfer.scheduler.accounting.Settler``), workers abort the ones they hold, and the job
         ends ``cancelled``.
         """
-        result = self._cancel(keys=[self.keys.job(job_id), self.keys.cancelled], args=[job_id, now_ms()])
+        result = self._cancel(keys=[self.keys.job(job_id), self.keys.for_job(job_id).cancelled],
+                              args=[job_id, now_ms()])
         if result is None:
             return None
         return JobStatus(as_text(result))
@@ -482,11 +483,35 @@ class JobStore:
     def is_cancelled(self, job_id: str) -> bool:
         """Whether cancellation was asked for (``cancelling`` or ``cancelled``)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.sismember(self.keys.cancelled, job_id)
+        pipe.sismember(self.keys.for_job(job_id).cancelled, job_id)
         pipe.hget(self.keys.job(job_id), JobField.STATUS)
         member, status = pipe.execute()
         return bool(member) or parse_status(status) in (JobStatus.CANCELLING, JobStatus.CANCELLED)
 
     def cancelled_jobs(self) -> set[str]:
-        """Ids in ``{bi}:cancelled`` (what workers poll every few steps)."""
-        return {as_text(m) for m in self.redis.smembers(self.keys.cancelled)}
+        """Ids in every partition's ``{p}:cancelled`` (what workers poll every few steps)."""
+        return cancelled_jobs(self.redis, self.keys)
+
+
+def newest_jobs(r: redis.Redis, keys: Keys, count: int) -> list[str]:
+    """The ids of the ``count`` newest jobs of every partition, newest first (each partition's index
+    is read for its own newest ``count``, one round trip, then merged by creation time)."""
+    if count <= 0:
+        return []
+    if keys.partitions == 1:
+        return [as_text(j, "replace") for j in replies.members(r.zrevrange(keys.jobs, 0, count - 1))]
+    pipe = r.pipeline(transaction=False)
+    for part in keys.parts():
+        pipe.zrevrange(part.jobs, 0, count - 1, withscores=True)
+    scored = [(score, as_text(job, "replace"))
+              for reply in pipe.execute() for job, score in replies.scored(reply)]
+    scored.sort(reverse=True)  # as one ZREVRANGE orders them: by score, then member, descending
+    return [job for _, job in scored[:count]]
+
+
+def cancelled_jobs(r: redis.Redis, keys: Keys) -> set[str]:
+    """The ids in every partition's cancelled set (one round trip)."""
+    pipe = r.pipeline(transaction=False)
+    for part in keys.parts():
+        pipe.smembers(part.cancelled)
+    return {as_text(m) for reply in pipe.execute() for m in replies.members(reply)}

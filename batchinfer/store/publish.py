@@ -30,7 +30,7 @@ from redis.exceptions import NoScriptError
 
 from batchinfer.clock import WALL_MS, WallClock
 from batchinfer.keys import DIRECT, Keys
-from batchinfer.redis_conn import as_text
+from batchinfer.redis_conn import as_text, in_cluster, master_client, moved_or_down
 from batchinfer.store import scripts
 from batchinfer.store.jobstore import ROW_COUNTERS
 
@@ -129,7 +129,7 @@ class Publisher:
         if job_id is not None and (row.idx is None or row.idx < 0):
             raise ValueError(f"row {row.request_id!r} of job {job_id!r} has no valid idx: {row.idx!r}")
         keys = [self._guard(job_id, row.request_id), self.keys.results(job_id or DIRECT),
-                self.keys.job(job_id or DIRECT), self.keys.redelivery(row.request_id)]
+                self.keys.job(job_id or DIRECT), self.keys.redelivery(row.request_id, job_id)]
         if reply_to:
             keys.append(reply_to)
         counter = ROW_COUNTERS[row.status].value
@@ -199,12 +199,37 @@ class Publisher:
         items = list(items)
         calls = [self._call(row, reply_to) for row, reply_to in items]
         outcomes: list[PublishOutcome | None] = [None] * len(calls)
-        todo = list(range(len(calls)))
+        if self.replica_acks and in_cluster(self.redis):
+            # WAIT counts the replicas of one master, for one connection's writes: on a Cluster each
+            # master's calls go down its own connection, followed by their WAIT
+            groups: dict[int, tuple[redis.Redis, list[int]]] = {}
+            for i, (keys, _) in enumerate(calls):
+                client = master_client(self.redis, keys[0])
+                groups.setdefault(id(client), (client, []))[1].append(i)
+            try:
+                replicas = min((self._run(client, todo, items, calls, outcomes)
+                                for client, todo in groups.values()), default=self.replica_acks)
+            except (redis.ResponseError, redis.ConnectionError) as e:
+                failure = moved_or_down(self.redis, e)
+                if failure is e:
+                    raise
+                raise failure from e
+        else:
+            replicas = self._run(self.redis, list(range(len(calls))), items, calls, outcomes)
+        if replicas < self.replica_acks:
+            raise ReplicasBehind(replicas, self.replica_acks, self.replica_timeout_ms,
+                                 outcomes)  # type: ignore[arg-type]  # every slot is filled
+        return outcomes  # type: ignore[return-value]  # every slot is filled once todo is empty
+
+    def _run(self, client: redis.Redis, todo: list[int], items: list[tuple[Row, str | None]],
+             calls: list[tuple[list[str], list]], outcomes: list[PublishOutcome | None]) -> int:
+        """:meth:`publish_many`'s pipeline on ``client`` for the calls ``todo``, filling their
+        ``outcomes``; returns the replicas its WAIT counted (``replica_acks`` when it sends none)."""
         replicas = self.replica_acks
         for _ in range(NOSCRIPT_RETRIES + 1):
             if not todo:
                 break
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             for i in todo:
                 keys, args = calls[i]
                 pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
@@ -224,22 +249,21 @@ class Publisher:
                 else:
                     outcomes[i] = self._outcome(items[i][0], reply)
             if missing:
-                self.redis.script_load(self._publish.script)
+                client.script_load(self._publish.script)
             todo = missing
         if todo:
             raise NoScriptError(f"publish script still missing after {NOSCRIPT_RETRIES} reloads")
-        if int(replicas) < self.replica_acks:
-            raise ReplicasBehind(int(replicas), self.replica_acks, self.replica_timeout_ms,
-                                 outcomes)  # type: ignore[arg-type]  # every slot is filled
-        return outcomes  # type: ignore[return-value]  # every slot is filled once todo is empty
+        return int(replicas)
 
-    def wait_for_replicas(self) -> None:
-        """With ``replica_acks``: WAIT until that many replicas have this client's writes so far
-        (a pooled connection used by one thread: its last write's), else :class:`ReplicasBehind`.
-        For writes made outside :meth:`publish_many` (a worker's acknowledgements)."""
+    def wait_for_replicas(self, client: redis.Redis | None = None) -> None:
+        """With ``replica_acks``: WAIT until that many replicas have the writes so far of ``client``
+        (default this publisher's; on a Cluster, :func:`~batchinfer.redis_conn.master_client` of the
+        keys written), a pooled connection used by one thread: its last write's; else
+        :class:`ReplicasBehind`. For writes made outside :meth:`publish_many` (a worker's acks)."""
         if not self.replica_acks:
             return
-        acked = int(self.redis.execute_command("WAIT", self.replica_acks, self.replica_timeout_ms))
+        client = client if client is not None else self.redis
+        acked = int(client.execute_command("WAIT", self.replica_acks, self.replica_timeout_ms))
         if acked < self.replica_acks:
             raise ReplicasBehind(acked, self.replica_acks, self.replica_timeout_ms)
 
@@ -290,17 +314,21 @@ class Redelivery:
         self._claim = scripts.register(redis_client, "claim_request")
         self._redeliver = scripts.register(redis_client, "redeliver")
 
-    def claim(self, client_request_id: str, request_id: str, reply_to: str | None, ttl: int) -> str:
-        """Claim ``client_request_id`` for ``request_id`` for ``ttl`` seconds; returns the request id
-        that holds it: ``request_id`` itself for the first entry (or a re-read of it), else the first
-        request's (this entry is a duplicate)."""
-        first = self._claim(keys=[self.keys.idempotency(client_request_id), self.keys.redelivery(request_id)],
-                            args=[request_id, int(ttl), reply_to or ""])
+    def claim(self, client_request_id: str, request_id: str, reply_to: str | None, ttl: int,
+              job_id: str | None = None) -> str:
+        """Claim ``client_request_id`` for ``request_id`` (of ``job_id``; None: a direct request) for
+        ``ttl`` seconds; returns the request id that holds it: ``request_id`` itself for the first
+        entry (or a re-read of it), else the first request's (this entry is a duplicate). With
+        partitions, a claim is seen by the entries whose rows share its partition: direct requests
+        all together, a job's with those of the other jobs of its partition (docs/protocol.md)."""
+        keys = [self.keys.idempotency(client_request_id, job_id), self.keys.redelivery(request_id, job_id)]
+        first = self._claim(keys=keys, args=[request_id, int(ttl), reply_to or ""])
         return as_text(first)
 
-    def redeliver(self, first_request_id: str, reply_to: str) -> str:
+    def redeliver(self, first_request_id: str, reply_to: str, job_id: str | None = None) -> str:
         """Owe ``reply_to`` the row of ``first_request_id``: ``delivered`` (it was published: XADDed
         now), ``waiting`` (XADDed when published), ``same`` / ``already`` (that stream gets or got it
-        anyway), ``wrongtype`` (the key is not a stream) or ``unknown`` (nothing kept for it)."""
-        keys = [self.keys.redelivery(first_request_id), reply_to]
+        anyway), ``wrongtype`` (the key is not a stream) or ``unknown`` (nothing kept for it).
+        ``job_id``: the duplicate's job (its claim's partition is the first request's)."""
+        keys = [self.keys.redelivery(first_request_id, job_id), reply_to]
         return as_text(self._redeliver(keys=keys, args=[self.reply_ttl]))

@@ -8,6 +8,7 @@ those of docs/protocol.md; key names come from :class:`batchinfer.keys.Keys`.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from batchinfer.keys import SCHEDULER_GROUP, WORKERS_GROUP, Keys
 from batchinfer.protocol.rows import now_ms
 from batchinfer.redis_conn import as_text
 from batchinfer.store import replies
-from batchinfer.store.jobstore import JobField, JobStatus, parse_status
+from batchinfer.store.jobstore import JobField, JobStatus, newest_jobs, parse_status
 
 ACTIVE_JOB_STATUSES = frozenset(s for s in JobStatus if not s.terminal)
 JOB_STATUSES = tuple(s.value for s in JobStatus)
@@ -110,7 +111,13 @@ def known_models(r: redis.Redis, keys: Keys) -> list[str]:
 
 def held_models(r: redis.Redis, keys: Keys) -> dict[str, int]:
     """Requests held now for a model no worker serves (``{p}:held_models``), by model; counts > 0 only."""
-    counts = {as_text(m, "replace"): _int(n) for m, n in r.hgetall(keys.held_models).items()}
+    pipe = r.pipeline(transaction=False)
+    for part in keys.parts():  # each partition counts its own holding area
+        pipe.hgetall(part.held_models)
+    counts: Counter[str] = Counter()
+    for reply in pipe.execute():
+        for m, n in replies.hash_fields(reply).items():
+            counts[as_text(m, "replace")] += _int(n)
     return {m: n for m, n in sorted(counts.items()) if n > 0}
 
 
@@ -156,8 +163,16 @@ def queue_state(r: redis.Redis, keys: Keys) -> QueueState:
         intake=partitioned_state(r, keys, lambda view: view.requests, SCHEDULER_GROUP),
         batches={m: partitioned_state(r, keys, functools.partial(Keys.batches, model=m), WORKERS_GROUP)
                  for m in known_models(r, keys)},
-        deadletter=r.xlen(keys.deadletter),
+        deadletter=_sum(r, [("xlen", part.deadletter) for part in keys.parts()]),
     )
+
+
+def _sum(r: redis.Redis, calls: list[tuple[str, str]]) -> int:
+    """The sum of one integer command per key (``(command, key)``), in one round trip."""
+    pipe = r.pipeline(transaction=False)
+    for command, key in calls:
+        getattr(pipe, command)(key)
+    return sum(int(n) for n in pipe.execute())
 
 
 class JobStatusCounter:
@@ -174,7 +189,7 @@ class JobStatusCounter:
     def count(self, r: redis.Redis, keys: Keys) -> dict[str, int]:
         """Every status listed, 0s kept."""
         counts = dict.fromkeys(JOB_STATUSES, 0)
-        ids = [as_text(j, "replace") for j in replies.members(r.zrevrange(keys.jobs, 0, self.max_jobs - 1))]
+        ids = newest_jobs(r, keys, self.max_jobs)
         unknown = [j for j in ids if j not in self._terminal]
         for start in range(0, len(unknown), self.chunk):
             part = unknown[start:start + self.chunk]
@@ -278,7 +293,7 @@ def job_view(job_id: str, raw: dict[Any, Any]) -> JobView:
 
 def active_jobs(r: redis.Redis, keys: Keys, scan: int = 500, limit: int = 50) -> list[JobView]:
     """Up to ``limit`` unfinished jobs among the ``scan`` most recent, oldest first."""
-    ids = [as_text(j, "replace") for j in replies.members(r.zrevrange(keys.jobs, 0, scan - 1))]
+    ids = newest_jobs(r, keys, scan)
     pipe = r.pipeline(transaction=False)
     for job_id in ids:
         pipe.hgetall(keys.job(job_id))

@@ -27,6 +27,7 @@ from batchinfer.ops.metrics import WorkerMetrics
 from batchinfer.protocol.entries import CANCEL_KEEP_SECONDS
 from batchinfer.protocol.rows import ResultRow, now_ms
 from batchinfer.redis_conn import as_text
+from batchinfer.store import replies
 from batchinfer.store.jobstore import JobField, JobStatus, parse_status
 from batchinfer.workers.engine.interface import WorkerEngine
 from batchinfer.workers.engine.outputs import PooledRequestOutput, RequestOutput
@@ -62,15 +63,16 @@ class Cancellations:
         self.requests: frozenset[str] = frozenset()  # the cancelled direct requests, as of the last take()
 
     def poll(self, r: redis.Redis) -> None:
-        """Read the cancelled jobs and direct requests (one round trip: SMEMBERS, and a ZRANGEBYSCORE
-        of the last hour's requests), then the jobs' statuses (one pipelined HGET); called on the
-        publisher thread with its connection, and once at start."""
+        """Read the cancelled jobs and direct requests (one round trip: each partition's SMEMBERS, and
+        a ZRANGEBYSCORE of the last hour's requests), then the jobs' statuses (one pipelined HGET);
+        called on the publisher thread with its connection, and once at start."""
         since = now_ms() - CANCEL_KEEP_SECONDS * 1000
         pipe = r.pipeline(transaction=False)
-        pipe.smembers(self.keys.cancelled)
         pipe.zrangebyscore(self.keys.cancelled_requests, since, "+inf")
-        members, requests = pipe.execute()
-        jobs = sorted(as_text(m) for m in members)
+        for part in self.keys.parts():
+            pipe.smembers(part.cancelled)
+        requests, *members = pipe.execute()
+        jobs = sorted({as_text(m) for reply in members for m in replies.members(reply)})
         for job in jobs:
             pipe.hget(self.keys.job(job), JobField.STATUS)
         statuses = pipe.execute() if jobs else []

@@ -34,8 +34,9 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 
@@ -43,12 +44,13 @@ from batchinfer.jobs.queueing import publish_then_export
 from batchinfer.keys import DIRECT, WORKERS_GROUP, Keys
 from batchinfer.protocol.batches import retry_batches
 from batchinfer.protocol.rows import BatchRequest, ResultRow
-from batchinfer.redis_conn import Backoff
+from batchinfer.redis_conn import Backoff, disconnect, master_client, moved_or_down
 from batchinfer.store import replies
 from batchinfer.store.publish import Publisher, ReplicasBehind
 from batchinfer.workers.service.inflight import Book
 from batchinfer.workers.service.streams import BatchStreams
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 FLUSH_CHUNK = 256  # rows per publish pipeline
@@ -87,6 +89,14 @@ def attempts_field(request: BatchRequest) -> tuple[str, str]:
     if request.job_id:
         return request.job_id, str(request.idx)
     return DIRECT, request.request_id
+
+
+def by_partition(items: Iterable[T], partition: Callable[[T], int]) -> dict[int, list[T]]:
+    """``items`` grouped by ``partition(item)``, in order: what one MULTI may hold on Redis Cluster."""
+    groups: dict[int, list[T]] = {}
+    for item in items:
+        groups.setdefault(partition(item), []).append(item)
+    return groups
 
 
 class Outbox:
@@ -172,12 +182,14 @@ class Outbox:
                         self.dead_letters.append(o.dead_letter)
                 self.sent.append((o.row.request_id, True))
         if self.dead_letters:
-            pipe = self.redis.pipeline(transaction=True)
-            for dead in self.dead_letters:
-                pipe.xadd(self.keys.deadletter, replies.xadd_fields(dead.fields()))
-                job, field = attempts_field(dead.request)
-                pipe.hset(self.keys.attempts(job), field, dead.attempts)
-            pipe.execute()
+            home = self.keys.job_partition  # a dead letter's partition: its request's job's
+            for part, letters in by_partition(self.dead_letters, lambda d: home(d.request.job_id)).items():
+                pipe = self.redis.pipeline(transaction=True)  # one MULTI per partition: one Cluster slot
+                for dead in letters:
+                    pipe.xadd(self.keys.part(part).deadletter, replies.xadd_fields(dead.fields()))
+                    job, field = attempts_field(dead.request)
+                    pipe.hset(self.keys.attempts(job), field, dead.attempts)
+                pipe.execute()
             self.dead_letters = []
         self.confirmed += self.sent  # a batch is acked only after its dead letters are recorded
         self.sent = []
@@ -189,12 +201,25 @@ class Outbox:
         """XACK + XDEL the complete batch entries (one MULTI); with replica acks, then WAIT for them
         (too few: :class:`ReplicasBehind`, the acks are sent again)."""
         if self.acks:
-            pipe = self.redis.pipeline(transaction=True)
-            for stream, ids in self.streams.by_stream(self.acks).items():
-                pipe.xack(stream, WORKERS_GROUP, *ids)
-                pipe.xdel(stream, *ids)  # acked batches are history: keep Redis memory flat
-            pipe.execute()
-            self.publisher.wait_for_replicas()
+            by_stream = self.streams.by_stream(self.acks)
+            waits: dict[int, redis.Redis] = {}  # the clients whose writes a WAIT must cover
+            for streams in by_partition(by_stream, self.streams.partition_of).values():
+                # with replica acks on a Cluster: the slot's master's own connection, for its WAIT
+                client = master_client(self.redis, streams[0]) if self.publisher.replica_acks else self.redis
+                pipe = client.pipeline(transaction=True)  # one MULTI per partition: one Cluster slot
+                for stream in streams:
+                    pipe.xack(stream, WORKERS_GROUP, *by_stream[stream])
+                    pipe.xdel(stream, *by_stream[stream])  # acked batches are history: keep Redis memory flat
+                try:
+                    pipe.execute()
+                except (redis.ResponseError, redis.ConnectionError) as e:
+                    failure = moved_or_down(self.redis, e)
+                    if failure is e:
+                        raise
+                    raise failure from e
+                waits[id(client)] = client
+            for client in waits.values():
+                self.publisher.wait_for_replicas(client)
             self.on_acked(self.acks)
             self.acks = []
 
@@ -206,14 +231,15 @@ class Outbox:
         for q in requests:
             stream = self.streams.stream(q.lora, self.keys.job_partition(q.job_id))
             by_stream.setdefault(stream, []).append(q)
-        pipe = self.redis.pipeline(transaction=True)
-        for stream, group in by_stream.items():
-            for fields in retry_batches(group, self.max_attempts):
-                pipe.xadd(stream, replies.xadd_fields(fields))
-        for q in requests:
-            job, field = attempts_field(q)
-            pipe.hset(self.keys.attempts(job), field, q.attempts)
-        pipe.execute()
+        for streams in by_partition(by_stream, self.streams.partition_of).values():
+            pipe = self.redis.pipeline(transaction=True)  # one MULTI per partition: one Cluster slot
+            for stream in streams:
+                for fields in retry_batches(by_stream[stream], self.max_attempts):
+                    pipe.xadd(stream, replies.xadd_fields(fields))
+                for q in by_stream[stream]:
+                    job, field = attempts_field(q)
+                    pipe.hset(self.keys.attempts(job), field, q.attempts)
+            pipe.execute()
         log.warning("re-dispatched %d request(s) the engine failed on: %s", len(requests),
                     ", ".join(f"{q.request_id} (attempt {q.attempts + 1})" for q in requests))
         self.retries.clear()
@@ -306,7 +332,7 @@ class PublisherThread:
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive():
-            self.outbox.redis.connection_pool.disconnect()  # the thread's own connection
+            disconnect(self.outbox.redis)  # the thread's own connection
 
     def start(self) -> None:
         """Start the thread (the first hand-over does, too). Engine thread only."""

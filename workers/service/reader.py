@@ -34,7 +34,7 @@ import redis
 from batchinfer.keys import WORKERS_GROUP, Keys
 from batchinfer.protocol import batches
 from batchinfer.protocol.rows import BatchRequest, ResultRow
-from batchinfer.redis_conn import Backoff, as_text, ensure_group, read_groups
+from batchinfer.redis_conn import Backoff, as_text, disconnect, ensure_group, read_groups
 from batchinfer.store import replies
 from batchinfer.store.publish import Publisher
 from batchinfer.workers.engine.interface import WorkerEngine
@@ -207,7 +207,8 @@ class BatchReader:
 
     def _dead_letter(self, entry: str, error: str, fields: replies.Fields) -> None:
         log.error("worker %s: %s", self.name, error)
-        self.redis.xadd(self.keys.deadletter, replies.xadd_fields(
+        deadletter = self.keys.part(split_key(entry)[2]).deadletter  # the batch's partition's
+        self.redis.xadd(deadletter, replies.xadd_fields(
             {**fields, b"error": error.encode(), b"batch": entry.encode(), b"worker": self.name.encode()}))
 
 
@@ -317,7 +318,7 @@ class Prefetcher:
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive():
-            self.reader.redis.connection_pool.disconnect()
+            disconnect(self.reader.redis)
 
     # -- the thread -------------------------------------------------------------------------------
 

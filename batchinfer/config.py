@@ -7,11 +7,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchinfer.keys import Keys
 
+if TYPE_CHECKING:
+    import redis
+
 ENV_PREFIX = "BATCHINFER_"
+_RQ_CLIENTS: dict[tuple[str, str | None], redis.Redis] = {}  # Settings.connect_rq's, by URL
 
 
 def _env(name: str, default: Any, cast=str, environ: dict[str, str] | None = None) -> Any:
@@ -36,6 +40,12 @@ class Settings:
     # redis://, rediss://, unix://, redis+sentinel://HOST:PORT[,...]/SERVICE[/DB]; None = local default
     redis_url: str | None = None
     redis_ca_file: str | None = None  # CA bundle for rediss:// (and rediss+sentinel://)
+    # Redis Cluster: "1" (the URL names any node), "0" (a plain server), "auto" (ask the server once
+    # per connection; a server down at start counts as plain: set 1 for daemons of a Cluster)
+    redis_cluster: str = "auto"
+    # The Redis of rq's export queue; default redis_url. rq's keys span slots: with a Cluster name
+    # a plain Redis (or a Sentinel URL) here
+    rq_redis_url: str | None = None
     # Replicas that must hold a result row before it counts as published (WAIT after each publish; the
     # batch it completes is acked only then): 0 = off, rows are as safe as Redis' async replication
     replica_acks: int = 0
@@ -108,8 +118,50 @@ class Settings:
         """As the dataclass's, but with the Redis password redacted (settings may end up in logs)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["redis_url"] = self.redacted_url()
+        if self.rq_redis_url:
+            from batchinfer.redis_conn import redact_url
+
+            values["rq_redis_url"] = redact_url(self.rq_redis_url)
         shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
         return f"Settings({shown})"
+
+    def cluster(self) -> bool | None:
+        """``redis_cluster`` read: True, False, or None (ask the server)."""
+        value = str(self.redis_cluster).strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        if value in ("", "auto"):
+            return None
+        raise ValueError(f"BATCHINFER_REDIS_CLUSTER must be 1, 0 or auto, got {self.redis_cluster!r}")
+
+    def connect(self, *, socket_timeout: float | None = None, socket_connect_timeout: float = 5.0,
+                decode_responses: bool = False) -> redis.Redis:
+        """A client of this deployment's Redis (``redis_url``, TLS, Cluster or not):
+        :func:`batchinfer.redis_conn.connect`."""
+        from batchinfer.redis_conn import connect
+
+        return connect(self.redis_url, self.redis_ca_file, decode_responses, socket_timeout=socket_timeout,
+                       socket_connect_timeout=socket_connect_timeout, cluster=self.cluster())
+
+    def connect_rq(self, data: redis.Redis | None = None) -> redis.Redis:
+        """A client of the Redis that holds rq's export queue: ``rq_redis_url``, else the data Redis
+        (``data`` when given, reused). rq's keys span Cluster slots: on a Cluster, a ``ValueError``
+        says to name a plain Redis in ``BATCHINFER_RQ_REDIS_URL``."""
+        from batchinfer.redis_conn import connect, in_cluster
+
+        if self.rq_redis_url:
+            source = (self.rq_redis_url, self.redis_ca_file)
+            if source not in _RQ_CLIENTS:  # one pool per process, not one per enqueue
+                _RQ_CLIENTS[source] = connect(self.rq_redis_url, self.redis_ca_file, cluster=False)
+            return _RQ_CLIENTS[source]
+        r = data if data is not None else self.connect()
+        if in_cluster(r):
+            raise ValueError("BATCHINFER_REDIS_URL is a Redis Cluster, where rq (the export queue) cannot "
+                             "run: its keys span slots. Name a plain Redis (or a Sentinel URL) for it in "
+                             "BATCHINFER_RQ_REDIS_URL")
+        return r
 
     def keys(self) -> Keys:
         """The key names of this deployment (its prefix and partitions), as partition 0's view."""

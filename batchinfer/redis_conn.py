@@ -16,14 +16,17 @@ created in one place too: :func:`ensure_group`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import itertools
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
@@ -73,6 +76,7 @@ def connect(
     *,
     socket_timeout: float | None = None,
     socket_connect_timeout: float = 5.0,
+    cluster: bool | None = False,
 ) -> redis.Redis:
     """A ``redis.Redis`` for ``url`` (``None``: :data:`DEFAULT_URL`).
 
@@ -80,6 +84,11 @@ def connect(
     password in the URL select an ACL user. Commands that fail on a connection error or a timeout
     are retried with exponential backoff. ``socket_timeout`` stays ``None`` by default because the
     daemons use blocking ``XREADGROUP`` calls.
+
+    ``cluster``: True, ``url`` names any node of a Redis Cluster and the client is redis-py's
+    ``RedisCluster`` (typed as ``redis.Redis``: every command batchinfer sends routes by its keys,
+    each Lua call and MULTI within one partition's slot); None, asked of the server (``INFO
+    cluster``; a server that does not answer counts as no cluster); False, a plain client.
     """
     url = url or DEFAULT_URL
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -103,14 +112,107 @@ def connect(
     if scheme.startswith("rediss") and ca_file:
         kwargs["ssl_ca_certs"] = ca_file
     if scheme in SENTINEL_SCHEMES:
+        if cluster:
+            raise ValueError(f"Redis URL {redact_url(url)!r}: a Sentinel URL names no Cluster "
+                             "(BATCHINFER_REDIS_CLUSTER must be 0 or auto with redis+sentinel://)")
         return sentinel_client(parse_sentinel_url(url), kwargs)
+    if cluster and scheme == "unix":
+        raise ValueError(f"Redis URL {redact_url(url)!r}: a Cluster is reached over TCP (redis:// or "
+                         "rediss://), not a unix socket")
+    if cluster is None and scheme != "unix":
+        cluster = is_cluster(url, kwargs)
+    if cluster:
+        return cluster_client(url, kwargs)
     return redis.Redis.from_url(url, **kwargs)
+
+
+# -- Cluster -------------------------------------------------------------------------------------
+
+# a cluster client's URL and keywords, for own_client (RedisCluster keeps no URL)
+_CLUSTER_SOURCES: weakref.WeakKeyDictionary[Any, tuple[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
+CLUSTER_PROBE_TIMEOUT_S = 2.0
+
+
+def is_cluster(url: str, kwargs: dict[str, Any]) -> bool:
+    """Whether the server at ``url`` runs in cluster mode (``INFO cluster``); False when it cannot
+    be asked (down, or an ACL user without INFO): then the caller's plain client reports what is
+    wrong on its first command."""
+    limit = CLUSTER_PROBE_TIMEOUT_S
+    probe_kwargs = {**kwargs, "retry": Retry(NoBackoff(), 0), "socket_timeout": limit}
+    probe_kwargs.pop("retry_on_error", None)
+    if "socket_connect_timeout" in kwargs:
+        probe_kwargs["socket_connect_timeout"] = min(limit, kwargs["socket_connect_timeout"])
+    probe = redis.Redis.from_url(url, **probe_kwargs)
+    try:
+        return bool(probe.info("cluster").get("cluster_enabled"))
+    except redis.RedisError:
+        return False
+    finally:
+        probe.close()
+
+
+def cluster_client(url: str, kwargs: dict[str, Any]) -> redis.Redis:
+    """redis-py's ``RedisCluster`` from any node's ``url``: it learns the slots' masters and follows
+    a failover (a MOVED reply, a node that stopped answering: it asks the cluster again)."""
+    from redis.cluster import RedisCluster
+
+    options = {k: v for k, v in kwargs.items() if k not in ("retry_on_error", "health_check_interval")}
+    client = RedisCluster.from_url(url, **options)
+    _CLUSTER_SOURCES[client] = (url, dict(kwargs))
+    return cast("redis.Redis", client)
+
+
+def in_cluster(r: redis.Redis) -> bool:
+    """Whether ``r`` is a Redis Cluster client (:func:`connect` with ``cluster``)."""
+    from redis.cluster import RedisCluster
+
+    return isinstance(r, RedisCluster)
+
+
+def master_client(r: redis.Redis, key: str) -> redis.Redis:
+    """The plain client of the master that serves ``key``'s slot, on a Cluster (``r`` itself on
+    anything else): for a WAIT, which counts the replicas of the connection it is sent on."""
+    if not in_cluster(r):
+        return r
+    cluster = cast(Any, r)
+    return cluster.get_redis_connection(cluster.get_node_from_key(key))
+
+
+def moved_or_down(r: redis.Redis, error: Exception) -> Exception:
+    """What to raise for ``error`` of a command sent to one master of a Cluster directly
+    (:func:`master_client`): when the slot moved (MOVED, ASK), the cluster is down or busy
+    (CLUSTERDOWN, TRYAGAIN) or the master stopped answering, the client's slot map is read again
+    and a ``ConnectionError`` returned (callers' backoffs retry those); else ``error`` itself."""
+    from redis.exceptions import AskError, ClusterDownError, TryAgainError
+
+    if not isinstance(error, redis.ConnectionError | AskError | ClusterDownError | TryAgainError):
+        return error
+    with contextlib.suppress(redis.RedisError):
+        cast(Any, r).nodes_manager.initialize()
+    return redis.ConnectionError(f"Redis Cluster: {type(error).__name__} {error} (the slot map is read "
+                                 "again; retried)")
+
+
+def disconnect(r: redis.Redis) -> None:
+    """Drop ``r``'s pooled connections (the next command makes new ones): after a connection error
+    a thread's client reconnects from scratch, to the promoted master if there was a failover (on a
+    Cluster, its slot map is read again: a pipeline's connection error does not do that)."""
+    if in_cluster(r):
+        cluster = cast(Any, r)
+        cluster.disconnect_connection_pools()
+        with contextlib.suppress(redis.RedisError):
+            cluster.nodes_manager.initialize()
+    else:
+        r.connection_pool.disconnect()
 
 
 def own_client(r: redis.Redis) -> redis.Redis:
     """A client with ``r``'s settings (URL, TLS, timeouts, retries; behind Sentinel, the same
     sentinels and service) on a connection pool of its own, so that one thread's round trips never
     queue behind another's (a blocking XREADGROUP holds its connection for up to its block time)."""
+    if in_cluster(r):
+        url, kwargs = _CLUSTER_SOURCES[r]
+        return cluster_client(url, kwargs)
     pool = r.connection_pool
     # the pool derives these per connection itself (redis-py's maintenance notifications; a
     # Sentinel pool's proxy)
@@ -283,7 +385,20 @@ def read_groups(r: redis.Redis, starts: Mapping[str, bytes | str], group: str, c
                 count: int | None, block_ms: int | None) -> object:
     """:func:`read_group` over several streams in one XREADGROUP: ``starts`` maps each stream to
     its start id; ``count`` is per stream. A NOGROUP (any of them) creates every missing group and
-    reads nothing this time. One stream: the very call :func:`read_group` makes."""
+    reads nothing this time. One stream: the very call :func:`read_group` makes.
+
+    On Redis Cluster one XREADGROUP reads one slot: streams in several slots are read one XREADGROUP
+    per slot, pipelined (a round trip per node), and only when none had an entry does the call block,
+    on one slot's streams in turn for at most :data:`CLUSTER_BLOCK_MS` (an entry added to another
+    slot's streams meanwhile waits that long at most)."""
+    if in_cluster(r):
+        from redis.cluster import key_slot
+
+        slots: dict[int, dict[str, bytes | str]] = {}
+        for stream, start in starts.items():
+            slots.setdefault(key_slot(stream.encode()), {})[stream] = start
+        if len(slots) > 1:
+            return _read_slots(r, list(slots.values()), group, consumer, count=count, block_ms=block_ms)
     try:
         streams: dict[KeyT, StreamIdT] = dict(starts.items())
         return r.xreadgroup(group, consumer, streams, count=count, block=block_ms)
@@ -293,6 +408,32 @@ def read_groups(r: redis.Redis, starts: Mapping[str, bytes | str], group: str, c
         for stream in starts:
             ensure_group(r, stream, group)
         return []
+
+
+CLUSTER_BLOCK_MS = 100
+_block_turn = itertools.count()  # which slot's streams a blocking cluster read waits on next
+
+
+def _read_slots(r: redis.Redis, slots: list[dict[str, bytes | str]], group: str, consumer: str, *,
+                count: int | None, block_ms: int | None) -> list[Any]:
+    """:func:`read_groups` on a Cluster, its streams in several slots (``slots``: each one's starts)."""
+    pipe = r.pipeline(transaction=False)
+    for starts in slots:
+        pipe.xreadgroup(group, consumer, dict(starts.items()), count=count)
+    got: list[Any] = []
+    for starts, reply in zip(slots, pipe.execute(raise_on_error=False), strict=True):
+        if isinstance(reply, redis.ResponseError) and "NOGROUP" in str(reply):
+            for stream in starts:
+                ensure_group(r, stream, group)
+        elif isinstance(reply, Exception):
+            raise reply
+        elif reply:
+            got.extend(cast("list[Any]", reply))
+    if got or not block_ms:
+        return got
+    starts = slots[next(_block_turn) % len(slots)]
+    return cast("list[Any]", read_groups(r, starts, group, consumer, count=count,
+                                         block_ms=min(block_ms, CLUSTER_BLOCK_MS)))
 
 
 def is_permanent(error: Exception) -> bool:

@@ -28,7 +28,7 @@ def enqueue_start(r: redis.Redis, settings: Settings, batch_id: str) -> str:
     from rq.serializers import JSONSerializer
 
     rq_id = rq_job_id("start", settings.prefix, batch_id)
-    queue = Queue(RQ_QUEUE, connection=r, serializer=JSONSerializer)
+    queue = Queue(RQ_QUEUE, connection=settings.connect_rq(r), serializer=JSONSerializer)
     with contextlib.suppress(DuplicateJobError):  # enqueued already: a retried create
         queue.enqueue_call(
             START_JOB, args=[batch_id], kwargs={"prefix": settings.prefix},

@@ -22,7 +22,7 @@ import redis
 
 from batchinfer.config import Settings
 from batchinfer.keys import RQ_QUEUE
-from batchinfer.redis_conn import Backoff, connect
+from batchinfer.redis_conn import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _serve_health(settings: Settings):
     ProcessCollector(registry=registry)
     readiness = Readiness()
     # its own connection with a timeout: a hung Redis must not hang the probe
-    readiness.add_probe("redis", connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5).ping)
+    readiness.add_probe("redis", settings.connect(socket_timeout=5).ping)
     return serve(settings.metrics_port, registry, readiness, settings.metrics_host)
 
 
@@ -127,7 +127,7 @@ def _run(settings: Settings, name: str, burst: bool) -> int:
     attempt, backoff = 0, Backoff(BACKOFF_START_S, BACKOFF_CAP_S)
     while not stopping.is_set():
         try:
-            r = connect(settings.redis_url, settings.redis_ca_file)
+            r = settings.connect_rq()  # rq's Redis: the data Redis unless BATCHINFER_RQ_REDIS_URL
             schedule_nightly(r, settings)
             worker = build_worker(r, name=f"{name}-{attempt}" if attempt else name)
             # rq installs its own SIGTERM / SIGINT handlers (warm shutdown) inside work().

@@ -49,7 +49,7 @@ def enqueue_export(r: redis.Redis, settings: Settings, job_id: str, *, output: s
     from rq.serializers import JSONSerializer
 
     rq_id = rq_job_id("export", settings.prefix, job_id)
-    queue = Queue(RQ_QUEUE, connection=r, serializer=JSONSerializer)
+    queue = Queue(RQ_QUEUE, connection=settings.connect_rq(r), serializer=JSONSerializer)
     # A DuplicateJobError means this job's export exists already: a retried call, or the safety net's race.
     with contextlib.suppress(DuplicateJobError):
         queue.enqueue_call(

@@ -42,7 +42,6 @@ from batchinfer.config import Settings
 from batchinfer.keys import Keys
 from batchinfer.ops.httpserver import Readiness
 from batchinfer.ops.metrics import SPECS
-from batchinfer.redis_conn import connect
 from batchinfer.store.apibatches import ApiBatches
 from batchinfer.store.apikeys import ApiKeys
 from batchinfer.store.filestore import FileStore
@@ -269,7 +268,7 @@ def create_app(settings: Settings) -> Starlette:
                     middleware=[Middleware(AccessLog, routes=routes, metrics=api_metrics)])
     app.state.ctx = ctx
     app.state.metrics = api_metrics
-    probe = connect(settings.redis_url, settings.redis_ca_file, socket_timeout=PROBE_TIMEOUT_S)
+    probe = settings.connect(socket_timeout=PROBE_TIMEOUT_S)
     readiness = Readiness()
     readiness.add_probe("redis", probe.ping)
 

@@ -112,13 +112,16 @@ def _give_up(r: redis.Redis, keys: Keys, batch_id: str, why: str) -> str:
 
 
 def _connection(redis_url: str | None, settings: Settings) -> redis.Redis:
-    """``redis_url``, else the connection of the rq job running this, else the settings' URL."""
+    """``redis_url``, else the connection of the rq job running this (when rq shares the data Redis:
+    no ``rq_redis_url``), else the settings' Redis."""
     from rq import get_current_job
 
     job = get_current_job() if not redis_url else None
-    if job is not None:
+    if job is not None and not settings.rq_redis_url:
         return job.connection
-    return connect(redis_url or settings.redis_url, settings.redis_ca_file)
+    if redis_url:
+        return connect(redis_url, settings.redis_ca_file, cluster=settings.cluster())
+    return settings.connect()
 
 
 def _fail(batches: ApiBatches, batch: ApiBatch, errors: list[LineError], total: int | None) -> str:

@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -52,6 +52,7 @@ from batchinfer.redis_conn import (
     DEFAULT_URL,
     as_text,
     async_sentinel_client,
+    in_cluster,
     is_sentinel_url,
     parse_sentinel_url,
 )
@@ -115,9 +116,9 @@ def model_not_served(model: str, served: list[str]) -> ApiError:
 # -- the Redis edge ---------------------------------------------------------------------------------
 
 
-def _async_redis(request: Request, settings: Settings) -> aioredis.Redis:
+def _async_redis(request: Request, settings: Settings, cluster: bool) -> aioredis.Redis:
     """The app's asyncio Redis client for the running event loop (made on first use; a client is
-    bound to the loop it was made on)."""
+    bound to the loop it was made on); ``cluster``: a Redis Cluster's (as the app's own client)."""
     loop = asyncio.get_running_loop()
     made = getattr(request.app.state, "sync_redis", None)
     if made is not None and made[0] is loop:
@@ -128,6 +129,10 @@ def _async_redis(request: Request, settings: Settings) -> aioredis.Redis:
         kwargs["ssl_ca_certs"] = settings.redis_ca_file
     if is_sentinel_url(url):  # the master, found (and followed across a failover) through Sentinel
         client = async_sentinel_client(parse_sentinel_url(url), kwargs)
+    elif cluster:  # every command here names one key: it goes to that key's master
+        from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+        client = cast(aioredis.Redis, AsyncRedisCluster.from_url(url, **kwargs))
     else:
         client = aioredis.Redis.from_url(url, **kwargs)
     request.app.state.sync_redis = (loop, client)
@@ -199,10 +204,11 @@ async def sync_request(request: Request) -> Response:
         raise ApiError(400, "'model' is required: the name of a served model (GET /v1/models lists them).",
                        param="model")
     await _check_served(request, ctx, model)
-    r, keys = _async_redis(request, settings), ctx.keys
+    r, keys = _async_redis(request, settings, in_cluster(ctx.redis)), ctx.keys
     reply = keys.reply(f"sync-{uuid.uuid4().hex}")
     entry = intake_entry(url, body, settings, reply)
-    await run_in_threadpool(ctx.client.check_partitions)  # once per server: then a flag
+    if not ctx.client.partitions_checked:  # once per server: no thread hop once it is
+        await run_in_threadpool(ctx.client.check_partitions)
     part = keys.for_direct(entry.client_request_id)
     request_id = part.direct_id(as_text(await r.xadd(part.requests, replies.xadd_fields(entry.to_fields()))))
     try:

@@ -160,10 +160,9 @@ def _reachable(host: str) -> str:
 
 def _serve_key(settings: Settings) -> str:
     """A fresh key on serve's own (embedded) Redis: its secret, printed in the banner."""
-    from batchinfer.redis_conn import connect
     from batchinfer.store.apikeys import ApiKeys
 
-    r = connect(settings.redis_url, settings.redis_ca_file)
+    r = settings.connect()
     try:
         secret, _ = ApiKeys(r, settings.keys()).create(SERVE_KEY_NAME)
     finally:
@@ -203,10 +202,9 @@ def _banner(base: str, model: str, auth: str, secret: str | None) -> str:
 def _watch(settings: Settings, daemons: Any, model: str, say: Any) -> None:
     """Until Ctrl-C / SIGTERM (raised) or a daemon dies (DaemonExited); says once when a worker
     serves ``model`` (requests sent before wait for it)."""
-    from batchinfer.redis_conn import connect
     from batchinfer.store.registry import Registry
 
-    r = connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5)
+    r = settings.connect(socket_timeout=5)
     registry = Registry(r, settings.keys())
     serving = False
     try:
@@ -231,10 +229,9 @@ def api_keys() -> None:
 
 
 def _store(ctx: Ctx) -> Any:
-    from batchinfer.redis_conn import connect
     from batchinfer.store.apikeys import ApiKeys
 
-    return ApiKeys(connect(ctx.settings.redis_url, ctx.settings.redis_ca_file), ctx.settings.keys())
+    return ApiKeys(ctx.settings.connect(), ctx.settings.keys())
 
 
 def _key_dict(key: Any) -> dict[str, Any]:

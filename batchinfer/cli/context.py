@@ -38,7 +38,8 @@ def global_option_decorators(with_json: bool = True) -> list[Callable[[Any], Any
     """The click options of the global flags (docs/cli.md), in order; ``--json`` left out when a
     command has its own (``json_option``)."""
     options = [
-        click.option("--redis-url", help="redis://, rediss:// or unix:// URL [BATCHINFER_REDIS_URL; `run`: "
+        click.option("--redis-url", help="redis://, rediss://, unix:// or redis+sentinel:// URL (any node "
+                     "of a Redis Cluster: BATCHINFER_REDIS_CLUSTER) [BATCHINFER_REDIS_URL; `run`: "
                      "only this flag, else an embedded Redis]; prefer the variable for URLs with a "
                      "password (argv shows in `ps`)."),
         click.option("--redis-ca-file", type=click.Path(exists=True, dir_okay=False),

@@ -14,13 +14,13 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 
 from batchinfer.config import Settings
 from batchinfer.keys import Keys
-from batchinfer.redis_conn import as_text, connect, redact_url
+from batchinfer.redis_conn import as_text, in_cluster, master_client, redact_url
 
 MIN_REDIS = (6, 2)
 MEMORY_WARN_FRACTION = 0.9
@@ -116,6 +116,45 @@ def check_partitions_setting(client: redis.Redis, keys: Keys) -> Check:
     return Check("partitions", deployed == str(keys.partitions), f"{mine}; the deployment's: {deployed}",
                  f"set BATCHINFER_PARTITIONS={deployed} (every process and producer of a deployment uses the "
                  "same count: docs/protocol.md, Partitions)")
+
+
+def check_cluster(client: redis.Redis, settings: Settings) -> list[Check]:
+    """On a Redis Cluster (none elsewhere): its state, the masters the partitions sit on, and the
+    Redis of rq's export queue, which cannot be the Cluster."""
+    if not in_cluster(client):
+        return []
+    cluster = cast(Any, client)
+    parts = settings.keys().parts()
+    try:
+        masters = cluster.get_primaries()
+        homes = {cluster.get_node_from_key(k.requests).name for k in parts}
+        info = master_client(client, parts[0].requests).execute_command("CLUSTER INFO")
+    except (redis.RedisError, OSError) as exc:
+        return [Check("redis cluster", False, f"cannot read the cluster's state: {exc}")]
+    # redis-py parses the reply into a dict; older ones give the text
+    ok = (info.get("cluster_state") == "ok" if isinstance(info, dict)
+          else "cluster_state:ok" in as_text(info, "replace"))
+    spread = f"{len(parts)} partition(s) on {len(homes)} of {len(masters)} master(s)"
+    checks = [Check("redis cluster", ok, f"Redis Cluster, state {'ok' if ok else 'not ok'}; {spread}",
+                    "see CLUSTER INFO on the nodes: every slot must be served (a master down with no "
+                    "replica to promote stops the queue)")]
+    if ok and len(parts) < len(masters):
+        checks.append(Check("partitions spread", False, spread,
+                            "set BATCHINFER_PARTITIONS to at least the number of masters (a partition is "
+                            "one slot: the queue's load goes where its partitions are)", severity="warning"))
+    try:
+        rq = settings.connect_rq(client)
+        rq.ping()
+        checks.append(Check("rq redis", True, f"the export queue on {redact_url(settings.rq_redis_url)}"))
+    except ValueError as exc:
+        checks.append(Check("rq redis", False, str(exc).split(". ", 1)[0],
+                            "set BATCHINFER_RQ_REDIS_URL to a plain Redis (or a redis+sentinel:// URL) for "
+                            "rq, the export queue: its keys span slots"))
+    except (redis.RedisError, OSError) as exc:
+        where = redact_url(settings.rq_redis_url)
+        checks.append(Check("rq redis", False, f"{where}: cannot reach it ({exc})",
+                            "start that Redis, or fix BATCHINFER_RQ_REDIS_URL"))
+    return checks
 
 
 # --- model directory -----------------------------------------------------------------------------
@@ -341,11 +380,13 @@ def run_doctor(settings: Settings, model_dir: str | Path | None = None, device: 
     checks: list[Check]
     try:
         if redis_client is None:
-            redis_client = connect(settings.redis_url, settings.redis_ca_file, socket_timeout=5,
-                                   socket_connect_timeout=3)
-        checks = check_redis(redis_client, where, replica_acks=settings.replica_acks)
+            redis_client = settings.connect(socket_timeout=5, socket_connect_timeout=3)
+        # on a Cluster, INFO is one master's: partition 0's
+        node = master_client(redis_client, settings.keys().requests)
+        checks = check_redis(node, where, replica_acks=settings.replica_acks)
         if checks[0].ok:
             checks.append(check_partitions_setting(redis_client, settings.keys()))
+            checks += check_cluster(redis_client, settings)
     except ValueError as exc:  # a malformed URL, a bad BATCHINFER_PARTITIONS
         checks = [Check("redis", False, str(exc),
                         "use a redis://, rediss://, unix:// or redis+sentinel://HOST:PORT/SERVICE URL")]

@@ -409,9 +409,9 @@ def workers(ctx: Ctx, model: str | None, json_flag: bool) -> None:
 def top(ctx: Ctx, refresh: float, once: bool, json_flag: bool) -> None:
     """Live view of workers, jobs and queues (Ctrl-C to leave)."""
     from batchinfer.cli.top import render_to_text, run_top, snapshot_from_redis, snapshot_to_dict
-    from batchinfer.redis_conn import connect, describe
+    from batchinfer.redis_conn import describe
 
-    r = connect(ctx.settings.redis_url, ctx.settings.redis_ca_file)
+    r = ctx.settings.connect()
     keys, where = ctx.settings.keys(), describe(ctx.settings.redis_url)
     if once or json_flag or ctx.json:
         snap = snapshot_from_redis(r, keys, where=where, heartbeat_seconds=ctx.settings.heartbeat_seconds)

@@ -26,7 +26,7 @@ from batchinfer.jobs.queueing import enqueue_export, finish_then_export, publish
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, JobOp, parse_duration, valid_job_id
 from batchinfer.protocol.rows import ResultRow, now_ms
-from batchinfer.redis_conn import as_text, connect
+from batchinfer.redis_conn import as_text, master_client
 from batchinfer.store import replies, scripts
 from batchinfer.store.jobcontrol import append_job_error, check_open, open_job
 from batchinfer.store.jobstore import JobField, JobRecord, JobStatus, JobStore, new_job_id
@@ -77,12 +77,16 @@ class Client:
         self.settings = settings or Settings.from_env()
         if url is not None:
             self.settings.redis_url = url
-        self.redis = connection if connection is not None else connect(self.settings.redis_url,
-                                                                         self.settings.redis_ca_file)
+        self.redis = connection if connection is not None else self.settings.connect()
         self.keys = self.settings.keys()
         self.store = JobStore(self.redis, self.keys)
         self._publisher: Publisher | None = None
         self._partitions_checked = False
+
+    @property
+    def partitions_checked(self) -> bool:
+        """Whether :meth:`check_partitions` found the count right already (no round trip left)."""
+        return self._partitions_checked
 
     def check_partitions(self) -> None:
         """Once per client: its ``BATCHINFER_PARTITIONS`` is the deployment's (else
@@ -221,7 +225,8 @@ class Client:
         ``REPLICA_WAITS`` timeouts, then :class:`~batchinfer.store.publish.ReplicasBehind`."""
         for attempt in range(REPLICA_WAITS):
             try:
-                self.publisher.wait_for_replicas()
+                # the job's slot's master on a Cluster (its entries and record went there)
+                self.publisher.wait_for_replicas(master_client(self.redis, self.keys.job(job_id)))
                 return
             except ReplicasBehind as behind:
                 if attempt == REPLICA_WAITS - 1:
@@ -314,8 +319,8 @@ class Client:
         numbers: list[int] = []  # idx, line and size in bytes of each body
 
         def add() -> None:  # queued on the pipeline; sent by its next execute
-            add_requests(keys=[stream], client=pipe,
-                         args=[PROTOCOL_VERSION, job_id, " ".join(map(str, numbers)), b"".join(bodies)])
+            scripts.queue(add_requests, pipe, [stream],
+                          [PROTOCOL_VERSION, job_id, " ".join(map(str, numbers)), b"".join(bodies)])
             bodies.clear()
             numbers.clear()
 

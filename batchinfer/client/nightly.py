@@ -315,7 +315,7 @@ class _Starter:
             same = now is not None and now.status == seen.status and now.created_at == seen.created_at
             if same and now is not None and now.terminal:  # its kept table goes with it
                 # and its export's rq job: left, it would pass for the new job's export (a duplicate)
-                if not forget_export(r, self.client.settings.prefix, job_id):
+                if not forget_export(self.client.settings.connect_rq(r), self.client.settings.prefix, job_id):
                     return False
                 self.client.store.delete(job_id, files_root=self.client.settings.files_root())
             return True

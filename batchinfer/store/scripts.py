@@ -35,3 +35,15 @@ def register(redis_client: redis.Redis, name: str) -> Script:
     Registering costs no round trip; the script is loaded on its first NOSCRIPT reply.
     """
     return redis_client.register_script(lua_source(name))
+
+
+def queue(script: Script, pipe: redis.client.Pipeline, keys: list, args: list) -> None:
+    """Queue a call of ``script`` on ``pipe``. A plain pipeline loads its scripts before it runs them
+    (SCRIPT EXISTS, SCRIPT LOAD: redis-py's); a Redis Cluster pipeline does not, so there the call is
+    an EVAL carrying the text (Redis compiles it once and caches it), never a NOSCRIPT mid-pipeline."""
+    from redis.cluster import ClusterPipeline
+
+    if isinstance(pipe, ClusterPipeline):
+        pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+    else:
+        script(keys=keys, args=args, client=pipe)

@@ -164,7 +164,6 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
     template's, when it makes one unambiguous].
     What the operator must fix first raises :class:`~batchinfer.ops.startup.StartupError`.
     """
-    from batchinfer.redis_conn import connect
 
     options = dict(engine_options or {})
     if not echo:  # the scheduler's structured-output limits, so that what it accepts runs here
@@ -198,7 +197,7 @@ def main(settings: Settings, model_dir: str | None, name: str | None = None, dev
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    r = connect(settings.redis_url, settings.redis_ca_file)
+    r = settings.connect()
     metrics = WorkerMetrics(model, worker=name, device=device)
     readiness = Readiness(stall_after=10 * settings.lease_seconds)
     readiness.mark("serving", False, "registering")

@@ -30,6 +30,7 @@ Llama, and closes it (printing the daemons' log tails, which pytest shows for a 
 
 from __future__ import annotations
 
+import json
 import socket
 import urllib.error
 import urllib.request
@@ -138,3 +139,30 @@ class ApiStack(Stack):
         root = (url or self.root_url).rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         return httpx2.Client(base_url=root, headers=headers, timeout=60)
+
+
+def serve_sync_and_batch(stack: ApiStack) -> None:
+    """Start ``stack``; through the official SDK, 8 synchronous completions (direct requests: a random
+    partition each) and a 6-line chat batch (a job: its id's partition) are answered, and the
+    partitions' intake streams carried them all."""
+    stack.start_all()
+    stack.wait_for_model()
+    client = stack.openai(stack.key("p"))
+    texts = [client.completions.create(model=MODEL_NAME, prompt=f"say {i}", max_tokens=3, temperature=0)
+             for i in range(8)]
+    assert all(t.usage.completion_tokens == 3 for t in texts)
+    lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"say {i}"}],
+                       "max_tokens": 4}} for i in range(6)]
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    file_id = client.files.create(file=("in.jsonl", data), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = stack.until(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, 120,
+                       "the batch", poll=0.2)
+    assert (done.request_counts.total, done.request_counts.completed) == (6, 6)
+    out = client.files.content(done.output_file_id).content.decode().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in out) == [f"b{i}" for i in range(6)]
+    keys = stack.client.keys
+    added = [stack.client.redis.xinfo_stream(k.requests)["entries-added"] for k in keys.parts()]
+    assert keys.partitions > 1 and sum(added) >= 8 + 6  # the sync requests and the batch's lines

@@ -60,7 +60,7 @@ class Stack:
     def __init__(self, redis_url: str, tmp: Path, env: dict[str, str] | None = None):
         self.tmp = tmp
         self.redis_url = redis_url
-        self.prefix = f"{{e{uuid.uuid4().hex[:8]}}}"
+        self.prefix = (env or {}).get("BATCHINFER_PREFIX") or f"{{e{uuid.uuid4().hex[:8]}}}"
         self.env = {**os.environ, "BATCHINFER_REDIS_URL": redis_url, "BATCHINFER_PREFIX": self.prefix,
                     "BATCHINFER_RESULTS_ROOT": str(tmp / "results"), "BATCHINFER_HEARTBEAT_SECONDS": "1",
                     "BATCHINFER_LEASE_SECONDS": "20", "OMP_NUM_THREADS": "1",

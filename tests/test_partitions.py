@@ -72,13 +72,19 @@ def test_everything_of_a_job_shares_one_slot_and_partitions_get_different_slots(
         assert home.partition == partition_of(job, 4)
         names = [keys.job(job), keys.results(job), keys.published(job), keys.attempts(job),
                  keys.admitted(job), home.requests, home.batches("m"), home.queue("m", f"0:{job}"),
-                 home.queues("m"), home.held, home.scheduler_owner, home.scheduler_epoch]
+                 home.queues("m"), home.held, home.held_models, home.scheduler_owner, home.scheduler_epoch,
+                 home.jobs, home.cancelled, home.deadletter, home.reply("t"),
+                 keys.idempotency("c", job), keys.redelivery("r", job)]  # one publication's keys too
         assert len({key_slot(n.encode()) for n in names}) == 1, names
         assert {k.job(job) for k in keys.parts()} == {keys.job(job)}  # the same name from every view
     assert len({key_slot(k.requests.encode()) for k in keys.parts()}) == 4
     direct = [keys.results("direct"), keys.published_direct("1-0"), keys.redelivery("1-0"), keys.jobs,
-              keys.idempotency("c"), keys.reply("t"), keys.deadletter]
+              keys.idempotency("c"), keys.reply("t"), keys.deadletter, keys.attempts("direct"),
+              keys.workers, keys.schedulers, keys.cancelled_requests, keys.partitions_count]
     assert {key_slot(n.encode()) for n in direct} == {key_slot(b"{bi}")}  # registries: partition 0's slot
+    assert keys.reply_partition("{bi.2}:reply:t") == 2 and keys.reply_partition("{bi}:reply:t") == 0
+    outside = ("{bi}:reply:", "{bi.9}:reply:t", "{bx}:reply:t", "t")  # no token, no such partition...
+    assert [keys.reply_partition(n) for n in outside] == [None] * 4
 
 
 def test_bad_partition_settings_are_refused_with_their_name():
@@ -266,6 +272,33 @@ def test_an_entry_in_the_wrong_partition_is_refused_with_where_it_belongs(redis_
     assert JobStore(r, keys).get(job).total is None  # the close was not applied
 
 
+def test_a_reply_to_outside_its_rows_partition_is_refused_naming_the_right_namespace(redis_server):
+    """A row's publication touches one slot: a job's entry may name a reply stream of its job's
+    partition only (a direct request's: partition 0's); an op's answer, written alone, any."""
+    r = redis_server.client()
+    settings = _settings(redis_server, "{pr}")
+    keys = settings.keys()
+    job = _job_in(keys, 1, "r-")
+    JobStore(r, keys).create(job, model="echo")
+    home = keys.part(1)
+    for idx, reply in enumerate([keys.reply("elsewhere"), home.reply("mine")]):
+        entry = IntakeEntry(body=json.dumps({"prompt": "x"}), job_id=job, idx=idx, line=idx + 1,
+                            reply_to=reply)
+        r.xadd(home.requests, entry.to_fields())
+    direct = IntakeEntry(body=json.dumps({"prompt": "y"}), reply_to=home.reply("direct"))
+    r.xadd(home.requests, direct.to_fields())
+    sched = SchedulerDaemon(r, settings, instance="a")
+    for _ in range(3):
+        sched.run_once()
+    refused = {row.idx: row for row in _rows(r, keys, job) if row.error_code == "protocol_error"}
+    assert list(refused) == [0]
+    assert "is in partition 0" in refused[0].error_message and home.reply("") in refused[0].error_message
+    assert r.xlen(keys.reply("elsewhere")) == 0  # nothing written to the other partition's stream
+    (row,) = [ResultRow.from_json(f[b"row"]) for _, f in r.xrange(keys.results("direct"))]
+    assert row.error_code == "protocol_error" and "a direct request" in row.error_message
+    assert keys.reply("") in row.error_message and r.xlen(home.reply("direct")) == 0
+
+
 def test_a_worker_reads_every_partition_fairly(redis_server):
     """A worker with batches waiting in both partitions takes from both in turn: one partition's
     backlog does not starve the other's."""
@@ -390,31 +423,11 @@ def test_the_http_api_serves_sync_requests_and_batches_over_two_partitions(redis
                                                                            tmp_path):
     """The HTTP API's doors route by the partition rules too: synchronous requests (direct, a random
     partition each) and a batch (a job, its id's partition) through the official SDK."""
-    from api_stack import MODEL_NAME, ApiStack
+    from api_stack import ApiStack, serve_sync_and_batch
 
     stack = ApiStack(redis_server.url, tmp_path / "api", tiny_llama, env={"BATCHINFER_PARTITIONS": "2"})
     try:
-        stack.start_all()
-        stack.wait_for_model()
-        client = stack.openai(stack.key("p"))
-        texts = [client.completions.create(model=MODEL_NAME, prompt=f"say {i}", max_tokens=3, temperature=0)
-                 for i in range(8)]
-        assert all(t.usage.completion_tokens == 3 for t in texts)
-        lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"say {i}"}],
-                           "max_tokens": 4}} for i in range(6)]
-        data = "".join(json.dumps(x) + "\n" for x in lines).encode()
-        file_id = client.files.create(file=("in.jsonl", data), purpose="batch").id
-        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
-        done = stack.until(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, 120,
-                           "the batch", poll=0.2)
-        assert (done.request_counts.total, done.request_counts.completed) == (6, 6)
-        out = client.files.content(done.output_file_id).content.decode().splitlines()
-        assert sorted(json.loads(x)["custom_id"] for x in out) == [f"b{i}" for i in range(6)]
-        keys = stack.client.keys
-        added = [stack.client.redis.xinfo_stream(k.requests)["entries-added"] for k in keys.parts()]
-        assert keys.partitions == 2 and sum(added) >= 8 + 6  # the sync requests and the batch's lines
+        serve_sync_and_batch(stack)
     finally:
         stack.close()
 

@@ -9,6 +9,11 @@ of their own get ``sentinel_password``. The client asks the sentinels for the cu
 whenever it (re)connects, so after a failover the next retried command reaches the promoted
 replica (redis-py's ``Sentinel`` / ``SentinelConnectionPool``).
 
+A Redis Cluster is reached from any node's ``redis://`` or ``rediss://`` URL through redis-py's
+``RedisCluster`` (:func:`connect` with ``cluster``, asked or detected): commands route by their
+keys, and batchinfer keeps every Lua call and MULTI within one slot (docs/protocol.md, Partitions);
+:func:`read_groups` reads streams of several slots one XREADGROUP per slot.
+
 Every process (client, CLI, daemons) connects through :func:`connect`, so retries with backoff on
 connection errors and the health check interval are the same everywhere. Consumer groups are
 created in one place too: :func:`ensure_group`.

@@ -34,6 +34,7 @@ from faulty_echo import ENGINE_CLASS, FAULT_OPTIONS
 from batchinfer.cli.runner import python_module
 from batchinfer.client.client import Client
 from batchinfer.config import Settings
+from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.registry import Registry
 from batchinfer.workers.service.daemon import WorkerDaemon
 from batchinfer.workers.service.worker_config import WorkerConfig
@@ -274,6 +275,38 @@ def interleave(steps: list[str], schedulers: dict[str, Any], submit: Callable[[]
             for _ in range(20):
                 if not sched.run_once():
                     break
+
+
+class Schedulers:
+    """Schedulers (``SchedulerDaemon``) serving in threads of the test, named by the test."""
+
+    def __init__(self, r, settings: Settings):
+        self.r, self.settings = r, settings
+        self.running: dict[str, tuple[SchedulerDaemon, threading.Event, threading.Thread]] = {}
+
+    def start(self, name: str) -> SchedulerDaemon:
+        sched = SchedulerDaemon(self.r, self.settings, instance=name, block_ms=50)
+        sched.admission.models.refresh = 0
+        stop = threading.Event()
+        thread = threading.Thread(target=sched.run, args=(stop,), daemon=True)
+        thread.start()
+        self.running[name] = (sched, stop, thread)
+        return sched
+
+    def stop(self, name: str) -> None:
+        _, stop, thread = self.running.pop(name)
+        stop.set()
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+
+    def close(self) -> None:
+        for name in list(self.running):
+            self.stop(name)
+
+
+def job_in(keys: Any, partition: int, stem: str) -> str:
+    """The first job id ``<stem><n>`` that lives in ``partition`` of ``keys``."""
+    return next(f"{stem}{i}" for i in range(1000) if keys.job_partition(f"{stem}{i}") == partition)
 
 
 class ThreadedWorker:

@@ -11,14 +11,13 @@ master.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
 import redis
 from clusters import ClusterSet
-from daemons import ThreadedWorker, wait_until, worker_daemon
+from daemons import Schedulers, ThreadedWorker, job_in, wait_until, worker_daemon
 from redis.cluster import RedisCluster, key_slot
 
 from batchinfer.client.client import Client
@@ -26,7 +25,6 @@ from batchinfer.config import Settings
 from batchinfer.keys import DIRECT, Keys
 from batchinfer.protocol.rows import ResultRow
 from batchinfer.redis_conn import connect, in_cluster, read_groups
-from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStatus, JobStore
 from batchinfer.store.queue_state import held_models, queue_state
 from batchinfer.workers.service.echo_engine import EchoEngine
@@ -45,10 +43,6 @@ def cluster(tmp_path_factory):
 def _settings(cluster: ClusterSet, prefix: str, **kw) -> Settings:
     return Settings(redis_url=cluster.url, redis_cluster="1", prefix=prefix, partitions=PARTITIONS,
                     heartbeat_seconds=0.3, **kw)
-
-
-def _job_in(keys: Keys, partition: int, stem: str) -> str:
-    return next(f"{stem}{i}" for i in range(1000) if keys.job_partition(f"{stem}{i}") == partition)
 
 
 def _rows(r, keys: Keys, job: str) -> list[ResultRow]:
@@ -102,33 +96,13 @@ def test_reading_streams_of_several_slots_reads_each_and_blocks_on_one(cluster):
 # -- the whole path -----------------------------------------------------------------------------------
 
 
-class _Schedulers:
-    def __init__(self, r, settings: Settings):
-        self.r, self.settings = r, settings
-        self.running: list[tuple[threading.Event, threading.Thread]] = []
-
-    def start(self, name: str) -> None:
-        sched = SchedulerDaemon(self.r, self.settings, instance=name, block_ms=50)
-        sched.admission.models.refresh = 0
-        stop = threading.Event()
-        thread = threading.Thread(target=sched.run, args=(stop,), daemon=True)
-        thread.start()
-        self.running.append((stop, thread))
-
-    def close(self) -> None:
-        for stop, thread in self.running:
-            stop.set()
-            thread.join(timeout=20)
-            assert not thread.is_alive()
-
-
 @contextlib.contextmanager
 def _served(cluster: ClusterSet, redis_server, prefix: str, models: tuple[str, ...] = ("echo",)):
     """``(cluster client, settings)`` with two schedulers and one echo worker per model, in threads."""
     settings = _settings(cluster, prefix, rq_redis_url=redis_server.url)
     r = settings.connect()
     assert isinstance(r, RedisCluster)
-    scheds = _Schedulers(r, settings)
+    scheds = Schedulers(r, settings)
     workers = [ThreadedWorker(worker_daemon(r, settings, EchoEngine(max_num_seqs=8, model_name=m),
                                             name=f"w-{m}", block_ms=50)) for m in models]
     try:
@@ -146,7 +120,7 @@ def test_jobs_direct_requests_retries_and_cancels_over_three_partitions_on_a_clu
     with _served(cluster, redis_server, "{cl}") as (r, settings):
         keys = settings.keys()
         client = Client(settings=settings)
-        jobs = [_job_in(keys, p, "job-") for p in range(PARTITIONS)]
+        jobs = [job_in(keys, p, "job-") for p in range(PARTITIONS)]
         for job in jobs:  # some lines with a client_request_id, one of them sent twice
             lines = [{"prompt": f"{job} line {i}", "max_tokens": 3} for i in range(30)]
             client.submit(lines, model="echo", job_id=job)
@@ -158,7 +132,7 @@ def test_jobs_direct_requests_retries_and_cancels_over_three_partitions_on_a_clu
         for job in jobs:
             wait_until(lambda job=job: len(_rows(r, keys, job)) == 30, timeout=60, what=f"{job}'s rows")
         # a job cancelled while its model is not served: held, then answered 'cancelled'
-        late = _job_in(keys, 2, "late-")
+        late = job_in(keys, 2, "late-")
         client.submit([{"prompt": f"late {i}", "max_tokens": 2} for i in range(5)], model="nobody",
                       job_id=late)
         wait_until(lambda: held_models(r, keys).get("nobody") == 5, timeout=30, what="5 held requests")

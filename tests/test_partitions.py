@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import redis
-from daemons import ThreadedWorker, dispatched, interleave, wait_until, worker_daemon
+from daemons import Schedulers, ThreadedWorker, dispatched, interleave, job_in, wait_until, worker_daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
@@ -140,39 +140,8 @@ def _settings(server, prefix: str) -> Settings:
                     heartbeat_seconds=0.3)
 
 
-def _job_in(keys: Keys, partition: int, stem: str) -> str:
-    return next(f"{stem}{i}" for i in range(1000) if keys.job_partition(f"{stem}{i}") == partition)
-
-
 def _rows(r, keys: Keys, job: str) -> list[ResultRow]:
     return [ResultRow.from_json(f[b"row"]) for _, f in r.xrange(keys.results(job))]
-
-
-class Schedulers:
-    """Schedulers serving in threads of the test."""
-
-    def __init__(self, r, settings: Settings):
-        self.r, self.settings = r, settings
-        self.running: dict[str, tuple[SchedulerDaemon, threading.Event, threading.Thread]] = {}
-
-    def start(self, name: str) -> SchedulerDaemon:
-        sched = SchedulerDaemon(self.r, self.settings, instance=name, block_ms=50)
-        sched.admission.models.refresh = 0
-        stop = threading.Event()
-        thread = threading.Thread(target=sched.run, args=(stop,), daemon=True)
-        thread.start()
-        self.running[name] = (sched, stop, thread)
-        return sched
-
-    def stop(self, name: str) -> None:
-        _, stop, thread = self.running.pop(name)
-        stop.set()
-        thread.join(timeout=20)
-        assert not thread.is_alive()
-
-    def close(self) -> None:
-        for name in list(self.running):
-            self.stop(name)
 
 
 def _owned(r, keys: Keys) -> dict[str, tuple[int, ...]]:
@@ -203,7 +172,7 @@ def test_two_schedulers_share_two_partitions_and_every_request_gets_one_row(redi
         wait_until(lambda: sorted(_owned(r, keys).values()) == [(0,), (1,)], timeout=10,
                    what="one partition each")
         client = Client(settings=settings)
-        jobs = [_job_in(keys, p, "job-") for p in (0, 1)]
+        jobs = [job_in(keys, p, "job-") for p in (0, 1)]
         for job in jobs:
             client.submit([{"prompt": f"{job} line {i}", "max_tokens": 3} for i in range(40)], model="echo",
                           job_id=job)
@@ -241,7 +210,7 @@ def test_a_scheduler_that_stops_hands_its_partition_over(redis_server):
         scheds.stop("a")
         wait_until(lambda: _owned(r, keys).get("b") == (0, 1), timeout=10, what="b to take both")
         client = Client(settings=settings)
-        jobs = [_job_in(keys, p, "late-") for p in (0, 1)]
+        jobs = [job_in(keys, p, "late-") for p in (0, 1)]
         for job in jobs:
             client.submit([{"prompt": f"{i}", "max_tokens": 2} for i in range(10)], model="echo", job_id=job)
         for job in jobs:
@@ -249,12 +218,18 @@ def test_a_scheduler_that_stops_hands_its_partition_over(redis_server):
         client.close()
 
 
-def test_an_entry_in_the_wrong_partition_is_refused_with_where_it_belongs(redis_server):
+def _a_job_in_partition_1(redis_server, prefix: str) -> tuple[redis.Redis, Settings, Keys, str]:
+    """``(redis, settings, keys, job)``: a two-partition queue and an open job of partition 1."""
     r = redis_server.client()
-    settings = _settings(redis_server, "{pw}")
+    settings = _settings(redis_server, prefix)
     keys = settings.keys()
-    job = _job_in(keys, 1, "w-")
+    job = job_in(keys, 1, "w-")
     JobStore(r, keys).create(job, model="echo")
+    return r, settings, keys, job
+
+
+def test_an_entry_in_the_wrong_partition_is_refused_with_where_it_belongs(redis_server):
+    r, settings, keys, job = _a_job_in_partition_1(redis_server, "{pw}")
     wrong = keys.part(0)
     entry = IntakeEntry(body=json.dumps({"prompt": "x"}), job_id=job, idx=0, line=1)
     r.xadd(wrong.requests, entry.to_fields())
@@ -275,11 +250,7 @@ def test_an_entry_in_the_wrong_partition_is_refused_with_where_it_belongs(redis_
 def test_a_reply_to_outside_its_rows_partition_is_refused_naming_the_right_namespace(redis_server):
     """A row's publication touches one slot: a job's entry may name a reply stream of its job's
     partition only (a direct request's: partition 0's); an op's answer, written alone, any."""
-    r = redis_server.client()
-    settings = _settings(redis_server, "{pr}")
-    keys = settings.keys()
-    job = _job_in(keys, 1, "r-")
-    JobStore(r, keys).create(job, model="echo")
+    r, settings, keys, job = _a_job_in_partition_1(redis_server, "{pr}")
     home = keys.part(1)
     for idx, reply in enumerate([keys.reply("elsewhere"), home.reply("mine")]):
         entry = IntakeEntry(body=json.dumps({"prompt": "x"}), job_id=job, idx=idx, line=idx + 1,
@@ -311,7 +282,7 @@ def test_a_worker_reads_every_partition_fairly(redis_server):
         r.xgroup_create(keys.part(1).batches("echo"), "workers", id="0")  # made in every partition
     for view in keys.parts():
         for i in range(3):
-            job = _job_in(keys, view.partition, f"f{i}-")
+            job = job_in(keys, view.partition, f"f{i}-")
             request = BatchRequest(request_id=f"{job}:0", job_id=job, idx=0, prompt_token_ids=[1, 2],
                                    sampling_params={"max_tokens": 1}, model="echo")
             r.xadd(view.batches("echo"), batches.encode([request]))

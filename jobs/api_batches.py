@@ -28,7 +28,8 @@ def enqueue_start(r: redis.Redis, settings: Settings, batch_id: str) -> str:
     from rq.serializers import JSONSerializer
 
     rq_id = rq_job_id("start", settings.prefix, batch_id)
-    queue = Queue(RQ_QUEUE, connection=settings.connect_rq(r), serializer=JSONSerializer)
+    rq = settings.connect_rq(r)  # rq's Redis: the data Redis unless BATCHINFER_RQ_REDIS_URL
+    queue = Queue(RQ_QUEUE, connection=rq, serializer=JSONSerializer)
     with contextlib.suppress(DuplicateJobError):  # enqueued already: a retried create
         queue.enqueue_call(
             START_JOB, args=[batch_id], kwargs={"prefix": settings.prefix},

@@ -49,7 +49,8 @@ def enqueue_export(r: redis.Redis, settings: Settings, job_id: str, *, output: s
     from rq.serializers import JSONSerializer
 
     rq_id = rq_job_id("export", settings.prefix, job_id)
-    queue = Queue(RQ_QUEUE, connection=settings.connect_rq(r), serializer=JSONSerializer)
+    rq = settings.connect_rq(r)  # rq's Redis: the data Redis unless BATCHINFER_RQ_REDIS_URL
+    queue = Queue(RQ_QUEUE, connection=rq, serializer=JSONSerializer)
     # A DuplicateJobError means this job's export exists already: a retried call, or the safety net's race.
     with contextlib.suppress(DuplicateJobError):
         queue.enqueue_call(

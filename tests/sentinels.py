@@ -129,6 +129,17 @@ class SentinelSet:
             return redis.Redis(port=self.replica.port).info("replication")["role"] == "master"
         self._until(promoted, timeout, "the replica's promotion")
 
+    def rejoin_old_master(self, timeout: float = 30) -> None:
+        """Start the killed master again (empty, on its port): the sentinels make it a replica of the
+        promoted one; returns once the promoted master counts it as a connected replica."""
+        self.master.start()
+
+        def rejoined() -> bool:
+            info = redis.Redis(port=self.replica.port).info("replication")
+            return info["role"] == "master" and int(info.get("connected_slaves", 0)) >= 1
+
+        self._until(rejoined, timeout, "the old master to rejoin as a replica")
+
     def _until(self, cond, timeout: float, what: str) -> None:
         """``daemons.wait_until``, a Redis that does not answer (yet) counting as not there."""
         def quiet() -> bool:

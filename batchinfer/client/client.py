@@ -26,7 +26,7 @@ from batchinfer.jobs.queueing import enqueue_export, finish_then_export, publish
 from batchinfer.keys import Keys
 from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, JobOp, parse_duration, valid_job_id
 from batchinfer.protocol.rows import ResultRow, now_ms
-from batchinfer.redis_conn import as_text, master_client
+from batchinfer.redis_conn import as_text, in_cluster, master_client
 from batchinfer.store import replies, scripts
 from batchinfer.store.jobcontrol import append_job_error, check_open, open_job
 from batchinfer.store.jobstore import JobField, JobRecord, JobStatus, JobStore, new_job_id
@@ -312,6 +312,8 @@ class Client:
         # arguments (its numbers as one text, its bodies as one string): redis-py then packs four
         # arguments, not a command per entry, which is what makes a large submit fast.
         add_requests = scripts.register(self.redis, "add_requests")
+        if in_cluster(self.redis):  # a Cluster pipeline does not load its scripts (every master's)
+            scripts.preload(add_requests)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xadd(stream, replies.xadd_fields(op.to_fields()))  # a no-op for the scheduler: the job exists
         duplicates = DuplicateIds()
@@ -319,8 +321,8 @@ class Client:
         numbers: list[int] = []  # idx, line and size in bytes of each body
 
         def add() -> None:  # queued on the pipeline; sent by its next execute
-            scripts.queue(add_requests, pipe, [stream],
-                          [PROTOCOL_VERSION, job_id, " ".join(map(str, numbers)), b"".join(bodies)])
+            add_requests(keys=[stream], client=pipe,
+                         args=[PROTOCOL_VERSION, job_id, " ".join(map(str, numbers)), b"".join(bodies)])
             bodies.clear()
             numbers.clear()
 

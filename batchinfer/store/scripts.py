@@ -37,13 +37,9 @@ def register(redis_client: redis.Redis, name: str) -> Script:
     return redis_client.register_script(lua_source(name))
 
 
-def queue(script: Script, pipe: redis.client.Pipeline, keys: list, args: list) -> None:
-    """Queue a call of ``script`` on ``pipe``. A plain pipeline loads its scripts before it runs them
-    (SCRIPT EXISTS, SCRIPT LOAD: redis-py's); a Redis Cluster pipeline does not, so there the call is
-    an EVAL carrying the text (Redis compiles it once and caches it), never a NOSCRIPT mid-pipeline."""
-    from redis.cluster import ClusterPipeline
 
-    if isinstance(pipe, ClusterPipeline):
-        pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
-    else:
-        script(keys=keys, args=args, client=pipe)
+def preload(script: Script) -> None:
+    """Load ``script`` on its client's servers now (on a Redis Cluster, every master). A plain
+    pipeline loads its scripts itself before it runs them (redis-py: SCRIPT EXISTS, SCRIPT LOAD); a
+    Cluster pipeline queues bare EVALSHAs, so a caller that pipelines a script there loads it first."""
+    script.sha = script.registered_client.script_load(script.script)

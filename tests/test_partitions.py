@@ -27,6 +27,7 @@ from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.scheduler.daemon import SchedulerDaemon
 from batchinfer.store.jobstore import JobStore
 from batchinfer.store.ownership import live_schedulers, share_of, to_release
+from batchinfer.store.publish import Publisher
 from batchinfer.store.queue_state import queue_state
 from batchinfer.store.registry import PartitionsMismatch
 from batchinfer.workers.service.echo_engine import EchoEngine
@@ -433,3 +434,30 @@ def test_one_renewal_thread_keeps_every_partition_a_scheduler_owns(redis_server)
     finally:
         scheds.close()
     assert [t for t in threading.enumerate() if t.name == "ownership-renewal"] == []
+
+
+def test_a_worker_s_retries_go_one_multi_per_partition_and_a_failed_one_never_sends_the_others_twice(
+        redis_server):
+    from batchinfer.workers.service.inflight import Book
+    from batchinfer.workers.service.outbox import Outbox
+
+    r = redis_server.client()
+    keys = Keys("{po}", 2)
+    jobs = [job_in(keys, p, "o-") for p in (0, 1)]
+    streams = BatchStreams(keys, "echo")
+    outbox = Outbox(r, keys, streams, Publisher(r, keys), enqueue_export=lambda job: None,
+                    on_published=lambda row: None, on_acked=lambda entries: None, max_attempts=3)
+    for job in jobs:
+        outbox.retry(BatchRequest(request_id=f"{job}:0", job_id=job, idx=0, prompt_token_ids=[65],
+                                  sampling_params={"max_tokens": 2}, model="echo", line=1, created_at=1))
+    blocked = keys.part(1).batches("echo")
+    r.set(blocked, "not a stream")  # partition 1's MULTI fails (WRONGTYPE), partition 0's has run
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        outbox.flush(Book())
+    assert [q.job_id for q in outbox.retries] == [jobs[1]]  # only the failed partition's is left
+    r.delete(blocked)
+    outbox.flush(Book())
+    for part, job in zip(keys.parts(), jobs, strict=True):
+        (entry,) = r.xrange(part.batches("echo"))  # each request re-dispatched once, in its partition
+        assert [q["job_id"] for q in json.loads(entry[1][b"requests"])] == [job]
+        assert r.hget(keys.attempts(job), "0") == b"1"

@@ -190,7 +190,8 @@ class Outbox:
                     job, field = attempts_field(dead.request)
                     pipe.hset(self.keys.attempts(job), field, dead.attempts)
                 pipe.execute()
-            self.dead_letters = []
+                written = {id(dead) for dead in letters}  # a later partition's error keeps only its own
+                self.dead_letters = [dead for dead in self.dead_letters if id(dead) not in written]
         self.confirmed += self.sent  # a batch is acked only after its dead letters are recorded
         self.sent = []
         while self.exports:
@@ -224,26 +225,29 @@ class Outbox:
             self.acks = []
 
     def _send_retries(self) -> None:
-        """One MULTI: new batch entries holding every request to retry (those on their last attempt
-        alone, in ``solo`` batches: ``retry_batches``) on its own stream, and their attempt counts."""
-        requests = list(self.retries)
+        """One MULTI per partition (one Cluster slot): new batch entries holding every request to
+        retry (those on their last attempt alone, in ``solo`` batches: ``retry_batches``) on its own
+        stream, and their attempt counts. A partition's requests leave the queue once its MULTI ran,
+        so an error in the next one never sends them twice."""
         by_stream: dict[str, list[BatchRequest]] = {}  # its adapter's, in its job's partition
-        for q in requests:
+        for q in self.retries:
             stream = self.streams.stream(q.lora, self.keys.job_partition(q.job_id))
             by_stream.setdefault(stream, []).append(q)
         for streams in by_partition(by_stream, self.streams.partition_of).values():
-            pipe = self.redis.pipeline(transaction=True)  # one MULTI per partition: one Cluster slot
+            pipe = self.redis.pipeline(transaction=True)
+            requests = [q for stream in streams for q in by_stream[stream]]
             for stream in streams:
                 for fields in retry_batches(by_stream[stream], self.max_attempts):
                     pipe.xadd(stream, replies.xadd_fields(fields))
-                for q in by_stream[stream]:
-                    job, field = attempts_field(q)
-                    pipe.hset(self.keys.attempts(job), field, q.attempts)
+            for q in requests:
+                job, field = attempts_field(q)
+                pipe.hset(self.keys.attempts(job), field, q.attempts)
             pipe.execute()
-        log.warning("re-dispatched %d request(s) the engine failed on: %s", len(requests),
-                    ", ".join(f"{q.request_id} (attempt {q.attempts + 1})" for q in requests))
-        self.retries.clear()
-        self.sent += [(q.request_id, False) for q in requests]
+            log.warning("re-dispatched %d request(s) the engine failed on: %s", len(requests),
+                        ", ".join(f"{q.request_id} (attempt {q.attempts + 1})" for q in requests))
+            sent = {id(q) for q in requests}
+            self.retries = deque(q for q in self.retries if id(q) not in sent)
+            self.sent += [(q.request_id, False) for q in requests]
 
 
 class PublisherStopped(RuntimeError):

@@ -130,9 +130,11 @@ class SentinelSet:
         self._until(promoted, timeout, "the replica's promotion")
 
     def rejoin_old_master(self, timeout: float = 30) -> None:
-        """Start the killed master again (empty, on its port): the sentinels make it a replica of the
-        promoted one; returns once the promoted master counts it as a connected replica."""
+        """Start the killed master again (empty, on its port) as a replica of the promoted one (what
+        the sentinels would tell it, in their own time: told here, so the test does not wait on
+        them); returns once the promoted master counts it as a connected replica."""
         self.master.start()
+        redis.Redis(port=self.master.port).replicaof("127.0.0.1", self.replica.port)
 
         def rejoined() -> bool:
             info = redis.Redis(port=self.replica.port).info("replication")

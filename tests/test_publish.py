@@ -8,6 +8,7 @@ import time
 import uuid
 
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -233,6 +234,77 @@ def test_publish_many_reloads_the_script_and_keeps_outcomes(redis_server):
     assert r.xlen(KEYS.results("n")) == 2
     with pytest.raises(ValueError, match="idx"):
         pub.publish_many([(row("n", -1), None)])
+
+
+def test_publish_many_a_failing_row_fails_alone_and_the_call_raises_after_the_others(r):
+    """One row's error (WRONGTYPE on its guard) inside a publish_rows.lua call: the rows before and
+    after it in the same call are published and their outcomes kept; the call then raises, naming
+    the request, and a retry publishes what is left once the key is mended."""
+    for job in ("ok", "bad"):
+        make_job(r, job, "in_progress")
+        r.hset(KEYS.job(job), "total", 1 if job == "bad" else 2)
+    r.hset(KEYS.published("bad"), "not", "a bitmap")
+    pub = Publisher(r, KEYS)
+    items = [(row("ok", 0), None), (row("bad", 0), None), (row("ok", 1), None)]
+    with pytest.raises(Exception, match=r"request bad:0.*WRONGTYPE") as raised:
+        pub.publish_many(items)
+    assert isinstance(raised.value, redis.ResponseError)
+    assert r.xlen(KEYS.results("ok")) == 2  # both good rows, the second after the failed one
+    assert job_fields(r, "ok")["status"] == "finalizing"
+    assert not r.exists(KEYS.results("bad"))
+    r.delete(KEYS.published("bad"))
+    outcomes = pub.publish_many(items)
+    assert [(o.published, o.finalizing) for o in outcomes] == [(False, False), (True, True), (False, False)]
+
+
+def test_publish_many_splits_calls_by_partition_and_chunk(redis_server, monkeypatch):
+    """More rows than one call takes, over two partitions: one call per partition and chunk (a
+    Cluster needs one slot per call), every row published once, outcomes in the caller's order."""
+    from batchinfer.store import publish
+
+    monkeypatch.setattr(publish, "PUBLISH_CHUNK", 3)
+    keys = Keys("{q}", partitions=2)
+    r = redis_server.client()
+    names = [f"job{i}" for i in range(40)]
+    jobs = [next(j for j in names if keys.job_partition(j) == p) for p in (0, 1)]
+    for job in jobs:
+        r.hset(keys.job(job), mapping={"id": job, "status": "in_progress", "total": 5})
+    assert keys.published(jobs[0]).startswith("{q}:") and keys.published(jobs[1]).startswith("{q.1}:")
+    items = [(row(jobs[i % 2], i // 2), None) for i in range(10)]  # the jobs' rows interleaved
+    chunks = publish._chunks(list(range(10)), [([keys.published(x.job_id)], []) for x, _ in items])
+    assert chunks == [[0, 2, 4], [6, 8], [1, 3, 5], [7, 9]]
+    outcomes = Publisher(r, keys).publish_many(items)
+    assert [o.published for o in outcomes] == [True] * 10
+    assert [i for i, o in enumerate(outcomes) if o.finalizing] == [8, 9]  # each job's last row
+    for job in jobs:
+        assert sorted(ResultRow.from_json(f[b"row"]).idx for _, f in r.xrange(keys.results(job))) == \
+            list(range(5))
+
+
+@given(published=st.sets(st.integers(0, 40)), asked=st.lists(st.integers(0, 48), max_size=20),
+       direct=st.lists(st.booleans(), max_size=4), span=st.sampled_from([1, 2, 65536]))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_published_mask_reads_each_guard_bit(r, monkeypatch, published, asked, direct, span):
+    """published_mask against GETBIT, whatever the idx (GETRANGE of the span, or a GETBIT each past
+    GUARD_SPAN_BYTES), in the caller's order, with direct requests among the job's."""
+    from batchinfer.store import publish
+
+    monkeypatch.setattr(publish, "GUARD_SPAN_BYTES", span)
+    job = f"g{uuid.uuid4().hex[:8]}"
+    make_job(r, job, "in_progress")
+    pub = Publisher(r, KEYS)
+    if published:
+        pub.publish_many([(row(job, idx), None) for idx in published])
+    triples = [(job, idx, None) for idx in asked]
+    for i, done in enumerate(direct):
+        rid = f"{job}-{i}"
+        if done:
+            pub.publish(ResultRow(job_id=None, request_id=rid, status="completed", output_text="d"))
+        triples.insert(i * 3, (None, None, rid))
+    want = [bool(r.getbit(KEYS.published(j), i)) if j else bool(r.exists(KEYS.published_direct(rid)))
+            for j, i, rid in triples]
+    assert pub.published_mask(triples) == want
+    assert [want[n] for n, (j, _, _) in enumerate(triples) if j] == [idx in published for idx in asked]
 
 
 @given(batches=st.lists(st.lists(st.tuples(st.integers(0, 11), st.booleans()), max_size=12), max_size=6))

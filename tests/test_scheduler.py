@@ -259,10 +259,16 @@ def test_fair_share_small_job_is_not_starved(env):
     store.create("small", model="tiny")
     submit(r, "big", [{"prompt": "b", "max_tokens": 4}] * 60)
     submit(r, "small", [{"prompt": "s", "max_tokens": 4}] * 2)  # arrives behind all of big
-    run_until_idle(make_scheduler(r))
-    first_two = batches(r)
-    assert {q.job_id for b in first_two for q in b} == {"big", "small"}
-    assert sum(q.job_id == "small" for b in first_two for q in b) == 2
+    sched = make_scheduler(r)
+    run_until_idle(sched)
+    # Slow start: the first read took FIRST_CHUNK (32) of big's entries only, and their batches
+    # went out at once (the worker was idle); small's entries were read in the next pass.
+    assert [{q.job_id for q in b} for b in batches(r)] == [{"big"}, {"big"}]
+    r.xreadgroup(WORKERS_GROUP, "w1", {KEYS.batches("tiny"): ">"}, count=2)  # the worker takes both
+    run_until_idle(sched)
+    next_two = batches(r)[2:]
+    assert {q.job_id for b in next_two for q in b} == {"big", "small"}  # not behind big's other 50
+    assert sum(q.job_id == "small" for b in next_two for q in b) == 2
 
 
 def test_duplicate_client_request_id_is_dropped(env):
@@ -367,3 +373,21 @@ def test_retry_batches_send_last_attempts_alone():
     assert all(e["v"] == "1" for e in entries)
     assert retry_batches([req(0, 0)], max_attempts=1) == [encode([req(0, 0)], solo=True)]
     assert retry_batches([], max_attempts=3) == []
+
+
+def test_intake_reads_small_after_idle_then_doubles_to_its_chunk(env):
+    """Slow start: after an idle read the intake takes FIRST_CHUNK new entries, then twice as many
+    each pass up to its chunk; an empty read starts it small again."""
+    r, registry, _ = env
+    live_worker(registry)
+    JobStore(r, KEYS).create("j", model="tiny")
+    submit(r, "j", [{"prompt": "p", "max_tokens": 4}] * 600)
+    sched = make_scheduler(r)
+    sched.run_once()  # takes the partition, reads the first chunk
+    assert r.xlen(KEYS.requests) == 600 - 32  # taken in entries are acked and deleted
+    intake = sched.intake
+    assert [intake.step(None) for _ in range(5)] == [64, 128, 256, 120, 0]
+    assert intake.next_chunk == 32
+    submit(r, "j", [{"prompt": "p", "max_tokens": 4}] * 40, start=600)
+    assert [intake.step(None), intake.step(None), intake.step(None)] == [32, 8, 0]
+    assert r.xlen(KEYS.requests) == 0

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchinfer.protocol import compact_json
 from batchinfer.protocol.entries import PROTOCOL_VERSION
 from batchinfer.protocol.rows import BatchRequest, fields_dict
 
@@ -74,7 +75,7 @@ def encode_request(request: BatchRequest) -> str:
         del values["tools"]
     if values["tenant"] is None:  # and one of a job without a tenant as before tenants existed
         del values["tenant"]
-    return json.dumps(values, separators=(",", ":"), ensure_ascii=False)
+    return compact_json.dumps(values)
 
 
 def encode_raw(encoded: list[str], *, solo: bool = False) -> dict[str, str]:

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from batchinfer.protocol import compact_json
+
 if TYPE_CHECKING:
     from batchinfer.workers.sampling_params import SamplingParams
 
@@ -189,7 +191,7 @@ class ResultRow:
 
     def to_json(self) -> str:
         values = fields_dict(self)
-        text = json.dumps(values, ensure_ascii=False, separators=(",", ":"))
+        text = compact_json.dumps(values)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:

@@ -78,6 +78,7 @@ log = logging.getLogger(__name__)
 IDEMPOTENCY_TTL_S = 24 * 3600
 MAX_INTAKE_DELIVERIES = 5  # reads of one intake entry (after failures) before it is answered unrun
 MAX_OVERRIDDEN_NAMES = 8  # distinct overridden line models a job record names
+FIRST_CHUNK = 32  # new entries read after an idle read (then 64, 128, ... up to the chunk)
 _Entry = tuple[bytes, Fields | None]  # a stream entry read back: id and fields (None: deleted)
 
 
@@ -256,6 +257,10 @@ class Intake:
         self.redis, self.keys, self.admission, self.staging, self.sink = r, keys, admission, staging, sink
         self.fence = fence
         self.consumer, self.chunk, self.held_limit = consumer, chunk, held_limit
+        # New entries are read in chunks that start small after an idle read and double up to
+        # `chunk` (slow start): the first requests of a job reach staging, and so a worker, after
+        # FIRST_CHUNK entries' intake rather than a whole chunk's (docs/scheduler.md).
+        self.next_chunk = min(FIRST_CHUNK, chunk)
         self.recovered = False  # own pending entries re-read since (re)start
         self.held_cursor = "-"
         self.ops = JobOps(r, keys, admission.jobs, sink)
@@ -280,7 +285,8 @@ class Intake:
             entries = self._answer_poisoned(entries)
         if not entries:
             recovering = False
-            entries = self._read(">", block_ms)
+            entries = self._read(">", block_ms, count=self.next_chunk)
+            self.next_chunk = min(self.chunk, self.next_chunk * 2 if entries else FIRST_CHUNK)
         if not entries:
             return 0
         # Job ops apply in stream order: the request entries before one are settled first.
@@ -382,11 +388,11 @@ class Intake:
         bits = pipe.execute(raise_on_error=False)  # e.g. WRONGTYPE: that pair is not taken; admit decides
         return {p for p, bit in zip(pairs, bits, strict=True) if bit is True or bit == 1}
 
-    def _read(self, start: str, block_ms: int | None) -> list[_Entry]:
-        """One chunk of entries from ``start`` (``"0"``: own pending ones, which may have lost their
-        fields; ``">"``: new ones)."""
+    def _read(self, start: str, block_ms: int | None, count: int | None = None) -> list[_Entry]:
+        """One chunk of entries (``count``, default ``chunk``) from ``start`` (``"0"``: own pending
+        ones, which may have lost their fields; ``">"``: new ones)."""
         reply = read_group(self.redis, self.keys.requests, SCHEDULER_GROUP, self.consumer, start,
-                           count=self.chunk, block_ms=block_ms)
+                           count=count or self.chunk, block_ms=block_ms)
         streams = replies.read_pending(reply)
         return streams[0][1] if streams else []
 

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 DIRECT_GUARD_TTL = 7 * 24 * 3600  # seconds a direct request's guard outlives its publication
 DIRECT_RETENTION = 7 * 24 * 3600  # seconds results:direct keeps a row (the Settings default)
 NOSCRIPT_RETRIES = 3  # script reloads publish_many tries (each follows a flush of the script cache)
+GUARD_SPAN_BYTES = 65536  # a job's guard bits read with one GETRANGE when they span fewer bytes
+PUBLISH_CHUNK = 256  # rows per publish_rows.lua call: a few ms of Redis' time at most
 DROPPED_JOBS_REMEMBERED = 1024  # jobs whose dropped rows were logged already (one warning per job)
 NO_JOB = "no_job"  # reason label of a row dropped because its job has no record
 
@@ -118,13 +120,14 @@ class Publisher:
         self._dropped_lock = threading.Lock()
         # redis-py Script objects use EVALSHA and reload on NOSCRIPT (e.g. after a Redis restart)
         self._publish = scripts.register(redis_client, "publish")
+        self._publish_rows = scripts.register(redis_client, "publish_rows")
         self._finish = scripts.register(redis_client, "finish_submission")
 
     def _guard(self, job_id: str | None, request_id: str) -> str:
         return self.keys.published(job_id) if job_id else self.keys.published_direct(request_id)
 
     def _call(self, row: Row, reply_to: str | None) -> tuple[list[str], list]:
-        """KEYS and ARGV of ``publish.lua`` for ``row``."""
+        """KEYS of ``publish.lua`` for ``row``, and the row's own ARGV: idx, JSON, counter."""
         job_id = row.job_id or None
         if job_id is not None and (row.idx is None or row.idx < 0):
             raise ValueError(f"row {row.request_id!r} of job {job_id!r} has no valid idx: {row.idx!r}")
@@ -133,9 +136,12 @@ class Publisher:
         if reply_to:
             keys.append(reply_to)
         counter = ROW_COUNTERS[row.status].value
-        idx = row.idx if job_id is not None else -1
+        return keys, [row.idx if job_id is not None else -1, row.to_json(), counter]
+
+    def _times(self) -> list[int]:
+        """The ARGV every publication shares: now, the direct guard's TTL, results:direct's MINID."""
         now = self.clock()
-        return keys, [idx, row.to_json(), counter, now, self.direct_guard_ttl, now - self.direct_retention_ms]
+        return [now, self.direct_guard_ttl, now - self.direct_retention_ms]
 
     def _outcome(self, row: Row, reply: list) -> PublishOutcome:
         if reply[3]:
@@ -181,7 +187,7 @@ class Publisher:
         if self.replica_acks:
             return self.publish_many([(row, reply_to)])[0]
         keys, args = self._call(row, reply_to)
-        return self._outcome(row, self._publish(keys=keys, args=args))
+        return self._outcome(row, self._publish(keys=keys, args=[*args, *self._times()]))
 
     def publish_many(self, items: Iterable[tuple[Row, str | None]]) -> list[PublishOutcome]:
         """``publish`` for many ``(row, reply_to)`` pairs in one round trip; outcomes in the same order.
@@ -224,15 +230,22 @@ class Publisher:
     def _run(self, client: redis.Redis, todo: list[int], items: list[tuple[Row, str | None]],
              calls: list[tuple[list[str], list]], outcomes: list[PublishOutcome | None]) -> int:
         """:meth:`publish_many`'s pipeline on ``client`` for the calls ``todo``, filling their
-        ``outcomes``; returns the replicas its WAIT counted (``replica_acks`` when it sends none)."""
+        ``outcomes``; returns the replicas its WAIT counted (``replica_acks`` when it sends none).
+
+        The rows go as ``publish_rows.lua`` calls of up to ``PUBLISH_CHUNK`` rows that share a
+        slot (one partition's: on a Cluster a call's keys must), in one pipeline."""
         replicas = self.replica_acks
+        failed: redis.ResponseError | None = None
         for _ in range(NOSCRIPT_RETRIES + 1):
             if not todo:
                 break
+            chunks = _chunks(todo, calls)
+            times = self._times()
             pipe = client.pipeline(transaction=False)
-            for i in todo:
-                keys, args = calls[i]
-                pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
+            for chunk in chunks:
+                keys = [key for i in chunk for key in calls[i][0]]
+                args = [*times, *(a for i in chunk for a in (*calls[i][1], len(calls[i][0])))]
+                pipe.evalsha(self._publish_rows.sha, len(keys), *keys, *args)
             if self.replica_acks:
                 pipe.execute_command("WAIT", self.replica_acks, self.replica_timeout_ms)
             replies = pipe.execute(raise_on_error=False)
@@ -240,20 +253,40 @@ class Publisher:
                 replicas = replies.pop()
                 if isinstance(replicas, Exception):
                     raise replicas
-            missing = []
-            for i, reply in zip(todo, replies, strict=True):
+            missing: list[int] = []
+            for chunk, reply in zip(chunks, replies, strict=True):
                 if isinstance(reply, NoScriptError):
-                    missing.append(i)
+                    missing += chunk  # the call never ran: its rows go again
                 elif isinstance(reply, Exception):
                     raise reply
                 else:
-                    outcomes[i] = self._outcome(items[i][0], reply)
+                    failed = self._outcomes(chunk, reply, items, outcomes) or failed
             if missing:
-                client.script_load(self._publish.script)
+                client.script_load(self._publish_rows.script)
             todo = missing
         if todo:
             raise NoScriptError(f"publish script still missing after {NOSCRIPT_RETRIES} reloads")
+        if failed is not None:
+            raise failed  # after every other row's outcome is in (and their finalizing acted on)
         return int(replicas)
+
+    def _outcomes(self, chunk: list[int], reply: list, items: list[tuple[Row, str | None]],
+                  outcomes: list[PublishOutcome | None]) -> redis.ResponseError | None:
+        """Fill ``outcomes`` of the rows ``chunk`` from a ``publish_rows.lua`` reply; returns the
+        error of the first row that failed (its outcome stays None), if one did."""
+        codes, skipped, errors = as_text(reply[0]), reply[1], reply[2]
+        streams: dict[int, list[str]] = {}
+        for n in range(0, len(skipped), 2):
+            streams.setdefault(int(skipped[n]) - 1, []).append(skipped[n + 1])
+        for pos, (i, code) in enumerate(zip(chunk, codes, strict=True)):
+            if code == "e":
+                continue
+            outcomes[i] = self._outcome(items[i][0], [int(code in "1f"), int(code == "f"),
+                                                      streams.get(pos, ()), int(code == "d")])
+        if not errors:
+            return None
+        row = items[chunk[int(errors[0]) - 1]][0]
+        return redis.ResponseError(f"publishing the row of request {row.request_id}: {as_text(errors[1])}")
 
     def wait_for_replicas(self, client: redis.Redis | None = None) -> None:
         """With ``replica_acks``: WAIT until that many replicas have the writes so far of ``client``
@@ -285,20 +318,43 @@ class Publisher:
         return self.published_mask([(job_id, idx, request_id)])[0]
 
     def published_mask(self, requests: Iterable[tuple[str | None, int | None, str | None]]) -> list[bool]:
-        """``is_published`` for many ``(job_id, idx, request_id)`` triples in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        n = 0
+        """``is_published`` for many ``(job_id, idx, request_id)`` triples in one round trip: a job's
+        requests read their guard bits with one GETRANGE of the bytes they span (a worker checks
+        every batch it reads: one command per job, not per request; a GETBIT each where they span
+        more than ``GUARD_SPAN_BYTES``), a direct request its guard."""
+        requests = list(requests)
+        by_job: dict[str, list[int]] = {}
         for job_id, idx, request_id in requests:
             if job_id:
                 if idx is None or idx < 0:
                     raise ValueError(f"request of job {job_id!r} has no valid idx: {idx!r}")
-                pipe.getbit(self.keys.published(job_id), idx)
-            elif request_id:
-                pipe.exists(self.keys.published_direct(request_id))
-            else:
+                by_job.setdefault(job_id, []).append(idx)
+            elif not request_id:
                 raise ValueError("a direct request needs its request_id")
-            n += 1
-        return [bool(v) for v in pipe.execute()] if n else []
+        if not requests:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        spans: dict[str, int] = {}  # job -> the first byte its GETRANGE read
+        for job_id, idxs in by_job.items():
+            first, last = min(idxs) // 8, max(idxs) // 8
+            if last - first < GUARD_SPAN_BYTES:
+                spans[job_id] = first
+                pipe.getrange(self.keys.published(job_id), first, last)
+        for job_id, idx, request_id in requests:
+            if not job_id:
+                pipe.exists(self.keys.published_direct(request_id))  # type: ignore[arg-type]  # checked
+            elif job_id not in spans:
+                pipe.getbit(self.keys.published(job_id), idx)  # type: ignore[arg-type]  # checked
+        replies = iter(pipe.execute())
+        bits = {job_id: next(replies) for job_id in spans}
+        mask = []
+        for job_id, idx, _ in requests:
+            if not job_id or job_id not in spans:
+                mask.append(bool(next(replies)))
+                continue
+            data, at = bits[job_id], idx // 8 - spans[job_id]  # type: ignore[operator]  # checked
+            mask.append(at < len(data) and bool(data[at] >> (7 - idx % 8) & 1))  # type: ignore[operator]
+        return mask
 
 
 class Redelivery:
@@ -332,3 +388,17 @@ class Redelivery:
         ``job_id``: the duplicate's job (its claim's partition is the first request's)."""
         keys = [self.keys.redelivery(first_request_id, job_id), reply_to]
         return as_text(self._redeliver(keys=keys, args=[self.reply_ttl]))
+
+
+def _chunks(todo: list[int], calls: list[tuple[list[str], list]]) -> list[list[int]]:
+    """The rows ``todo`` in groups of up to ``PUBLISH_CHUNK`` whose keys share a hash tag (a row's
+    keys all carry its partition's: docs/protocol.md), in the order their tags first appear."""
+    groups: dict[str, list[list[int]]] = {}
+    for i in todo:
+        guard = calls[i][0][0]
+        tag = guard[guard.find("{"):guard.find("}") + 1]
+        chunks = groups.setdefault(tag, [[]])
+        if len(chunks[-1]) == PUBLISH_CHUNK:
+            chunks.append([])
+        chunks[-1].append(i)
+    return [chunk for chunks in groups.values() for chunk in chunks]

@@ -3,7 +3,8 @@
 Every script runs as a redis-py :class:`~redis.commands.core.Script`: EVALSHA, and on NOSCRIPT
 (a Redis restart, ``SCRIPT FLUSH``) SCRIPT LOAD and EVALSHA again; never a plain EVAL, which
 would send the whole text on every call. A script that calls a prelude's function gets that
-prelude prepended: ``maybe_finalize(`` the ``finalize.lua`` one, ``deliver_row(`` the ``deliver.lua`` one.
+prelude prepended (and the preludes that one calls): ``maybe_finalize(`` the ``finalize.lua`` one,
+``deliver_row(`` the ``deliver.lua`` one, ``publish_row`` the ``publish_row.lua`` one.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from importlib import resources
 import redis
 from redis.commands.core import Script
 
-# libraries of local functions, not scripts of their own: file name -> the call that needs it
-PRELUDES = {"finalize": "maybe_finalize(", "deliver": "deliver_row("}
+# libraries of local functions, not scripts of their own: file name -> the call that needs it; in
+# the order they are prepended (a prelude only calls those before it)
+PRELUDES = {"finalize": "maybe_finalize(", "deliver": "deliver_row(", "publish_row": "publish_row"}
 
 
 @cache
@@ -25,7 +27,10 @@ def lua_source(name: str) -> str:
     text = (lua / f"{name}.lua").read_text(encoding="utf-8")
     if name in PRELUDES:
         return text
-    used = [prelude for prelude, call in PRELUDES.items() if call in text]
+    used: list[str] = []
+    for prelude, call in reversed(PRELUDES.items()):  # a prelude's own calls are to those before it
+        if call in text or any(call in (lua / f"{p}.lua").read_text(encoding="utf-8") for p in used):
+            used.insert(0, prelude)
     return "\n".join([*((lua / f"{p}.lua").read_text(encoding="utf-8") for p in used), text])
 
 

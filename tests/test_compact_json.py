@@ -1,0 +1,55 @@
+"""compact_json.dumps: orjson where it can, the standard library where it cannot, the same values."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchinfer.protocol import compact_json
+from batchinfer.protocol.rows import ResultRow
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text()
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20)
+
+
+@given(json_values)
+def test_dumps_writes_what_json_reads_back_as_the_same_value(value):
+    text = compact_json.dumps(value)
+    assert json.loads(text) == value
+    assert json.loads(text.encode("utf-8")) == value
+
+
+def test_dumps_is_the_compact_form_of_json_for_a_row_s_values():
+    value = {"text": "héllo ✓ \"q\"\n", "ids": [1, 2, 3], "ok": True, "none": None, "p": 0.5,
+             "nested": {"a": [{"b": -7}]}}
+    assert compact_json.dumps(value) == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def test_a_float_that_is_not_finite_is_null_never_a_token_json_lacks():
+    text = compact_json.dumps({"logprob": -math.inf, "x": math.nan, "y": math.inf})
+    assert text == '{"logprob":null,"x":null,"y":null}'
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_what_orjson_refuses_is_encoded_by_json():
+    big = 2**70
+    assert compact_json.dumps({"n": big}) == '{"n":' + str(big) + "}"
+
+    class Weird:
+        pass
+
+    with pytest.raises(TypeError, match="Weird"):
+        compact_json.dumps(Weird())  # neither knows it: json's error, not orjson's
+    # a lone surrogate (a producer wrote one straight to a stream): json keeps it; the row escapes it
+    assert compact_json.dumps("a\ud800") == '"a\ud800"'
+    row = ResultRow(job_id="j", request_id="j:0", status="completed", idx=0, output_text="a\ud800")
+    text = row.to_json()
+    assert "\\ud800" in text and text.encode("utf-8")
+    assert ResultRow.from_json(text).output_text == "a\ud800"

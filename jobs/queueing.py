@@ -16,7 +16,7 @@ import redis
 
 from batchinfer.config import Settings
 from batchinfer.keys import RQ_QUEUE
-from batchinfer.store.publish import ReplicasBehind
+from batchinfer.store.publish import ReplicasBehind, RowsFailed
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -99,17 +99,17 @@ def publish_then_export(publisher: Publisher, rows: Sequence[tuple[Row, str | No
     """
     try:
         outcomes = publisher.publish_many(rows)
-    except ReplicasBehind as behind:  # published, not on enough replicas yet: exports are due all the same
-        _export_final(rows, behind.outcomes, export)
+    except (ReplicasBehind, RowsFailed) as partly:  # what was published: its exports are due all the same
+        _export_final(rows, partly.outcomes, export)
         raise
     _export_final(rows, outcomes, export)
     return outcomes
 
 
-def _export_final(rows: Sequence[tuple[Row, str | None]], outcomes: Sequence[PublishOutcome],
+def _export_final(rows: Sequence[tuple[Row, str | None]], outcomes: Sequence[PublishOutcome | None],
                   export: Callable[[str], object]) -> None:
     for (row, _), outcome in zip(rows, outcomes, strict=True):
-        if outcome.finalizing and row.job_id:
+        if outcome is not None and outcome.finalizing and row.job_id:
             export(row.job_id)
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from batchinfer.keys import Keys
 from batchinfer.ops.metrics import SchedulerMetrics
 from batchinfer.protocol.rows import ResultRow
-from batchinfer.store.publish import Publisher
+from batchinfer.store.publish import Publisher, RowsFailed
 from batchinfer.store.registry import Registry
 
 KEYS = Keys("{t}")
@@ -238,17 +238,24 @@ def test_publish_many_reloads_the_script_and_keeps_outcomes(redis_server):
 
 def test_publish_many_a_failing_row_fails_alone_and_the_call_raises_after_the_others(r):
     """One row's error (WRONGTYPE on its guard) inside a publish_rows.lua call: the rows before and
-    after it in the same call are published and their outcomes kept; the call then raises, naming
-    the request, and a retry publishes what is left once the key is mended."""
+    after it in the same call are published; the call raises RowsFailed, naming the request and
+    carrying the others' outcomes, so the export of the job they made final is enqueued at once;
+    a retry publishes what is left once the key is mended."""
+    from batchinfer.jobs.queueing import publish_then_export
+
     for job in ("ok", "bad"):
         make_job(r, job, "in_progress")
         r.hset(KEYS.job(job), "total", 1 if job == "bad" else 2)
     r.hset(KEYS.published("bad"), "not", "a bitmap")
     pub = Publisher(r, KEYS)
     items = [(row("ok", 0), None), (row("bad", 0), None), (row("ok", 1), None)]
-    with pytest.raises(Exception, match=r"request bad:0.*WRONGTYPE") as raised:
-        pub.publish_many(items)
-    assert isinstance(raised.value, redis.ResponseError)
+    exports: list[str] = []
+    with pytest.raises(RowsFailed, match=r"1 row\(s\) failed, the first of request bad:0: WRONGTYPE") as err:
+        publish_then_export(pub, items, exports.append)
+    assert isinstance(err.value, redis.ResponseError)  # callers retry it as any Redis error
+    assert [(o.published, o.finalizing) if o else None for o in err.value.outcomes] == [
+        (True, False), None, (True, True)]
+    assert exports == ["ok"]
     assert r.xlen(KEYS.results("ok")) == 2  # both good rows, the second after the failed one
     assert job_fields(r, "ok")["status"] == "finalizing"
     assert not r.exists(KEYS.results("bad"))

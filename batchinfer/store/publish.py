@@ -80,6 +80,17 @@ class ReplicasBehind(redis.exceptions.ConnectionError):
         self.acked, self.wanted, self.outcomes = acked, wanted, outcomes or []
 
 
+class RowsFailed(redis.ResponseError):
+    """Rows of a :meth:`Publisher.publish_many` call that Redis refused (e.g. WRONGTYPE: a key of
+    another type where a row's guard belongs): each failed alone, the call's other rows were
+    published. ``outcomes``: every row's, in order, None for those that failed, so the caller acts
+    on the others (exports of jobs they made final) before it sends the failed ones again."""
+
+    def __init__(self, message: str, outcomes: list[PublishOutcome | None]):
+        super().__init__(message)
+        self.outcomes = outcomes
+
+
 @dataclass(frozen=True)
 class PublishOutcome:
     """``published``: this call wrote the row; ``finalizing``: it also made the job final;
@@ -198,6 +209,9 @@ class Publisher:
         the calls that got NOSCRIPT are sent again: the others ran, and their outcomes (notably
         ``finalizing``, which exactly one call ever sees) must not be lost to a blind re-run.
 
+        A row Redis refuses (a key of another type where its guard belongs) fails alone: the others
+        are published and :class:`RowsFailed` carries their outcomes.
+
         With ``replica_acks``, the pipeline ends with ``WAIT``: on the same connection, so it covers
         these writes (and, replication being one ordered stream, everything before them); too few
         replicas raise :class:`ReplicasBehind` carrying the outcomes.
@@ -235,7 +249,7 @@ class Publisher:
         The rows go as ``publish_rows.lua`` calls of up to ``PUBLISH_CHUNK`` rows that share a
         slot (one partition's: on a Cluster a call's keys must), in one pipeline."""
         replicas = self.replica_acks
-        failed: redis.ResponseError | None = None
+        failed: str | None = None
         for _ in range(NOSCRIPT_RETRIES + 1):
             if not todo:
                 break
@@ -267,11 +281,11 @@ class Publisher:
         if todo:
             raise NoScriptError(f"publish script still missing after {NOSCRIPT_RETRIES} reloads")
         if failed is not None:
-            raise failed  # after every other row's outcome is in (and their finalizing acted on)
+            raise RowsFailed(failed, outcomes)
         return int(replicas)
 
     def _outcomes(self, chunk: list[int], reply: list, items: list[tuple[Row, str | None]],
-                  outcomes: list[PublishOutcome | None]) -> redis.ResponseError | None:
+                  outcomes: list[PublishOutcome | None]) -> str | None:
         """Fill ``outcomes`` of the rows ``chunk`` from a ``publish_rows.lua`` reply; returns the
         error of the first row that failed (its outcome stays None), if one did."""
         codes, skipped, errors = as_text(reply[0]), reply[1], reply[2]
@@ -286,7 +300,8 @@ class Publisher:
         if not errors:
             return None
         row = items[chunk[int(errors[0]) - 1]][0]
-        return redis.ResponseError(f"publishing the row of request {row.request_id}: {as_text(errors[1])}")
+        return (f"{len(errors) // 2} row(s) failed, the first of request {row.request_id}: "
+                f"{as_text(errors[1])}")
 
     def wait_for_replicas(self, client: redis.Redis | None = None) -> None:
         """With ``replica_acks``: WAIT until that many replicas have the writes so far of ``client``

@@ -46,7 +46,7 @@ from batchinfer.protocol.batches import retry_batches
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.redis_conn import Backoff, disconnect, master_client, moved_or_down
 from batchinfer.store import replies
-from batchinfer.store.publish import Publisher, ReplicasBehind
+from batchinfer.store.publish import Publisher, ReplicasBehind, RowsFailed
 from batchinfer.workers.service.inflight import Book
 from batchinfer.workers.service.streams import BatchStreams
 
@@ -167,11 +167,12 @@ class Outbox:
             try:
                 outcomes = publish_then_export(self.publisher, [(o.row, o.reply_to) for o in chunk],
                                                self.exports.append)
-            except ReplicasBehind as behind:
-                # on the master, not on enough replicas yet: the rows stay to be sent again (their
-                # guard answers "already published" then), so remember which publications were ours
-                self.won.update(o.row.request_id for o, out in zip(chunk, behind.outcomes, strict=True)
-                                if out.published)
+            except (ReplicasBehind, RowsFailed) as partly:
+                # on the master, not on enough replicas yet, or published beside rows Redis refused:
+                # the rows stay to be sent again (their guard answers "already published" then), so
+                # remember which publications were ours
+                self.won.update(o.row.request_id for o, out in zip(chunk, partly.outcomes, strict=True)
+                                if out is not None and out.published)
                 raise
             for o, outcome in zip(chunk, outcomes, strict=True):
                 self.rows.popleft()

@@ -4,10 +4,10 @@
 overhead"), and every row of every job is encoded once on the worker, next to its engine. Its
 output holds the same values as the standard library's compact form (``separators=(",", ":")``,
 ``ensure_ascii=False``), a float may be spelled differently (``1e-9`` for ``1e-09``, ``0.00001`` for
-``1e-05``: the same double), and one value differs: a float that is not finite (a ``-inf`` logprob
-of a token the request's constraints forbid) is written as ``null``, which JSON has, rather than
-``-Infinity``, which it has not. What orjson refuses (a lone surrogate, an int beyond 64 bits, a type it does
-not know) is encoded by ``json`` as before, so nothing that encoded before fails now.
+``1e-05``: the same double), and one value differs: a float that is not finite (none is expected in
+a row) is written as ``null``, which JSON has, rather than ``-Infinity``, which it has not. What
+orjson refuses (a lone surrogate, an int beyond 64 bits, a type it does not know) is encoded by
+``json`` as before, so nothing that encoded before fails now.
 
 Reading stays with ``json.loads``: orjson reads an integer past 64 bits as a float, where the
 protocol needs the exact value or a clear error.

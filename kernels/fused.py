@@ -1,8 +1,10 @@
 """Fused elementwise ops of the decoder: RMSNorm (+ residual), rotary embedding, SiLU-and-mul.
 
-Each op has a torch implementation (used on CPU and as the reference); CUDA tensors take the
-Triton kernels in ``triton_fused`` when Triton is available. Under torch.compile the torch code
-is traced instead, and Inductor generates its own fused kernels from it.
+Each op has a torch implementation (the reference); CUDA tensors take the Triton kernels in
+``triton_fused`` when Triton is available, CPU tensors the compiled ops of ``cpu_ext.elementwise``
+when that library builds (one call instead of 7-25 torch ops: at a decode step's one token a
+sequence, dispatch is their cost). Under torch.compile the torch code is traced instead, and
+Inductor generates its own fused kernels from it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from batchinfer.kernels import registry
+from batchinfer.kernels.cpu_ext import elementwise
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -32,6 +35,10 @@ def rms_norm(
         from batchinfer.kernels import triton_fused
 
         return triton_fused.rms_norm(x, weight, eps, residual)
+    if (weight.dtype == x.dtype and x.dim() == 2 and x.stride(-1) == 1
+            and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
+            and elementwise.usable(x)):
+        return elementwise.rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = x + residual
         return _rms_norm_torch(x, weight, eps), x
@@ -74,6 +81,32 @@ def rotary_embedding(
         return triton_fused.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
     cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, rot_dim / 2] each
     return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
+
+
+def rotary_embedding_into_cache(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    cos_sin_cache: torch.Tensor,  # [max_positions, rot_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    slot_mapping: torch.Tensor,  # [T] int; -1 = skip
+    backend: str | None = None,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_embedding`` then ``kernels.write_kv`` of the rotated keys and the values; returns
+    the rotated ``(q, k)``. CPU tensors the compiled op takes are rotated in place (q and k are
+    returned themselves) and written in the same call; others take the two steps."""
+    if (v.dtype == q.dtype and v.stride(-1) == 1
+            and elementwise.rotary_supported(q, k, cos_sin_cache, (k_cache, v_cache))):
+        elementwise.rotary_cache(positions, q, k, cos_sin_cache, is_neox, v, k_cache, v_cache, slot_mapping)
+        return q, k
+    from batchinfer.kernels import write_kv  # the package imports this module
+
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+    write_kv(k, v, k_cache, v_cache, slot_mapping, backend=backend)
+    return q, k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:

@@ -1,18 +1,21 @@
-"""The compiled CPU decode-attention kernel: build on first use, load, call.
+"""The compiled CPU extension: build on first use, load; and its decode-attention kernel.
 
-``paged_decode.cpp`` (shipped beside this module) is compiled by ``torch.utils.cpp_extension``
-the first time a process needs it — ~10-30 s once per machine; later processes load the cached
-library from ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) under
-``batchinfer/<name>``, where ``<name>`` carries a digest of the source, the flags, the compiler and
-torch's version, so a change of any of them builds afresh instead of loading a stale library.
+``paged_decode.cpp``, ``fused_ops.cpp`` and ``gemv.cpp`` (shipped beside this module: the decode
+attention here, the fused norm / rotary ops ``elementwise`` calls, the few-row matmuls ``gemv``
+calls) are compiled into one library by ``torch.utils.cpp_extension`` the first time a process
+needs it — ~20-60 s once per machine; later processes load the cached library from
+``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) under ``batchinfer/<name>``, where
+``<name>`` carries a digest of the sources, the flags, the compiler and torch's version, so a
+change of any of them builds afresh instead of loading a stale library.
 
 Processes that build at once (test runs, several worker daemons on one machine) take turns on an
 ``flock`` in that folder, released by the kernel if its holder dies, so a killed build never
 leaves the others waiting on torch's lock file forever (a stale one is removed under the flock).
 
-``BATCHINFER_CPU_DECODE_KERNEL`` chooses (read on every call, here only): ``auto`` (the default)
-uses the kernel when it builds, else the torch path after one logged warning; ``1`` requires it (a
-build failure raises ``RuntimeError`` with the compiler's reason); ``0`` never builds or uses it.
+``BATCHINFER_CPU_DECODE_KERNEL`` chooses for the whole library (read on every call, here only):
+``auto`` (the default) uses it when it builds, else the torch paths after one logged warning; ``1``
+requires it (a build failure raises ``RuntimeError`` with the compiler's reason); ``0`` never builds
+or uses it.
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
+FUSED_SOURCE = Path(__file__).with_name("fused_ops.cpp")  # compiled into the same library
+GEMV_SOURCE = Path(__file__).with_name("gemv.cpp")
 ENV = "BATCHINFER_CPU_DECODE_KERNEL"
 MODES = ("0", "1", "auto")
 # -fopenmp: at::parallel_for's OpenMP region is compiled into the extension (it then runs on the
@@ -55,31 +61,39 @@ def kernel_mode(environ: dict[str, str] | None = None) -> str:
 
 
 class Build:
-    """One attempt (at most, per instance) to compile and load ``source``; thread-safe.
+    """One attempt (at most, per instance) to compile ``source`` and ``extra_sources`` into one
+    library and load it; thread-safe.
 
-    ``op()`` is the loaded ``paged_decode`` operator, or None when the build failed (``reason``
-    then says why). Never raises."""
+    ``library()`` is the loaded op namespace (``torch.ops.<name>``), ``op()`` its ``paged_decode``;
+    both None when the build failed (``reason`` then says why). Never raises."""
 
-    def __init__(self, source: Path = SOURCE, cflags: tuple[str, ...] = CFLAGS):
+    def __init__(self, source: Path = SOURCE, cflags: tuple[str, ...] = CFLAGS,
+                 extra_sources: tuple[Path, ...] = (FUSED_SOURCE, GEMV_SOURCE)):
         self.source = source
+        self.extra_sources = extra_sources
         self.cflags = cflags
         self.reason: str | None = None
-        self._op: Callable[..., None] | None = None
+        self._library: Any = None
         self._done = False
         self._lock = threading.Lock()
 
-    def op(self) -> Callable[..., None] | None:
-        """The compiled operator (building it on the first call), or None."""
+    def library(self) -> Any:
+        """The compiled library's op namespace (building it on the first call), or None."""
         if not self._done:
             with self._lock:
                 if not self._done:
                     try:
-                        self._op = self._load()
-                    except Exception as exc:  # any failure: the torch path serves instead
+                        self._library = self._load()
+                    except Exception as exc:  # any failure: the torch paths serve instead
                         self.reason = f"{type(exc).__name__}: {exc}".strip()[-2000:]
                         log.warning("CPU decode kernel unavailable, using the torch path: %s", self.reason)
                     self._done = True
-        return self._op
+        return self._library
+
+    def op(self) -> Callable[..., None] | None:
+        """The compiled ``paged_decode`` operator (building the library on the first call), or None."""
+        library = self.library()
+        return None if library is None else library.paged_decode
 
     def compiler(self) -> str:
         """The C++ compiler torch's JIT runs: ``$CXX``, else ``c++``."""
@@ -88,7 +102,9 @@ class Build:
     def name(self) -> str:
         """The extension's name: a digest of the source, flags, compiler, torch and Python versions."""
         compiler = self.compiler()
-        key = "\0".join([hashlib.sha256(self.source.read_bytes()).hexdigest(), *self.cflags, *LDFLAGS,
+        sources = (self.source, *self.extra_sources)
+        digests = [hashlib.sha256(path.read_bytes()).hexdigest() for path in sources]
+        key = "\0".join([*digests, *self.cflags, *LDFLAGS,
                          compiler, os.path.realpath(shutil.which(compiler) or compiler), torch.__version__,
                          f"py{sys.version_info[0]}{sys.version_info[1]}"])
         return "batchinfer_cpu_decode_" + hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -101,7 +117,7 @@ class Build:
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
         return Path(root) / "batchinfer" / self.name()
 
-    def _load(self) -> Callable[..., None]:
+    def _load(self) -> Any:
         from torch.utils import cpp_extension
 
         if shutil.which(self.compiler()) is None:
@@ -115,12 +131,12 @@ class Build:
         started = time.monotonic()
         with _exclusive(folder / "flock"):
             (folder / "lock").unlink(missing_ok=True)  # torch's baton, left by a build that died
-            cpp_extension.load(name, [str(self.source)],
+            cpp_extension.load(name, [str(path) for path in (self.source, *self.extra_sources)],
                                extra_cflags=[*self.cflags, f"-DBATCHINFER_OPS_NS={name}"],  # the op namespace
                                extra_ldflags=list(LDFLAGS), build_directory=str(folder),
                                is_python_module=False)
         log.info("CPU decode kernel loaded from %s in %.1f s", folder, time.monotonic() - started)
-        return getattr(torch.ops, name).paged_decode
+        return getattr(torch.ops, name)
 
 
 class _exclusive:
@@ -150,6 +166,28 @@ _default = Build()
 def available() -> bool:
     """True when the kernel is built and loaded (building it on the first call; never raises)."""
     return _default.op() is not None
+
+
+def library() -> Any:
+    """The compiled library's op namespace (building it on the first call), or None when it did not
+    build. Never raises."""
+    return _default.library()
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether ``x`` (a CPU tensor of ``DTYPES``, outside torch.compile) goes to the library's ops
+    now: the env switch and the build (``BATCHINFER_CPU_DECODE_KERNEL=1`` with a failed build
+    raises ``RuntimeError``)."""
+    if x.device.type != "cpu" or x.dtype not in DTYPES or torch.compiler.is_compiling():
+        return False
+    mode = kernel_mode()
+    if mode == "0":
+        return False
+    if library() is not None:
+        return True
+    if mode == "1":
+        raise RuntimeError(f"{ENV}=1 but the CPU decode kernel did not build: {_default.reason}")
+    return False
 
 
 def unavailable_reason() -> str | None:

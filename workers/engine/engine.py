@@ -45,6 +45,7 @@ from batchinfer.workers.engine.step_scheduler import ScheduledSequence, StepSche
 from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.models import Decoder, ModelConfig, load_model
 from batchinfer.workers.quant.apply import quantize_model
+from batchinfer.workers.quant.dense import use_gemv
 from batchinfer.workers.quant.plan import plan_quantization
 from batchinfer.workers.quantization_config import quantized_dtype
 from batchinfer.workers.sampling_params import SamplingParams
@@ -84,6 +85,7 @@ class Engine(ModelFolderState, WorkerEngine):
                 raise ValueError(f"quantization {config.quantization!r} runs in bfloat16; the model handed "
                                  f"in is {self.model.dtype}: load it in bfloat16 (or let the engine load it)")
             quantize_model(self.model, self.quantization.layers, self.quantization.head)
+        use_gemv(self.model)  # CPU, bfloat16 / float16: few-row matmuls on the compiled GEMV
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         path = Path(config.model)
         self.model_name = path.stem if path.is_file() else path.name  # x.gguf is served as "x"

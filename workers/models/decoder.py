@@ -25,8 +25,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from batchinfer.kernels import paged_attention, varlen_attention, write_kv
-from batchinfer.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
+from batchinfer.kernels import paged_attention, varlen_attention
+from batchinfer.kernels.fused import rms_norm, rotary_embedding, rotary_embedding_into_cache, silu_and_mul
 from batchinfer.workers.models.attention import AttentionMetadata
 from batchinfer.workers.models.model_config import ModelConfig
 from batchinfer.workers.models.moe import SparseMoeBlock
@@ -119,14 +119,15 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3/Gemma 3: per-head norm before RoPE
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotary_embedding(positions, q, k, cos_sin)
         if kv_cache is None:  # no cache (embeddings): whole sequences attend to their own tokens
+            q, k = rotary_embedding(positions, q, k, cos_sin)
             o = varlen_attention(q, k, v, meta.cu_seqlens_q, causal=True, scale=self.scale,
                                  sliding_window=self.sliding_window, softcap=self.softcap,
                                  backend=meta.backend)
             return self._out(o.reshape(T, self.q_size), lora)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+        q, k = rotary_embedding_into_cache(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                           backend=meta.backend)
         o = paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
             scale=self.scale, sliding_window=self.sliding_window, backend=meta.backend, softcap=self.softcap,

@@ -1,0 +1,226 @@
+// Dense matrix-vector products for a few rows of activations (batchinfer.kernels.cpu_ext.gemv):
+// a linear layer at the decode step of one to four sequences, where every weight is read once per
+// step and the step is bound by how fast the weights stream in. torch's bfloat16 / float16 matmul
+// at one row reaches ~0.4 of the copy bandwidth on the CPUs measured (docs/benchmarks.md); this
+// converts each weight vector once for all rows, computes four output rows together (four
+// independent accumulator chains) and splits the output rows over torch's intra-op threads.
+//
+// Weights w [N, K] (N outputs, K input features): float32, bfloat16 or float16, K a multiple of 16.
+// x [M, K] (M <= 4) of any of the three dtypes, converted to float32 once. Sums are float32; the
+// output is rounded to x's dtype, then the bias added and rounded again, as torch's
+// ``linear(x, w) + bias`` in that dtype rounds. (int8 / int4 weights stay on torch's packed kernels:
+// a version of this loop for them, tried, ran at 0.6-0.9 of their speed.)
+//
+// Vectorization as in paged_decode.cpp: GCC vector extensions of 16 floats, target_clones.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#ifndef BATCHINFER_OPS_NS
+#define BATCHINFER_OPS_NS batchinfer_cpu_decode
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BATCHINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define BATCHINFER_CLONES
+#endif
+#define BATCHINFER_INLINE inline __attribute__((always_inline))
+
+namespace {
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+constexpr int64_t LANES = 16;
+constexpr int64_t MAX_ROWS = 4;  // activation rows a call takes
+constexpr int64_t NR = 4;        // output rows computed together
+constexpr int64_t GRAIN = 64;    // output rows per parallel task (at least)
+
+BATCHINFER_INLINE float hsum(vf v) {
+  vf8 a, b;
+  std::memcpy(&a, &v, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+  a += b;
+  vf4 c, d;
+  std::memcpy(&c, &a, sizeof c);
+  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// 16 weights as floats, per storage type.
+BATCHINFER_INLINE vf load_f32(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+BATCHINFER_INLINE vf load_bf16(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+BATCHINFER_INLINE vf load_f16(const uint16_t* p) {
+  float f[LANES];
+  for (int64_t j = 0; j < LANES; ++j) f[j] = c10::detail::fp16_ieee_to_fp32_value(p[j]);
+  return load_f32(f);
+}
+struct Args {
+  const float* x;  // [M, K] float32 (converted once)
+  int64_t M, K, N;
+  float* y;  // [M, N] float32 sums
+};
+
+// Dense: y[m, n] = sum_k w[n, k] * x[m, k].
+template <int M, class W, vf (*load)(const W*)>
+BATCHINFER_INLINE void rows_dense(const Args& a, const W* w, int64_t n0, int64_t n1) {
+  const int64_t K = a.K;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    vf acc[NR][M] = {};
+    for (int64_t k = 0; k < K; k += LANES) {
+      vf xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = load_f32(a.x + m * K + k);
+      for (int r = 0; r < NR; ++r) {
+        const vf wv = load(w + (n + r) * K + k);
+        for (int m = 0; m < M; ++m) acc[r][m] += wv * xv[m];
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) a.y[m * a.N + n + r] = hsum(acc[r][m]);
+  }
+  for (; n < n1; ++n) {
+    vf acc[M] = {};
+    for (int64_t k = 0; k < K; k += LANES) {
+      const vf wv = load(w + n * K + k);
+      for (int m = 0; m < M; ++m) acc[m] += wv * load_f32(a.x + m * K + k);
+    }
+    for (int m = 0; m < M; ++m) a.y[m * a.N + n] = hsum(acc[m]);
+  }
+}
+
+// One entry point per (kind, row count), each compiled per instruction set.
+#define BATCHINFER_DENSE(NAME, M, W, LOAD)                                                             \
+  BATCHINFER_CLONES void NAME(const Args& a, const W* w, int64_t n0, int64_t n1) { \
+    rows_dense<M, W, LOAD>(a, w, n0, n1);                                          \
+  }
+#define BATCHINFER_DENSE_ALL(KIND, W, LOAD) \
+  BATCHINFER_DENSE(KIND##_1, 1, W, LOAD)    \
+  BATCHINFER_DENSE(KIND##_2, 2, W, LOAD)    \
+  BATCHINFER_DENSE(KIND##_3, 3, W, LOAD)    \
+  BATCHINFER_DENSE(KIND##_4, 4, W, LOAD)
+BATCHINFER_DENSE_ALL(f32, float, load_f32)
+BATCHINFER_DENSE_ALL(bf16, uint16_t, load_bf16)
+BATCHINFER_DENSE_ALL(f16, uint16_t, load_f16)
+
+template <class F>
+F pick(int64_t M, F f1, F f2, F f3, F f4) {
+  return M == 1 ? f1 : M == 2 ? f2 : M == 3 ? f3 : f4;
+}
+
+// x [M, K] (float32 / bfloat16 / float16, M <= 4) as float32 rows.
+std::vector<float> rows_as_float(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<float> out(M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    float* o = out.data() + m * K;
+    if (x.scalar_type() == at::kFloat) {
+      std::memcpy(o, x.data_ptr<float>() + m * x.stride(0), K * sizeof(float));
+    } else if (x.scalar_type() == at::kBFloat16) {
+      const c10::BFloat16* p = x.data_ptr<c10::BFloat16>() + m * x.stride(0);
+      for (int64_t k = 0; k < K; ++k) o[k] = static_cast<float>(p[k]);
+    } else {
+      const c10::Half* p = x.data_ptr<c10::Half>() + m * x.stride(0);
+      for (int64_t k = 0; k < K; ++k) o[k] = static_cast<float>(p[k]);
+    }
+  }
+  return out;
+}
+
+template <class T>
+void finish_as(const std::vector<float>& y, const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+  const int64_t M = out.size(0), N = out.size(1);
+  T* o = out.data_ptr<T>();
+  const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  for (int64_t i = 0; i < M * N; ++i) {
+    const T v = static_cast<T>(y[i]);
+    o[i] = b ? static_cast<T>(static_cast<float>(v) + static_cast<float>(b[i % N])) : v;
+  }
+}
+
+// The output in x's dtype: the float32 sums rounded, then the bias added and rounded.
+at::Tensor finish(const at::Tensor& x, const std::vector<float>& y, int64_t N, const std::optional<at::Tensor>& bias) {
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    finish_as<float>(y, bias, out);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    finish_as<c10::BFloat16>(y, bias, out);
+  } else {
+    finish_as<c10::Half>(y, bias, out);
+  }
+  return out;
+}
+
+void check_x(const at::Tensor& x, int64_t K, int64_t multiple, const std::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "gemv: x must be a CPU [M, K] tensor with "
+              "a contiguous last axis");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "gemv: 1 to ", MAX_ROWS, " rows, got ", x.size(0));
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "gemv: x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == K, "gemv: x has ", x.size(1), " features, the weight ", K);
+  TORCH_CHECK(K % multiple == 0, "gemv: in_features must be a multiple of ", multiple, ", got ", K);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                    bias->scalar_type() == x.scalar_type(),
+                "gemv: bias must be a contiguous [", N, "] tensor of x's dtype");
+  }
+}
+
+template <class F>
+void over_rows(int64_t N, F body) {
+  at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) { body(n0, n1); });
+}
+
+// y = x @ w.T (+ bias), w dense [N, K] (float32 / bfloat16 / float16, any dtype against x's).
+at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous(), "gemv_dense: w must be a contiguous "
+              "CPU [N, K] tensor");
+  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  check_x(x, K, LANES, bias, N);
+  const std::vector<float> xf = rows_as_float(x);
+  std::vector<float> y(M * N);
+  const Args a{xf.data(), M, K, N, y.data()};
+  if (w.scalar_type() == at::kFloat) {
+    auto f = pick(M, f32_1, f32_2, f32_3, f32_4);
+    over_rows(N, [&](int64_t n0, int64_t n1) { f(a, w.data_ptr<float>(), n0, n1); });
+  } else if (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf) {
+    auto f = w.scalar_type() == at::kBFloat16 ? pick(M, bf16_1, bf16_2, bf16_3, bf16_4)
+                                              : pick(M, f16_1, f16_2, f16_3, f16_4);
+    const auto* p = reinterpret_cast<const uint16_t*>(w.data_ptr());
+    over_rows(N, [&](int64_t n0, int64_t n1) { f(a, p, n0, n1); });
+  } else {
+    TORCH_CHECK(false, "gemv_dense: w must be float32, bfloat16 or float16, got ", w.scalar_type());
+  }
+  return finish(x, y, N, bias);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(BATCHINFER_OPS_NS, m) {
+  m.def("gemv_dense(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(BATCHINFER_OPS_NS, CPU, m) {
+  m.impl("gemv_dense", &gemv_dense);
+}

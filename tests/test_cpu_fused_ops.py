@@ -1,0 +1,257 @@
+"""The compiled CPU extension's fused ops (kernels/cpu_ext: fused_ops.cpp, gemv.cpp) against the torch
+code they replace, their input checks, the switch, and the engine running on them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from batchinfer import LLM, SamplingParams
+from batchinfer.kernels import fused, reference
+from batchinfer.kernels.cpu_ext import decode, elementwise, gemv
+from batchinfer.workers.quant.dense import GemvLinear
+
+can_build = shutil.which(os.environ.get("CXX", "c++")) is not None and shutil.which("ninja") is not None
+pytestmark = pytest.mark.skipif(not can_build, reason="no C++ compiler or ninja: the extension cannot build")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert decode.library() is not None, decode.unavailable_reason()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# -- rms_norm ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_code(dtype, with_residual):
+    """Same roundings as ``_rms_norm_torch`` (16-bit dtypes: equal but for a rare last-place tie; the
+    sum of squares is added in another order), and the new residual stream bit for bit."""
+    g = _gen(0)
+    x = (torch.randn(7, 96, generator=g) * 3).to(dtype)
+    residual = torch.randn(7, 96, generator=g).to(dtype) if with_residual else None
+    weight = torch.randn(96, generator=g).to(dtype)
+    got = elementwise.rms_norm(x, weight, 1e-6, residual)
+    summed = x if residual is None else x + residual
+    want = fused._rms_norm_torch(summed, weight, 1e-6)
+    normed = got[0] if with_residual else got
+    if with_residual:
+        assert torch.equal(got[1], summed)
+    assert normed.dtype == dtype and normed.shape == x.shape
+    torch.testing.assert_close(normed.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                               atol=1e-5 if dtype == torch.float32 else 1e-2)
+    if dtype != torch.float32:
+        assert (normed != want).float().mean() < 0.01
+
+
+def test_rms_norm_takes_a_strided_row_view():
+    """Rows of a wider tensor (a unit last stride, any row stride) are read in place."""
+    g = _gen(1)
+    wide = torch.randn(4, 160, generator=g).to(torch.bfloat16)
+    x = wide[:, :64]
+    weight = torch.randn(64, generator=g).to(torch.bfloat16)
+    want = fused._rms_norm_torch(x.contiguous(), weight, 1e-5)
+    got = elementwise.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_rms_norm_refuses_mismatched_inputs():
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight and x must share a dtype"):
+        elementwise.rms_norm(x, torch.ones(32), 1e-5)
+    with pytest.raises(RuntimeError, match=r"weight must be \[32\]"):
+        elementwise.rms_norm(x, torch.ones(31, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="residual must be x's shape and dtype"):
+        elementwise.rms_norm(x, torch.ones(32, dtype=torch.bfloat16), 1e-5,
+                             torch.zeros(3, 32, dtype=torch.bfloat16))
+
+
+def test_kernels_rms_norm_routes_cpu_tensors_to_the_extension(monkeypatch):
+    """``kernels.fused.rms_norm`` answers from the extension by default and from torch with the
+    switch off; both agree."""
+    g = _gen(2)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    r = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(64, generator=g).to(torch.bfloat16)
+    calls = []
+    real = elementwise.rms_norm
+    monkeypatch.setattr(elementwise, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    on = fused.rms_norm(x, w, 1e-5, r)
+    monkeypatch.setenv(decode.ENV, "0")
+    off = fused.rms_norm(x, w, 1e-5, r)
+    assert calls == [1]
+    assert torch.equal(on[1], off[1])
+    torch.testing.assert_close(on[0].float(), off[0].float(), rtol=1e-2, atol=1e-2)
+
+
+# -- rotary_cache ----------------------------------------------------------------------------------
+
+def _qkv(dtype, tokens=6, heads=4, kv_heads=2, head_dim=32, seed=3):
+    """q, k, v as views of one projection output, as the attention layer makes them."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=_gen(seed)).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return (q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim),
+            v.view(tokens, kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rot_dim", [32, 16])  # 16: partial rotary, the last channels pass through
+def test_rotary_cache_is_the_torch_path_bit_for_bit(dtype, is_neox, rot_dim):
+    q, k, v = _qkv(dtype)
+    table = torch.randn(100, rot_dim, generator=_gen(4))
+    positions = torch.tensor([0, 5, 99, 17, 17, 3])
+    slots = torch.tensor([0, 9, -1, 31, 4, 12], dtype=torch.int32)  # -1: nothing written
+    k_cache = torch.full((4, 8, 2, 32), 7.0, dtype=dtype)
+    v_cache = torch.full((4, 8, 2, 32), 7.0, dtype=dtype)
+    want_q, want_k = fused.rotary_embedding(positions, q, k, table, is_neox)
+    want_kc, want_vc = k_cache.clone(), v_cache.clone()
+    reference.write_kv(want_k, v, want_kc, want_vc, slots)
+
+    elementwise.rotary_cache(positions, q, k, table, is_neox, v, k_cache, v_cache, slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
+
+
+def test_rotary_cache_without_caches_only_rotates():
+    q, k, _ = _qkv(torch.bfloat16)
+    table = torch.randn(50, 32, generator=_gen(5))
+    positions = torch.arange(6)
+    want_q, want_k = fused.rotary_embedding(positions, q, k, table)
+    elementwise.rotary_cache(positions, q, k, table)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+def test_rotary_cache_checks_everything_before_writing():
+    """A position or slot out of range raises IndexError naming the token; q, k and the caches are
+    left as they were."""
+    q, k, v = _qkv(torch.float32)
+    table = torch.randn(10, 32, generator=_gen(6))
+    cache = torch.zeros(2, 4, 2, 32), torch.zeros(2, 4, 2, 32)
+    before = q.clone(), k.clone()
+    with pytest.raises(IndexError, match="token 2 has position 10, outside the table's 10"):
+        elementwise.rotary_cache(torch.tensor([0, 1, 10, 2, 3, 4]), q, k, table, True, v, *cache,
+                                 torch.arange(6))
+    with pytest.raises(IndexError, match="token 5 has slot 8, outside the cache's 8"):
+        elementwise.rotary_cache(torch.arange(6), q, k, table, True, v, *cache,
+                                 torch.tensor([0, 1, 2, 3, 4, 8]))
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+    assert not cache[0].any() and not cache[1].any()
+    with pytest.raises(RuntimeError, match="come together"):
+        elementwise.rotary_cache(torch.arange(6), q, k, table, True, v, cache[0], None, torch.arange(6))
+
+
+@pytest.mark.parametrize("mode", ["auto", "0"])
+def test_rotary_embedding_into_cache_either_way(mode, monkeypatch):
+    """``kernels.fused.rotary_embedding_into_cache``: the same rotated q / k and cache contents with
+    the extension (in place) and without it (the torch path and ``kernels.write_kv``)."""
+    monkeypatch.setenv(decode.ENV, mode)
+    q, k, v = _qkv(torch.bfloat16)
+    table = torch.randn(64, 32, generator=_gen(7))
+    positions, slots = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([6, 5, 4, 3, 2, 1])
+    want_q, want_k = fused.rotary_embedding(positions, q, k, table)
+    caches = torch.zeros(2, 4, 2, 32, dtype=torch.bfloat16), torch.zeros(2, 4, 2, 32, dtype=torch.bfloat16)
+    got_q, got_k = fused.rotary_embedding_into_cache(positions, q, k, v, table, *caches, slots)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert (got_q is q) == (mode == "auto")  # rotated in place only by the extension
+    assert torch.equal(caches[0].view(-1, 2, 32)[slots], want_k)
+    assert torch.equal(caches[1].view(-1, 2, 32)[slots], v)
+
+
+# -- gemv ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features", [67, 256])  # 67: a tail past the four-row blocks
+def test_gemv_against_float64(dtype, rows, out_features):
+    g = _gen(8)
+    w = torch.randn(out_features, 96, generator=g).to(dtype)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g).to(dtype)
+    exact = x.double() @ w.double().T  # [rows, N]
+    got = gemv.linear(x, w)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), exact.to(dtype).double(), rtol=1e-2, atol=1e-2)
+    # the bias joins after the product is rounded, as torch's ``linear(x, w) + bias`` in the dtype
+    assert torch.equal(gemv.linear(x, w, bias), got + bias)
+
+
+def test_gemv_splits_rows_over_threads_with_the_same_answer():
+    g = _gen(9)
+    w = torch.randn(1000, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemv.linear(x, w)
+        torch.set_num_threads(2)
+        two = gemv.linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each output's sum is one thread's, in one order
+
+
+def test_gemv_refuses_what_it_cannot_take():
+    w = torch.randn(8, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
+        gemv.linear(torch.randn(5, 32, dtype=torch.bfloat16), w)
+    with pytest.raises(RuntimeError, match="multiple of 16, got 24"):
+        gemv.linear(torch.randn(1, 24, dtype=torch.bfloat16), torch.randn(8, 24, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x has 16 features, the weight 32"):
+        gemv.linear(torch.randn(1, 16, dtype=torch.bfloat16), w)
+    assert not gemv.supports(torch.randn(5, 32, dtype=torch.bfloat16), w)
+    assert not gemv.supports(torch.randn(1, 32), torch.randn(8, 32))  # float32 weights stay on torch
+    assert gemv.supports(torch.randn(4, 32, dtype=torch.bfloat16), w)
+
+
+def test_gemv_linear_module(monkeypatch):
+    """``GemvLinear`` shares the linear's parameters; up to four rows go to the GEMV, more (or the
+    switch off) to ``nn.Linear``'s path; a leading batch shape is kept."""
+    linear = nn.Linear(64, 40, bias=True).to(torch.bfloat16)
+    module = GemvLinear.sharing(linear)
+    assert module.weight is linear.weight and module.bias is linear.bias
+    calls = []
+    real = gemv.linear
+    monkeypatch.setattr(gemv, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    x = torch.randn(1, 3, 64).to(torch.bfloat16)
+    y = module(x)
+    assert y.shape == (1, 3, 40) and calls == [3]
+    torch.testing.assert_close(y.float(), linear(x).float(), rtol=2e-2, atol=2e-2)
+    big = torch.randn(6, 64).to(torch.bfloat16)
+    assert torch.equal(module(big), linear(big)) and calls == [3]
+    monkeypatch.setenv(decode.ENV, "0")
+    assert torch.equal(module(x), linear(x)) and calls == [3]
+
+
+# -- the engine on all three ops -------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_bfloat16_engine_runs_the_extension_and_agrees_with_the_torch_paths(tiny_llama, monkeypatch):
+    """A bfloat16 model's projections and (tied or not) head become ``GemvLinear``; greedy decoding
+    with the extension gives the tokens and, within bfloat16's rounding, the logprobs of the torch
+    paths (the same ``LLM``, the switch flipped between calls)."""
+    llm = LLM(str(tiny_llama), dtype="bfloat16", num_kv_blocks=32)
+    model = llm.engine.model
+    assert all(isinstance(layer.self_attn.qkv_proj, GemvLinear) for layer in model.layers)
+    assert isinstance(model.lm_head, GemvLinear)
+    prompts = [{"prompt_token_ids": [5, 17, 33, 2, 90, 41]}, {"prompt_token_ids": [7, 7, 8]}]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+    monkeypatch.setenv(decode.ENV, "auto")
+    on = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setenv(decode.ENV, "0")
+    off = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(on, off, strict=True):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        for step_a, step_b, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids,
+                                         strict=True):
+            # logits are bfloat16: one unit in the last place is 1/32 to 1/16 at their size here
+            assert abs(step_a[token].logprob - step_b[token].logprob) < 0.15

@@ -25,6 +25,9 @@ The engine runs twice, with the compiled CPU decode kernel (``BATCHINFER_CPU_DEC
 without it (``0``): tokens/s and the roofline of each (``--decode-kernel on|off``: one of them).
 ``--attention`` runs only a micro-bench of decode attention alone (kernel vs the torch gather path,
 per-head vs per-sequence work items, our cache layout vs vLLM's) at the model's head shapes.
+``--linear`` runs only a micro-bench of the model's linear layers at 1-8 rows in bfloat16 (a decode
+step of 1-8 sequences): torch's ``F.linear`` against the extension's GEMV (``kernels/cpu_ext/gemv``),
+each as weight bytes read per second and as a fraction of the copy bandwidth measured in the run.
 
 On a machine shared with other work, ``--threads 1`` gives steadier figures: OpenMP threads that
 wait at barriers for a descheduled sibling make multi-threaded timings swing by 10x.
@@ -37,6 +40,7 @@ wait at barriers for a descheduled sibling make multi-threaded timings swing by 
     python bench/engine_cpu.py --workload small --profile   # + torch profiler table by op
     python bench/engine_cpu.py --workload small --threads 1 --cpu-clock --no-transformers
     python bench/engine_cpu.py --attention --threads 1 --cpu-clock   # decode attention alone
+    python bench/engine_cpu.py --linear --model demo --threads 1     # few-row matmuls alone
 
 With ``--model``, both sides load that checkpoint in float32 (transformers a GGUF file through
 ``from_pretrained(folder, gguf_file=...)``, which dequantizes it); the workload stays token ids
@@ -452,6 +456,39 @@ def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: boo
     return rows
 
 
+def linear_micro(model: nn.Module, quick: bool) -> list[dict]:
+    """The model's linear shapes (one of each, plus the LM head) at 1-8 rows in bfloat16: torch's
+    ``F.linear`` against the GEMV, weight bytes per second of each and their share of the copy
+    bandwidth (a large ``copy_``'s read + write traffic, measured here)."""
+    from batchinfer.kernels.cpu_ext import decode, gemv
+
+    if decode.library() is None:
+        raise SystemExit(f"the CPU extension is unavailable: {decode.unavailable_reason()}")
+    attn, mlp, config = model.layers[0].self_attn, model.layers[0].mlp, model.config
+    shapes = {"qkv_proj": attn.qkv_proj.weight.shape, "o_proj": attn.o_proj.weight.shape,
+              "gate_up_proj": mlp.gate_up_proj.weight.shape, "down_proj": mlp.down_proj.weight.shape,
+              "lm_head": (config.vocab_size, config.hidden_size)}
+    copy = copy_bandwidth()
+    print(f"linear layers alone, bfloat16, {torch.get_num_threads()} threads; copy bandwidth "
+          f"{copy / 1e9:.1f} GB/s; us per call ({'thread CPU' if CPU_CLOCK else 'wall'} time, best of 5)")
+    print(f"  {'layer':13s} {'N x K':>12s} {'rows':>4s} {'torch':>8s} {'gemv':>8s} {'speedup':>7s} "
+          f"{'torch/copy':>10s} {'gemv/copy':>9s}")
+    gen, rows = torch.Generator().manual_seed(0), []
+    for name, (n, k) in shapes.items():
+        w = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
+        for m in (1, 8) if quick else (1, 2, 4, 6, 8):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            torch_s = _timed(partial(F.linear, x, w))
+            gemv_s = _timed(partial(gemv.linear, x, w))
+            row = {"layer": name, "out_features": n, "in_features": k, "rows": m, "torch_us": torch_s * 1e6,
+                   "gemv_us": gemv_s * 1e6, "speedup": torch_s / gemv_s,
+                   "torch_of_copy": w.nbytes / torch_s / copy, "gemv_of_copy": w.nbytes / gemv_s / copy}
+            rows.append(row)
+            print(f"  {name:13s} {f'{n} x {k}':>12s} {m:4d} {row['torch_us']:8.1f} {row['gemv_us']:8.1f} "
+                  f"{row['speedup']:6.2f}x {row['torch_of_copy']:10.2f} {row['gemv_of_copy']:9.2f}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small smoke version (seconds): --workload quick")
@@ -469,6 +506,9 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true",
                     help="only the decode-attention micro-bench (kernel vs gather, our layout vs vLLM's) "
                          "at the model's head shapes")
+    ap.add_argument("--linear", action="store_true",
+                    help="only the few-row linear micro-bench (torch's F.linear vs the GEMV, bfloat16) "
+                         "at the model's shapes")
     ap.add_argument("--cpu-clock", action="store_true",
                     help="time with the main thread's CPU time instead of wall time (use with --threads 1 "
                          "on a shared machine: other processes' load then barely shows)")
@@ -490,6 +530,11 @@ def main() -> None:
         params = sum(t.numel() for t in model.parameters())
         print(f"model: {model_dir.name}, {model.config.architecture} {params / 1e6:.1f}M parameters, "
               f"float32, {torch.get_num_threads()} threads")
+        if args.linear:
+            rows = linear_micro(model, args.quick)
+            print(json.dumps({"linear": [{k: round(v, 4) if isinstance(v, float) else v
+                                          for k, v in r.items()} for r in rows]}))
+            return
         if args.attention:
             rows = attention_micro(model.config.num_attention_heads, model.num_kv_heads, model.head_dim,
                                    args.quick)

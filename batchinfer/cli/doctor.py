@@ -3,7 +3,7 @@
 :func:`run_doctor` returns one :class:`Check` per finding: Redis (reachable, version >= 6.2, AOF,
 a memory policy that cannot evict the request streams, memory headroom), a model directory
 (config, safetensors weights, tokenizer, chat template), the torch device, the attention
-backends and, on the CPU, its fast paths (the compiled decode kernel, native bfloat16).
+backends and, on the CPU, its fast paths (the compiled CPU kernels, native bfloat16).
 :func:`render_text` / :func:`render_json` print them; :func:`exit_code` is 1 when an
 error-level check failed (warnings do not fail).
 """
@@ -345,9 +345,10 @@ def check_backends(device: str | None = None) -> Check:
 
 
 def check_cpu_paths(device: str | None = None) -> Check | None:
-    """On the CPU (None elsewhere): whether the compiled decode-attention kernel builds here
-    (``kernels/cpu_ext``; building it now if needed, ~10 s once per machine) and what
-    ``dtype="auto"`` picks. A warning when the kernel cannot be had: the torch path is slower."""
+    """On the CPU (None elsewhere): whether the compiled CPU library builds here (``kernels/cpu_ext``:
+    decode attention, fused norm / rotary ops, few-row GEMV; building it now if needed, ~20 s once
+    per machine) and what ``dtype="auto"`` picks. A warning when it cannot be had: the torch paths
+    are slower."""
     import torch
 
     target = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -363,12 +364,12 @@ def check_cpu_paths(device: str | None = None) -> Check | None:
     bf16 = ("dtype auto = bfloat16 (native bfloat16 matmuls)" if cpu_has_bf16()
             else "dtype auto = float32 (no avx512_bf16 / amx_bf16)")
     if mode == "0":
-        return Check("cpu fast paths", True, f"decode kernel off ({decode.ENV}=0); {bf16}")
+        return Check("cpu fast paths", True, f"CPU kernels off ({decode.ENV}=0); {bf16}")
     if decode.available():
-        return Check("cpu fast paths", True, f"decode kernel built; {bf16}")
-    return Check("cpu fast paths", False, f"decode kernel unavailable: {decode.unavailable_reason()}; {bf16}",
+        return Check("cpu fast paths", True, f"CPU kernels built (decode attention, fused ops, GEMV); {bf16}")
+    return Check("cpu fast paths", False, f"CPU kernels unavailable: {decode.unavailable_reason()}; {bf16}",
                  "install a C++ compiler and ninja (apt-get install g++ ninja-build) for the compiled "
-                 "decode attention; without them decode attention takes the slower torch path",
+                 "CPU kernels; without them attention, norms and small matmuls take slower torch paths",
                  severity="warning")
 
 

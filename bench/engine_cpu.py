@@ -25,9 +25,10 @@ The engine runs twice, with the compiled CPU decode kernel (``BATCHINFER_CPU_DEC
 without it (``0``): tokens/s and the roofline of each (``--decode-kernel on|off``: one of them).
 ``--attention`` runs only a micro-bench of decode attention alone (kernel vs the torch gather path,
 per-head vs per-sequence work items, our cache layout vs vLLM's) at the model's head shapes.
-``--linear`` runs only a micro-bench of the model's linear layers at 1-8 rows in bfloat16 (a decode
-step of 1-8 sequences): torch's ``F.linear`` against the extension's GEMV (``kernels/cpu_ext/gemv``),
-each as weight bytes read per second and as a fraction of the copy bandwidth measured in the run.
+``--linear`` runs only a micro-bench of the model's linear layers at 1-4 rows in bfloat16 (a decode
+step of 1-4 sequences): torch's ``F.linear`` against the extension's GEMV (``kernels/cpu_ext/gemv``),
+the ratio of the two and each one's weight bytes read per second (the copy bandwidth measured in
+the same run printed beside them; a small layer's weights stay in cache between calls).
 
 On a machine shared with other work, ``--threads 1`` gives steadier figures: OpenMP threads that
 wait at barriers for a descheduled sibling make multi-threaded timings swing by 10x.
@@ -457,9 +458,8 @@ def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: boo
 
 
 def linear_micro(model: nn.Module, quick: bool) -> list[dict]:
-    """The model's linear shapes (one of each, plus the LM head) at 1-8 rows in bfloat16: torch's
-    ``F.linear`` against the GEMV, weight bytes per second of each and their share of the copy
-    bandwidth (a large ``copy_``'s read + write traffic, measured here)."""
+    """The model's linear shapes (one of each, plus the LM head) at 1-4 rows in bfloat16: torch's
+    ``F.linear`` against the GEMV, their ratio, and the weight bytes each reads per second."""
     from batchinfer.kernels.cpu_ext import decode, gemv
 
     if decode.library() is None:
@@ -469,23 +469,24 @@ def linear_micro(model: nn.Module, quick: bool) -> list[dict]:
               "gate_up_proj": mlp.gate_up_proj.weight.shape, "down_proj": mlp.down_proj.weight.shape,
               "lm_head": (config.vocab_size, config.hidden_size)}
     copy = copy_bandwidth()
-    print(f"linear layers alone, bfloat16, {torch.get_num_threads()} threads; copy bandwidth "
+    print(f"linear layers alone, bfloat16, {torch.get_num_threads()} threads; copy bandwidth (read + write) "
           f"{copy / 1e9:.1f} GB/s; us per call ({'thread CPU' if CPU_CLOCK else 'wall'} time, best of 5)")
     print(f"  {'layer':13s} {'N x K':>12s} {'rows':>4s} {'torch':>8s} {'gemv':>8s} {'speedup':>7s} "
-          f"{'torch/copy':>10s} {'gemv/copy':>9s}")
+          f"{'torch GB/s':>10s} {'gemv GB/s':>9s}")
     gen, rows = torch.Generator().manual_seed(0), []
     for name, (n, k) in shapes.items():
         w = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
-        for m in (1, 8) if quick else (1, 2, 4, 6, 8):
+        for m in (1, 4) if quick else range(1, gemv.MAX_ROWS + 1):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             torch_s = _timed(partial(F.linear, x, w))
             gemv_s = _timed(partial(gemv.linear, x, w))
             row = {"layer": name, "out_features": n, "in_features": k, "rows": m, "torch_us": torch_s * 1e6,
                    "gemv_us": gemv_s * 1e6, "speedup": torch_s / gemv_s,
-                   "torch_of_copy": w.nbytes / torch_s / copy, "gemv_of_copy": w.nbytes / gemv_s / copy}
+                   "torch_gb_per_s": w.nbytes / torch_s / 1e9, "gemv_gb_per_s": w.nbytes / gemv_s / 1e9,
+                   "copy_gb_per_s": copy / 1e9}
             rows.append(row)
             print(f"  {name:13s} {f'{n} x {k}':>12s} {m:4d} {row['torch_us']:8.1f} {row['gemv_us']:8.1f} "
-                  f"{row['speedup']:6.2f}x {row['torch_of_copy']:10.2f} {row['gemv_of_copy']:9.2f}")
+                  f"{row['speedup']:6.2f}x {row['torch_gb_per_s']:10.1f} {row['gemv_gb_per_s']:9.1f}")
     return rows
 
 

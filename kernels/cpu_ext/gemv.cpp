@@ -1,12 +1,13 @@
 // Dense matrix-vector products for a few rows of activations (batchinfer.kernels.cpu_ext.gemv):
-// a linear layer at the decode step of one to eight sequences, where every weight is read once per
+// a linear layer at the decode step of one to four sequences, where every weight is read once per
 // step and the step is bound by how fast the weights stream in. torch's bfloat16 / float16 matmul
 // at one row reaches ~0.4 of the copy bandwidth on the CPUs measured (docs/benchmarks.md); this
-// converts each weight vector once for all rows, computes four (from five rows on, two) output
-// rows together (independent accumulator chains) and splits the output rows over torch's threads.
+// converts each weight vector once for all rows, computes four output rows together (four
+// independent accumulator chains) and splits the output rows over torch's intra-op threads. From
+// five rows on torch's matmul is as fast (a version for up to eight rows, measured: 0.7-1.5x).
 //
 // Weights w [N, K] (N outputs, K input features): float32, bfloat16 or float16, K a multiple of 16.
-// x [M, K] (M <= 8) of any of the three dtypes, converted to float32 once. Sums are float32; the
+// x [M, K] (M <= 4) of any of the three dtypes, converted to float32 once. Sums are float32; the
 // output is rounded to x's dtype, then the bias added and rounded again, as torch's
 // ``linear(x, w) + bias`` in that dtype rounds. (int8 / int4 weights stay on torch's packed kernels:
 // a version of this loop for them, tried, ran at 0.6-0.9 of their speed.)
@@ -45,7 +46,8 @@ typedef uint16_t vh __attribute__((vector_size(32)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 constexpr int64_t LANES = 16;
-constexpr int64_t MAX_ROWS = 8;  // activation rows a call takes
+constexpr int64_t MAX_ROWS = 4;  // activation rows a call takes (more: torch's matmul is as fast)
+constexpr int64_t NR = 4;        // output rows computed together
 constexpr int64_t GRAIN = 64;    // output rows per parallel task (at least)
 
 BATCHINFER_INLINE float hsum(vf v) {
@@ -83,9 +85,7 @@ struct Args {
 };
 
 // Dense: y[m, n] = sum_k w[n, k] * x[m, k].
-// Output rows computed together: four, or two from five activation rows on (NR x M accumulators
-// and M activation vectors must fit AVX-512's 32 registers).
-template <int M, class W, vf (*load)(const W*), int NR = (M <= 4 ? 4 : 2)>
+template <int M, class W, vf (*load)(const W*)>
 BATCHINFER_INLINE void rows_dense(const Args& a, const W* w, int64_t n0, int64_t n1) {
   const int64_t K = a.K;
   int64_t n = n0;
@@ -121,20 +121,15 @@ BATCHINFER_INLINE void rows_dense(const Args& a, const W* w, int64_t n0, int64_t
   BATCHINFER_DENSE(KIND##_1, 1, W, LOAD)    \
   BATCHINFER_DENSE(KIND##_2, 2, W, LOAD)    \
   BATCHINFER_DENSE(KIND##_3, 3, W, LOAD)    \
-  BATCHINFER_DENSE(KIND##_4, 4, W, LOAD)    \
-  BATCHINFER_DENSE(KIND##_5, 5, W, LOAD)    \
-  BATCHINFER_DENSE(KIND##_6, 6, W, LOAD)    \
-  BATCHINFER_DENSE(KIND##_7, 7, W, LOAD)    \
-  BATCHINFER_DENSE(KIND##_8, 8, W, LOAD)
+  BATCHINFER_DENSE(KIND##_4, 4, W, LOAD)
 BATCHINFER_DENSE_ALL(f32, float, load_f32)
 BATCHINFER_DENSE_ALL(bf16, uint16_t, load_bf16)
 BATCHINFER_DENSE_ALL(f16, uint16_t, load_f16)
 
-#define BATCHINFER_PICK(KIND, M)                                                                   \
-  std::array<decltype(&KIND##_1), MAX_ROWS>{KIND##_1, KIND##_2, KIND##_3, KIND##_4, KIND##_5, KIND##_6, \
-                                            KIND##_7, KIND##_8}[(M) - 1]
+#define BATCHINFER_PICK(KIND, M) \
+  std::array<decltype(&KIND##_1), MAX_ROWS>{KIND##_1, KIND##_2, KIND##_3, KIND##_4}[(M) - 1]
 
-// x [M, K] (float32 / bfloat16 / float16, M <= 8) as float32 rows.
+// x [M, K] (float32 / bfloat16 / float16, M <= 4) as float32 rows.
 std::vector<float> rows_as_float(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<float> out(M * K);

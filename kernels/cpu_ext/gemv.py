@@ -1,4 +1,4 @@
-"""Dense matmuls of one to eight rows on the CPU (``gemv.cpp``): a linear layer at a decode step
+"""Dense matmuls of one to four rows on the CPU (``gemv.cpp``): a linear layer at a decode step
 of a few sequences, where torch's bfloat16 / float16 matmul reads the weights at ~0.4 of the copy
 bandwidth and this at ~0.9 (docs/benchmarks.md, "Few-row matmuls").
 
@@ -12,7 +12,7 @@ import torch
 
 from batchinfer.kernels.cpu_ext import decode
 
-MAX_ROWS = 8  # activation rows a call takes (gemv.cpp's MAX_ROWS)
+MAX_ROWS = 4  # activation rows a call takes (gemv.cpp's MAX_ROWS; from 5 on torch is as fast)
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16)  # float32 stays on torch (MKL's is as fast)
 LANES = 16  # in_features must be a multiple of it
 

@@ -1,6 +1,6 @@
 """``GemvLinear``: an ``nn.Linear`` whose few-row calls on the CPU take the compiled GEMV.
 
-At a decode step of one to eight sequences a linear layer multiplies one to eight rows by its whole
+At a decode step of one to four sequences a linear layer multiplies one to four rows by its whole
 weight: the step is bound by how fast the weights stream in, and torch's bfloat16 / float16 matmul
 reads them at ~0.4 of the copy bandwidth where ``kernels/cpu_ext/gemv.cpp`` reaches ~0.9
 (docs/benchmarks.md). ``use_gemv`` swaps a loaded decoder's dense projections and LM head for

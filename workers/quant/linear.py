@@ -13,8 +13,7 @@ Both kernels take bfloat16 activations (float32 ones fall on a path ~30x slower)
 to a dense bfloat16 matmul as the row count grows: each dequantizes its weight tile by tile for
 every call, which a dense matmul amortises over the rows. So the module also keeps ``weight``,
 the dense bfloat16 copy of the *quantized* weights (``q * s`` rounded to bfloat16), and a step of
-M rows runs the packed kernel when ``M <= PACKED_MAX_ROWS``, the dense copy otherwise (through
-``kernels/cpu_ext``'s GEMV up to ``gemv.MAX_ROWS`` rows, where it built; ``F.linear`` above): the same
+M rows runs the packed kernel when ``M <= PACKED_MAX_ROWS``, the dense copy otherwise: the same
 weights either way, up to that one bfloat16 rounding of each (the kernels compute ``q * s`` in
 float32). Memory per weight: int8 1 byte + 2 (the copy), int4 0.5 + 1/8 (scale and zero per 32)
 + 2: more than bfloat16's 2 bytes, less than float32's 4. What quantization buys is decode speed
@@ -28,8 +27,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-from batchinfer.kernels.cpu_ext import gemv
 
 GROUP_SIZE = 32  # int4: weights per scale/zero group along K (a GGUF Q4_0 / Q4_1 block)
 INNER_K_TILES = 8  # int4: the CPU pack's tile parameter (the value torch's own int4 CPU path uses)
@@ -144,10 +141,7 @@ class QuantizedLinear(nn.Module):
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
         if x2.shape[0] > self.packed_max_rows:  # dense: faster from a few rows on (PACKED_MAX_ROWS)
-            if gemv.supports(x2, self.weight):  # up to gemv.MAX_ROWS rows, where the library built
-                y = gemv.linear(x2, self.weight, self.bias)  # [M, N]
-            else:
-                y = torch.nn.functional.linear(x2, self.weight, self.bias)
+            y = torch.nn.functional.linear(x2, self.weight, self.bias)  # [M, N]
         else:
             x2 = x2.contiguous()  # both kernels refuse strided rows (a broadcast row, say)
             if self.mode == "int8":

@@ -1,8 +1,8 @@
 // Dense matrix-vector products for a few rows of activations (batchinfer.kernels.cpu_ext.gemv):
 // a linear layer at the decode step of one to four sequences, where every weight is read once per
 // step and the step is bound by how fast the weights stream in. torch's bfloat16 / float16 matmul
-// at one row reaches ~0.4 of the copy bandwidth on the CPUs measured (docs/benchmarks.md); this
-// converts each weight vector once for all rows, computes four output rows together (four
+// reads them at 9-18 GB/s at these row counts on the VM measured, this at 16-25 (docs/benchmarks.md):
+// it converts each weight vector once for all rows, computes four output rows together (four
 // independent accumulator chains) and splits the output rows over torch's intra-op threads. From
 // five rows on torch's matmul is as fast (a version for up to eight rows, measured: 0.7-1.5x).
 //

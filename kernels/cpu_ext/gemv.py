@@ -1,6 +1,7 @@
 """Dense matmuls of one to four rows on the CPU (``gemv.cpp``): a linear layer at a decode step
-of a few sequences, where torch's bfloat16 / float16 matmul reads the weights at ~0.4 of the copy
-bandwidth and this at ~0.9 (docs/benchmarks.md, "Few-row matmuls").
+of a few sequences, where the step is bound by how fast the weights stream in: 1.3-2.2x torch's
+bfloat16 ``F.linear`` at SmolLM2's and the tiny Llama's shapes (weights read at 16-25 GB/s against
+torch's 9-18; docs/benchmarks.md, "Few-row matmuls").
 
 ``workers/quant/dense.py``'s ``GemvLinear`` calls ``linear`` when ``supports`` says so; the library
 and its switch are ``decode``'s (``BATCHINFER_CPU_DECODE_KERNEL``).

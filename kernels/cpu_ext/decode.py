@@ -2,11 +2,11 @@
 
 ``paged_decode.cpp``, ``fused_ops.cpp`` and ``gemv.cpp`` (shipped beside this module: the decode
 attention here, the fused norm / rotary ops ``elementwise`` calls, the few-row matmuls ``gemv``
-calls) are compiled into one library by ``torch.utils.cpp_extension`` the first time a process
-needs it — ~20-60 s once per machine; later processes load the cached library from
-``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) under ``batchinfer/<name>``, where
-``<name>`` carries a digest of the sources, the flags, the compiler and torch's version, so a
-change of any of them builds afresh instead of loading a stale library.
+calls; ``vec.h`` holds what they share) are compiled into one library by ``torch.utils.cpp_extension``
+the first time a process needs it — ~20-60 s once per machine; later processes load the cached
+library from ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) under
+``batchinfer/<name>``, where ``<name>`` carries a digest of the sources, the flags, the compiler and
+torch's version, so a change of any of them builds afresh instead of loading a stale library.
 
 Processes that build at once (test runs, several worker daemons on one machine) take turns on an
 ``flock`` in that folder, released by the kernel if its holder dies, so a killed build never
@@ -38,12 +38,15 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 FUSED_SOURCE = Path(__file__).with_name("fused_ops.cpp")  # compiled into the same library
 GEMV_SOURCE = Path(__file__).with_name("gemv.cpp")
+HEADERS = (Path(__file__).with_name("vec.h"),)  # included by the sources: part of the digest
 ENV = "BATCHINFER_CPU_DECODE_KERNEL"
 MODES = ("0", "1", "auto")
 # -fopenmp: at::parallel_for's OpenMP region is compiled into the extension (it then runs on the
 # libgomp torch loaded). No -march=native: the source picks the instruction set per CPU at load time
 # (target_clones), so the cached build stays portable.
-CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG")
+# -Wno-psabi: GCC notes that 64-byte vector arguments changed ABI in GCC 4.6 for every such inline
+# helper, which would bury a real error in the build log.
+CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG", "-Wno-psabi")
 LDFLAGS = ("-fopenmp",)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LANES = 16  # the kernel handles head_dim in 16-float vectors: head dims must be multiples of it
@@ -85,7 +88,7 @@ class Build:
                     try:
                         self._library = self._load()
                     except Exception as exc:  # any failure: the torch paths serve instead
-                        self.reason = f"{type(exc).__name__}: {exc}".strip()[-2000:]
+                        self.reason = _reason(exc)
                         log.warning("CPU decode kernel unavailable, using the torch path: %s", self.reason)
                     self._done = True
         return self._library
@@ -102,8 +105,8 @@ class Build:
     def name(self) -> str:
         """The extension's name: a digest of the source, flags, compiler, torch and Python versions."""
         compiler = self.compiler()
-        sources = (self.source, *self.extra_sources)
-        digests = [hashlib.sha256(path.read_bytes()).hexdigest() for path in sources]
+        files = (self.source, *self.extra_sources, *HEADERS)
+        digests = [hashlib.sha256(path.read_bytes()).hexdigest() for path in files]
         key = "\0".join([*digests, *self.cflags, *LDFLAGS,
                          compiler, os.path.realpath(shutil.which(compiler) or compiler), torch.__version__,
                          f"py{sys.version_info[0]}{sys.version_info[1]}"])
@@ -137,6 +140,17 @@ class Build:
                                is_python_module=False)
         log.info("CPU decode kernel loaded from %s in %.1f s", folder, time.monotonic() - started)
         return getattr(torch.ops, name)
+
+
+def _reason(exc: Exception, limit: int = 2000) -> str:
+    """Why a build failed, in at most ``limit`` characters: the compiler's ``error:`` lines, each
+    with the two after it (the source line and the caret), when it printed any (the sources
+    compile in parallel, so the log's tail may be another file's); else the message's tail."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    lines = text.splitlines()
+    picked = {i + j for i, line in enumerate(lines) if "error:" in line for j in range(3)}
+    kept = [lines[i] for i in sorted(picked) if i < len(lines)]
+    return ("\n".join([lines[0][:300], *kept]) if kept else text)[-limit:]
 
 
 class _exclusive:

@@ -26,9 +26,7 @@
 #include <cstring>
 #include <optional>
 
-#ifndef BATCHINFER_OPS_NS
-#define BATCHINFER_OPS_NS batchinfer_cpu_decode
-#endif
+#include "vec.h"
 
 namespace {
 

@@ -12,7 +12,7 @@
 // ``linear(x, w) + bias`` in that dtype rounds. (int8 / int4 weights stay on torch's packed kernels:
 // a version of this loop for them, tried, ran at 0.6-0.9 of their speed.)
 //
-// Vectorization as in paged_decode.cpp: GCC vector extensions of 16 floats, target_clones.
+// Vectorization: vec.h's 16-float vectors, the hot functions cloned per instruction set.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,57 +27,16 @@
 #include <optional>
 #include <vector>
 
-#ifndef BATCHINFER_OPS_NS
-#define BATCHINFER_OPS_NS batchinfer_cpu_decode
-#endif
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define BATCHINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define BATCHINFER_CLONES
-#endif
-#define BATCHINFER_INLINE inline __attribute__((always_inline))
+#include "vec.h"
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-constexpr int64_t LANES = 16;
+using namespace batchinfer_vec;
+
 constexpr int64_t MAX_ROWS = 4;  // activation rows a call takes (more: torch's matmul is as fast)
 constexpr int64_t NR = 4;        // output rows computed together
 constexpr int64_t GRAIN = 64;    // output rows per parallel task (at least)
 
-BATCHINFER_INLINE float hsum(vf v) {
-  vf8 a, b;
-  std::memcpy(&a, &v, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
-  a += b;
-  vf4 c, d;
-  std::memcpy(&c, &a, sizeof c);
-  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
-  c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-// 16 weights as floats, per storage type.
-BATCHINFER_INLINE vf load_f32(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-BATCHINFER_INLINE vf load_bf16(const uint16_t* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  return (vf)(__builtin_convertvector(h, vu) << 16);
-}
-BATCHINFER_INLINE vf load_f16(const uint16_t* p) {
-  float f[LANES];
-  for (int64_t j = 0; j < LANES; ++j) f[j] = c10::detail::fp16_ieee_to_fp32_value(p[j]);
-  return load_f32(f);
-}
 struct Args {
   const float* x;  // [M, K] float32 (converted once)
   int64_t M, K, N;

@@ -34,57 +34,26 @@
 #include <type_traits>
 #include <vector>
 
-#ifndef BATCHINFER_OPS_NS
-#define BATCHINFER_OPS_NS batchinfer_cpu_decode
-#endif
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define BATCHINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define BATCHINFER_CLONES
-#endif
-#define BATCHINFER_INLINE inline __attribute__((always_inline))
+#include "vec.h"
 
 namespace {
 
-// 16 float lanes: one AVX-512 register, two AVX2 or four SSE ones (GCC/Clang vector extensions, so
-// each target clone lowers the same code to its own instructions).
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-constexpr int64_t LANES = 16;
+using namespace batchinfer_vec;
 
 // Cache element types: 16 elements as floats, one float back as an element.
 struct F32 {
   using T = float;
-  static BATCHINFER_INLINE vf load(const T* p) {
-    vf v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-  }
+  static BATCHINFER_INLINE vf load(const T* p) { return load_f32(p); }
   static BATCHINFER_INLINE T store(float v) { return v; }
 };
 struct BF16 {  // the high half of a float32
   using T = uint16_t;
-  static BATCHINFER_INLINE vf load(const T* p) {
-    vh h;
-    std::memcpy(&h, p, sizeof h);
-    return (vf)(__builtin_convertvector(h, vu) << 16);
-  }
+  static BATCHINFER_INLINE vf load(const T* p) { return load_bf16(p); }
   static BATCHINFER_INLINE T store(float v) { return c10::BFloat16(v).x; }
 };
 struct F16 {
   using T = uint16_t;
-  static BATCHINFER_INLINE vf load(const T* p) {
-    float f[LANES];
-    for (int64_t j = 0; j < LANES; ++j) f[j] = c10::detail::fp16_ieee_to_fp32_value(p[j]);
-    vf v;
-    std::memcpy(&v, f, sizeof v);
-    return v;
-  }
+  static BATCHINFER_INLINE vf load(const T* p) { return load_f16(p); }
   static BATCHINFER_INLINE T store(float v) { return c10::detail::fp16_ieee_from_fp32_value(v); }
 };
 
@@ -93,18 +62,6 @@ struct F16 {
 #else
 #define BATCHINFER_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
 #endif
-
-BATCHINFER_INLINE float hsum(vf v) {
-  vf8 a, b;
-  std::memcpy(&a, &v, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
-  a += b;
-  vf4 c, d;
-  std::memcpy(&c, &a, sizeof c);
-  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
-  c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
 
 // Sums of 16 vectors at once: lane i of the result = the sum of p[i]'s lanes. Four rounds of
 // "shuffle two vectors' halves apart, add": 30 shuffles and 15 adds for 16 dot products, where

@@ -1,0 +1,70 @@
+// Shared by the CPU library's sources (paged_decode.cpp, fused_ops.cpp, gemv.cpp): the op
+// namespace's default, the per-CPU cloning of hot functions, and 16-float vectors.
+//
+// Vectors are GCC/Clang vector extensions of 16 floats (one AVX-512 register, two AVX2 or four SSE
+// ones), so each target clone lowers the same code to its own instructions; hot functions are
+// compiled for x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA) and the baseline and chosen by the CPU
+// at load time (GCC's target_clones): no -march=native, so a cached build runs on any x86-64
+// machine that shares it.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#ifndef BATCHINFER_OPS_NS
+#define BATCHINFER_OPS_NS batchinfer_cpu_decode
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BATCHINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define BATCHINFER_CLONES
+#endif
+#define BATCHINFER_INLINE inline __attribute__((always_inline))
+
+namespace batchinfer_vec {
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+constexpr int64_t LANES = 16;
+
+// The sum of a vector's 16 lanes (halving adds: 8 + 8, 4 + 4, then pairs).
+BATCHINFER_INLINE float hsum(vf v) {
+  vf8 a, b;
+  std::memcpy(&a, &v, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+  a += b;
+  vf4 c, d;
+  std::memcpy(&c, &a, sizeof c);
+  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// 16 elements as floats, per storage type.
+BATCHINFER_INLINE vf load_f32(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// bfloat16: the high halves of float32s.
+BATCHINFER_INLINE vf load_bf16(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+BATCHINFER_INLINE vf load_f16(const uint16_t* p) {
+  float f[LANES];
+  for (int64_t j = 0; j < LANES; ++j) f[j] = c10::detail::fp16_ieee_to_fp32_value(p[j]);
+  return load_f32(f);
+}
+
+}  // namespace batchinfer_vec

@@ -194,6 +194,12 @@ def usable(x: torch.Tensor) -> bool:
     raises ``RuntimeError``)."""
     if x.device.type != "cpu" or x.dtype not in DTYPES or torch.compiler.is_compiling():
         return False
+    return _switched_on()
+
+
+def _switched_on() -> bool:
+    """The env switch and the build: ``0`` False, else whether the library built (``1`` with a
+    failed build raises ``RuntimeError``)."""
     mode = kernel_mode()
     if mode == "0":
         return False
@@ -219,14 +225,9 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 def enabled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether decode rows over this cache go to the kernel now: the env switch, ``supports`` and
     the build. ``BATCHINFER_CPU_DECODE_KERNEL=1`` with a failed build raises ``RuntimeError``."""
-    mode = kernel_mode()
-    if mode == "0" or not supports(q, k_cache, v_cache):
+    if kernel_mode() == "0" or not supports(q, k_cache, v_cache):
         return False
-    if available():
-        return True
-    if mode == "1":
-        raise RuntimeError(f"{ENV}=1 but the CPU decode kernel did not build: {_default.reason}")
-    return False
+    return _switched_on()
 
 
 def paged_decode(

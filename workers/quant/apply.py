@@ -12,12 +12,31 @@ read the base weights.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 from torch import nn
 
-from batchinfer.workers.models.decoder import MLP, Decoder
+from batchinfer.workers.models.decoder import MLP, Decoder, DecoderLayer
 from batchinfer.workers.quant.linear import QuantizedLinear, packed_mode
 from batchinfer.workers.quantization_config import WEIGHT_MODES
+
+
+def projections(decoder: Decoder) -> Iterator[tuple[nn.Module, str]]:
+    """(module, attribute name) of every layer's ``qkv_proj`` and ``o_proj`` and, in a dense MLP,
+    ``gate_up_proj`` and ``down_proj`` (an MoE block's experts are stacked tensors, not linears)."""
+    for layer in decoder.layers:
+        assert isinstance(layer, DecoderLayer)
+        yield from ((layer.self_attn, name) for name in ("qkv_proj", "o_proj"))
+        if isinstance(layer.mlp, MLP):
+            yield from ((layer.mlp, name) for name in ("gate_up_proj", "down_proj"))
+
+
+def tied_head(decoder: Decoder) -> nn.Linear:
+    """An ``nn.Linear`` [C] -> [V] whose weight is the embedding's own (shared, not copied)."""
+    vocab, hidden = decoder.embed_tokens.weight.shape
+    head = nn.Linear(hidden, vocab, bias=False, device="meta")
+    head.weight = decoder.embed_tokens.weight  # [V, C]
+    return head
 
 
 def _quantized(linear: nn.Module, mode: str, counts: Counter[str]) -> nn.Module:
@@ -48,19 +67,12 @@ def quantize_model(decoder: Decoder, mode: str, head_mode: str | None = None) ->
         raise ValueError(f"quantization {mode!r} is not supported with tensor parallelism")
     counts: Counter[str] = Counter()
     if mode != "none":
-        for layer in decoder.layers:
-            attn = layer.self_attn
-            for name in ("qkv_proj", "o_proj"):
-                setattr(attn, name, _quantized(getattr(attn, name), mode, counts))
-            if isinstance(layer.mlp, MLP):  # an MoE block stays dense (module docstring)
-                for name in ("gate_up_proj", "down_proj"):
-                    setattr(layer.mlp, name, _quantized(getattr(layer.mlp, name), mode, counts))
+        for holder, name in projections(decoder):
+            setattr(holder, name, _quantized(getattr(holder, name), mode, counts))
     if head_mode != "none":
         head = decoder.lm_head
         if head is None:  # tied: a quantized copy of the embedding rows, the lookup stays dense
-            vocab, hidden = decoder.embed_tokens.weight.shape
-            head = nn.Linear(hidden, vocab, bias=False, device="meta")
-            head.weight = decoder.embed_tokens.weight  # [V, C], shared, not copied
+            head = tied_head(decoder)
         quantized = _quantized(head, head_mode, counts)
         if quantized is not head or decoder.lm_head is not None:
             decoder.lm_head = quantized

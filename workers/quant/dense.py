@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from batchinfer.kernels.cpu_ext import gemv
-from batchinfer.workers.models.decoder import MLP, Decoder
+from batchinfer.workers.models.decoder import Decoder
+from batchinfer.workers.quant.apply import projections, tied_head
 
 
 class GemvLinear(nn.Linear):
@@ -52,20 +53,12 @@ def use_gemv(decoder: Decoder) -> int:
     if decoder.device.type != "cpu" or decoder.dtype not in gemv.WEIGHT_DTYPES or decoder.tp is not None:
         return 0
     swapped = 0
-    for layer in decoder.layers:
-        holders = [(layer.self_attn, ("qkv_proj", "o_proj"))]
-        if isinstance(layer.mlp, MLP):  # MoE experts are stacked tensors, not nn.Linear
-            holders.append((layer.mlp, ("gate_up_proj", "down_proj")))
-        for holder, names in holders:
-            for name in names:
-                new = _swap(getattr(holder, name))
-                swapped += new is not getattr(holder, name)
-                setattr(holder, name, new)
+    for holder, name in projections(decoder):
+        new = _swap(getattr(holder, name))
+        swapped += new is not getattr(holder, name)
+        setattr(holder, name, new)
     if decoder.lm_head is None and decoder.config.tie_word_embeddings:  # tied: reads the embedding's weight
-        vocab, hidden = decoder.embed_tokens.weight.shape
-        head = nn.Linear(hidden, vocab, bias=False, device="meta")
-        head.weight = decoder.embed_tokens.weight
-        decoder.lm_head = GemvLinear.sharing(head)
+        decoder.lm_head = GemvLinear.sharing(tied_head(decoder))
         swapped += 1
     elif type(decoder.lm_head) is nn.Linear:
         decoder.lm_head = GemvLinear.sharing(decoder.lm_head)

@@ -169,9 +169,10 @@ def test_rotary_embedding_into_cache_either_way(mode, monkeypatch):
 
 # -- gemv ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("out_features", [67, 256])  # 67: a tail past the four-row blocks
+# 4: one block, the prefetch clamped to it; 67: a tail past the four-row blocks
+@pytest.mark.parametrize("out_features", [4, 67, 256])
 def test_gemv_against_float64(dtype, rows, out_features):
     g = _gen(8)
     w = torch.randn(out_features, 96, generator=g).to(dtype)
@@ -180,7 +181,8 @@ def test_gemv_against_float64(dtype, rows, out_features):
     exact = x.double() @ w.double().T  # [rows, N]
     got = gemv.linear(x, w)
     assert got.dtype == dtype and got.shape == (rows, out_features)
-    torch.testing.assert_close(got.double(), exact.to(dtype).double(), rtol=1e-2, atol=1e-2)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), exact.to(dtype).double(), rtol=tol, atol=tol)
     # the bias joins after the product is rounded, as torch's ``linear(x, w) + bias`` in the dtype
     assert torch.equal(gemv.linear(x, w, bias), got + bias)
 
@@ -209,7 +211,8 @@ def test_gemv_refuses_what_it_cannot_take():
     with pytest.raises(RuntimeError, match="x has 16 features, the weight 32"):
         gemv.linear(torch.randn(1, 16, dtype=torch.bfloat16), w)
     assert not gemv.supports(torch.randn(5, 32, dtype=torch.bfloat16), w)
-    assert not gemv.supports(torch.randn(1, 32), torch.randn(8, 32))  # float32 weights stay on torch
+    float64 = torch.randn(8, 32, dtype=torch.float64)
+    assert not gemv.supports(torch.randn(1, 32, dtype=torch.float64), float64)  # float64 stays on torch
     assert gemv.supports(torch.randn(4, 32, dtype=torch.bfloat16), w)
 
 

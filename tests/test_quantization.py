@@ -328,7 +328,7 @@ def test_a_quantized_engine_agrees_with_the_dense_ones(tiny, mode):
 def test_auto_on_a_hugging_face_folder_is_dense(tiny):
     engine = make_llm(tiny["path"], quantization="auto").engine
     assert engine.quantization == QuantPlan() and engine.config.dtype is torch.float32
-    assert type(engine.model.layers[0].self_attn.qkv_proj) is nn.Linear
+    assert isinstance(engine.model.layers[0].self_attn.qkv_proj, nn.Linear)  # dense (a GemvLinear)
 
 
 def test_a_model_handed_in_must_be_bfloat16(tiny):

@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 FUSED_SOURCE = Path(__file__).with_name("fused_ops.cpp")  # compiled into the same library
 GEMV_SOURCE = Path(__file__).with_name("gemv.cpp")
-HEADERS = (Path(__file__).with_name("vec.h"),)  # included by the sources: part of the digest
+LAYERS_SOURCE = Path(__file__).with_name("layer_loop.cpp")
+# Included by the sources: part of the digest.
+HEADERS = (Path(__file__).with_name("vec.h"), Path(__file__).with_name("ops.h"))
 ENV = "BATCHINFER_CPU_DECODE_KERNEL"
 MODES = ("0", "1", "auto")
 # -fopenmp: at::parallel_for's OpenMP region is compiled into the extension (it then runs on the
@@ -71,7 +73,7 @@ class Build:
     both None when the build failed (``reason`` then says why). Never raises."""
 
     def __init__(self, source: Path = SOURCE, cflags: tuple[str, ...] = CFLAGS,
-                 extra_sources: tuple[Path, ...] = (FUSED_SOURCE, GEMV_SOURCE)):
+                 extra_sources: tuple[Path, ...] = (FUSED_SOURCE, GEMV_SOURCE, LAYERS_SOURCE)):
         self.source = source
         self.extra_sources = extra_sources
         self.cflags = cflags

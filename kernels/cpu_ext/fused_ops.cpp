@@ -26,6 +26,7 @@
 #include <cstring>
 #include <optional>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -85,6 +86,10 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, co
   });
 }
 
+}  // namespace
+
+namespace batchinfer_ops {
+
 // x [T, C] (unit last stride), weight [C] (x's dtype), residual [T, C] or none.
 // Returns (normed [T, C], x + residual [T, C]); without a residual the second is an empty tensor.
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
@@ -116,6 +121,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   }
   return {out, sum};
 }
+
+}  // namespace batchinfer_ops
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Rotary embedding in place, then the keys and values into the paged cache
@@ -186,6 +195,10 @@ void check_rows(const at::Tensor& t, const char* name, int64_t tokens, at::Scala
               "contiguous last axis");
 }
 
+}  // namespace
+
+namespace batchinfer_ops {
+
 // q [T, H, D] and k [T, KVH, D] rotated in place by positions [T] (cos_sin [P, rot] float32: cos in
 // the first half of a row, sin in the second); then, given the caches, k and v [T, KVH, D] written
 // to slot_mapping [T] (-1: skipped). Every position and slot is checked before anything is written.
@@ -247,7 +260,7 @@ void rotary_cache(const at::Tensor& positions, const at::Tensor& q, const at::Te
   }
 }
 
-}  // namespace
+}  // namespace batchinfer_ops
 
 TORCH_LIBRARY_FRAGMENT(BATCHINFER_OPS_NS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
@@ -256,6 +269,6 @@ TORCH_LIBRARY_FRAGMENT(BATCHINFER_OPS_NS, m) {
 }
 
 TORCH_LIBRARY_IMPL(BATCHINFER_OPS_NS, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rotary_cache", &rotary_cache);
+  m.impl("rms_norm", &batchinfer_ops::rms_norm);
+  m.impl("rotary_cache", &batchinfer_ops::rotary_cache);
 }

@@ -1,16 +1,16 @@
 // Dense matrix-vector products for a few rows of activations (batchinfer.kernels.cpu_ext.gemv):
 // a linear layer at the decode step of one to four sequences, where every weight is read once per
-// step and the step is bound by how fast the weights stream in. torch's bfloat16 / float16 matmul
-// reads them at 9-18 GB/s at these row counts on the VM measured, this at 16-25 (docs/benchmarks.md):
-// it converts each weight vector once for all rows, computes four output rows together (four
-// independent accumulator chains) and splits the output rows over torch's intra-op threads. From
-// five rows on torch's matmul is as fast (a version for up to eight rows, measured: 0.7-1.5x).
+// step and the step is bound by how fast the weights stream in from memory. It converts each weight
+// vector once for all rows, computes four output rows together (four independent accumulator
+// chains), prefetches the rows two groups ahead into L2 and splits the output rows over torch's
+// intra-op threads: 1.7-3x torch's matmul at these row counts (docs/benchmarks.md, "The layer loop").
+// From five rows on torch's matmul is as fast (a version for up to eight rows, measured: 0.7-1.5x).
 //
 // Weights w [N, K] (N outputs, K input features): float32, bfloat16 or float16, K a multiple of 16.
 // x [M, K] (M <= 4) of any of the three dtypes, converted to float32 once. Sums are float32; the
 // output is rounded to x's dtype, then the bias added and rounded again, as torch's
 // ``linear(x, w) + bias`` in that dtype rounds. (int8 / int4 weights stay on torch's packed kernels:
-// a version of this loop for them, tried, ran at 0.6-0.9 of their speed.)
+// versions of this loop for them, tried, ran at 0.6-0.9 of their speed.)
 //
 // Vectorization: vec.h's 16-float vectors, the hot functions cloned per instruction set.
 
@@ -21,12 +21,14 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -36,6 +38,12 @@ using namespace batchinfer_vec;
 constexpr int64_t MAX_ROWS = 4;  // activation rows a call takes (more: torch's matmul is as fast)
 constexpr int64_t NR = 4;        // output rows computed together
 constexpr int64_t GRAIN = 64;    // output rows per parallel task (at least)
+// Software prefetch of the weight rows two groups ahead, into L2 (prefetcht1): streaming a model's
+// weights from memory, one core's hardware prefetchers alone read 7-9 GB/s here; with this 21-27 at
+// one row, 13-14 at four (AMD EPYC VM, docs/benchmarks.md). Nearer (one group) or into L1 (t0) or
+// non-temporal (nta) each gave half the gain or less; farther, the same.
+constexpr int64_t PREFETCH_ROWS = 2 * NR;
+constexpr int PREFETCH_LOCALITY = 2;
 
 struct Args {
   const float* x;  // [M, K] float32 (converted once)
@@ -50,9 +58,12 @@ BATCHINFER_INLINE void rows_dense(const Args& a, const W* w, int64_t n0, int64_t
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
     vf acc[NR][M] = {};
+    const W* ahead = w + std::min(n + PREFETCH_ROWS, a.N - NR) * K;  // the last rows: these again
     for (int64_t k = 0; k < K; k += LANES) {
       vf xv[M];
       for (int m = 0; m < M; ++m) xv[m] = load_f32(a.x + m * K + k);
+      if ((k * sizeof(W)) % 64 == 0)  // once per cache line
+        for (int r = 0; r < NR; ++r) __builtin_prefetch(ahead + r * K + k, 0, PREFETCH_LOCALITY);
       for (int r = 0; r < NR; ++r) {
         const vf wv = load(w + (n + r) * K + k);
         for (int m = 0; m < M; ++m) acc[r][m] += wv * xv[m];
@@ -151,6 +162,12 @@ void over_rows(int64_t N, F body) {
   at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) { body(n0, n1); });
 }
 
+}  // namespace
+
+namespace batchinfer_ops {
+
+using namespace batchinfer_vec;
+
 // y = x @ w.T (+ bias), w dense [N, K] (float32 / bfloat16 / float16, any dtype against x's).
 at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous(), "gemv_dense: w must be a contiguous "
@@ -173,12 +190,12 @@ at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w, const std::optio
   return finish(x, y, N, bias);
 }
 
-}  // namespace
+}  // namespace batchinfer_ops
 
 TORCH_LIBRARY_FRAGMENT(BATCHINFER_OPS_NS, m) {
   m.def("gemv_dense(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(BATCHINFER_OPS_NS, CPU, m) {
-  m.impl("gemv_dense", &gemv_dense);
+  m.impl("gemv_dense", &batchinfer_ops::gemv_dense);
 }

@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -295,6 +296,12 @@ int64_t as_index(const at::Tensor& t, int64_t i) {
   return t.scalar_type() == at::kLong ? t.data_ptr<int64_t>()[i] : t.data_ptr<int32_t>()[i];
 }
 
+}  // namespace
+
+namespace batchinfer_ops {
+
+using namespace batchinfer_vec;
+
 // work: 0 = one item per sequence (all its KV heads), 1 = one per (sequence, KV head), -1 = default (1).
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
@@ -390,11 +397,11 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   });
 }
 
-}  // namespace
+}  // namespace batchinfer_ops
 
 TORCH_LIBRARY(BATCHINFER_OPS_NS, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
         "Tensor seq_lens, float scale, int sliding_window, float softcap, int work, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(BATCHINFER_OPS_NS, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(BATCHINFER_OPS_NS, CPU, m) { m.impl("paged_decode", &batchinfer_ops::paged_decode); }

@@ -46,6 +46,7 @@ from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.models import Decoder, ModelConfig, load_model
 from batchinfer.workers.quant.apply import quantize_model
 from batchinfer.workers.quant.dense import use_gemv
+from batchinfer.workers.quant.layer_loop import use_layer_loop
 from batchinfer.workers.quant.plan import plan_quantization
 from batchinfer.workers.quantization_config import quantized_dtype
 from batchinfer.workers.sampling_params import SamplingParams
@@ -86,6 +87,7 @@ class Engine(ModelFolderState, WorkerEngine):
                                  f"in is {self.model.dtype}: load it in bfloat16 (or let the engine load it)")
             quantize_model(self.model, self.quantization.layers, self.quantization.head)
         use_gemv(self.model)  # CPU, bfloat16 / float16: few-row matmuls on the compiled GEMV
+        use_layer_loop(self.model)  # CPU decode steps: the layers in one compiled call
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         path = Path(config.model)
         self.model_name = path.stem if path.is_file() else path.name  # x.gguf is served as "x"

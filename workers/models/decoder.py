@@ -44,6 +44,14 @@ class LoRAApply(Protocol):
     def apply(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
 
 
+class LayerLoopFn(Protocol):
+    """A compiled layer loop (``workers.quant.layer_loop.LayerLoop``): from the embedded tokens,
+    the final hidden states of a step it takes, else None."""
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                 meta: AttentionMetadata) -> torch.Tensor | None: ...
+
+
 class RMSNorm(nn.Module):
     """Holds the weight; the op is ``kernels.fused.rms_norm`` (optionally fused with a residual add).
 
@@ -242,6 +250,7 @@ class Decoder(nn.Module):
         # transformers multiplies by sqrt(hidden) rounded to the weights' dtype (a bf16 scalar in bf16).
         self.embed_scale = (float(torch.tensor(config.hidden_size**0.5, dtype=dtype))
                             if config.scale_embeddings else None)
+        self.layer_loop: LayerLoopFn | None = None  # CPU decode steps in one call: workers/quant/layer_loop
 
     @property
     def num_layers(self) -> int:
@@ -283,6 +292,10 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)  # [T, C]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.layer_loop is not None and lora is None and kv_caches is not None:
+            hidden = self.layer_loop(x, positions, kv_caches, attn_metadata)
+            if hidden is not None:
+                return hidden
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, caches, strict=True)):
             cos_sin = self.cos_sin_local if self._local_rope[i] else self.cos_sin_cache

@@ -170,7 +170,7 @@ def test_rotary_embedding_into_cache_either_way(mode, monkeypatch):
 # -- gemv ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])  # four output rows at a time up to 4, two above
 # 4: one block, the prefetch clamped to it; 67: a tail past the four-row blocks
 @pytest.mark.parametrize("out_features", [4, 67, 256])
 def test_gemv_against_float64(dtype, rows, out_features):
@@ -204,20 +204,77 @@ def test_gemv_splits_rows_over_threads_with_the_same_answer():
 
 def test_gemv_refuses_what_it_cannot_take():
     w = torch.randn(8, 32, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
-        gemv.linear(torch.randn(5, 32, dtype=torch.bfloat16), w)
+    with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
+        gemv.linear(torch.randn(9, 32, dtype=torch.bfloat16), w)
     with pytest.raises(RuntimeError, match="multiple of 16, got 24"):
         gemv.linear(torch.randn(1, 24, dtype=torch.bfloat16), torch.randn(8, 24, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="x has 16 features, the weight 32"):
         gemv.linear(torch.randn(1, 16, dtype=torch.bfloat16), w)
-    assert not gemv.supports(torch.randn(5, 32, dtype=torch.bfloat16), w)
+    assert not gemv.supports(torch.randn(9, 32, dtype=torch.bfloat16), w)
     float64 = torch.randn(8, 32, dtype=torch.float64)
     assert not gemv.supports(torch.randn(1, 32, dtype=torch.float64), float64)  # float64 stays on torch
-    assert gemv.supports(torch.randn(4, 32, dtype=torch.bfloat16), w)
+    assert gemv.supports(torch.randn(8, 32, dtype=torch.bfloat16), w)
+
+
+needs_int8 = pytest.mark.skipif(not gemv.int8_runs(), reason="the int8 GEMV needs AVX-512")
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features", [4, 67, 256])
+def test_gemv_int8_against_float64_and_torchs_kernel(rows, out_features):
+    g = _gen(9)
+    q = torch.randint(-127, 128, (out_features, 96), generator=g, dtype=torch.int8)
+    scales = (torch.rand(out_features, generator=g) / 50).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+    got = gemv.linear_int8(x, q, scales)
+    exact = (x.double() @ q.double().T) * scales.double()  # [rows, N]
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), exact.to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, torch._weight_int8pack_mm(x, q, scales), rtol=1e-2, atol=1e-2)
+    assert torch.equal(gemv.linear_int8(x, q, scales, bias), got + bias)  # the bias after the rounding
+
+
+@needs_int8
+def test_gemv_int8_refuses_what_it_cannot_take():
+    q = torch.zeros(8, 32, dtype=torch.int8)
+    scales = torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
+        gemv.linear_int8(torch.zeros(5, 32, dtype=torch.bfloat16), q, scales)
+    with pytest.raises(RuntimeError, match="int8 tensor"):
+        gemv.linear_int8(torch.zeros(1, 32, dtype=torch.bfloat16), q.float(), scales)
+    with pytest.raises(RuntimeError, match="scales must be a contiguous \\[8\\] tensor"):
+        gemv.linear_int8(torch.zeros(1, 32, dtype=torch.bfloat16), q, scales[:4])
+    assert not gemv.int8_supports(torch.zeros(1, 24, dtype=torch.bfloat16), torch.zeros(8, 24, dtype=torch.int8))
+    assert gemv.int8_supports(torch.zeros(4, 32, dtype=torch.bfloat16), q)
+
+
+@needs_int8
+def test_quantized_int8_linear_takes_the_int8_gemv(monkeypatch):
+    """An int8 ``QuantizedLinear`` runs the compiled kernel up to 4 rows (its packed limit), torch's
+    dense path above, and torch's packed kernel with the switch off: the same values within a
+    rounding."""
+    from batchinfer.workers.quant.linear import QuantizedLinear
+
+    linear = nn.Linear(64, 48, bias=True)
+    module = QuantizedLinear.from_linear(linear, "int8")
+    calls = []
+    real = gemv.linear_int8
+    monkeypatch.setattr(gemv, "linear_int8", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    y = module(x)
+    assert calls == [3]
+    module(torch.randn(5, 64).to(torch.bfloat16))
+    assert calls == [3]
+    monkeypatch.setenv(decode.ENV, "0")
+    off = module(x)
+    assert calls == [3]
+    torch.testing.assert_close(y, off, rtol=1e-2, atol=1e-2)
 
 
 def test_gemv_linear_module(monkeypatch):
-    """``GemvLinear`` shares the linear's parameters; up to four rows go to the GEMV, more (or the
+    """``GemvLinear`` shares the linear's parameters; up to eight rows go to the GEMV, more (or the
     switch off) to ``nn.Linear``'s path; a leading batch shape is kept."""
     linear = nn.Linear(64, 40, bias=True).to(torch.bfloat16)
     module = GemvLinear.sharing(linear)
@@ -229,7 +286,7 @@ def test_gemv_linear_module(monkeypatch):
     y = module(x)
     assert y.shape == (1, 3, 40) and calls == [3]
     torch.testing.assert_close(y.float(), linear(x).float(), rtol=2e-2, atol=2e-2)
-    big = torch.randn(5, 64).to(torch.bfloat16)
+    big = torch.randn(9, 64).to(torch.bfloat16)
     assert torch.equal(module(big), linear(big)) and calls == [3]
     monkeypatch.setenv(decode.ENV, "0")
     assert torch.equal(module(x), linear(x)) and calls == [3]

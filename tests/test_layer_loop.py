@@ -1,6 +1,6 @@
 """The compiled layer loop (kernels/cpu_ext/layer_loop.cpp, workers/quant/layer_loop.py): a decode
 step's hidden states and cache writes are the Python layers' bit for bit, for every kind of linear
-(float32 ``nn.Linear``, bfloat16 / float16 ``GemvLinear`` on both sides of its row limit, int8 and
+(float32 / bfloat16 / float16 ``GemvLinear`` on both sides of its row limit, int8 and
 int4 ``QuantizedLinear`` on both sides of theirs), biases, a sliding window and sequences without a
 query; the steps and decoders it does not take go to the Python layers; bad positions and slots
 raise before anything is written; an engine gives the same tokens and logprobs with and without it."""
@@ -117,13 +117,20 @@ def _decode_both_ways(model, seqs: int, steps: int = 4, counts: list[int] | None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("seqs", [1, 3, 6])  # 6 rows: past the GEMV's and the packed kernels' 4
+# 6 rows: past the packed kernels' 4 (int8: the dense copy through the GEMV); 9: past the GEMV's 8
+@pytest.mark.parametrize("seqs", [1, 3, 6, 9])
 def test_dense_decoders_bit_for_bit(checkpoints, dtype, seqs):
     _decode_both_ways(_decoder(checkpoints(), dtype), seqs)
 
 
+def test_plain_nn_linear_layers_bit_for_bit(checkpoints):
+    model = load_model(str(checkpoints()), torch.bfloat16, "cpu", progress=False)  # no use_gemv
+    assert set(LayerLoop(model).kinds) == {0}  # torch's linear at every row count
+    _decode_both_ways(model, 3)
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-@pytest.mark.parametrize("seqs", [1, 6])
+@pytest.mark.parametrize("seqs", [1, 6, 9])
 def test_quantized_decoders_bit_for_bit(checkpoints, quant, seqs):
     model = _decoder(checkpoints(), torch.bfloat16, quant)
     assert LayerLoop(model).kinds[0] == (2 if quant == "int8" else 3)

@@ -3,11 +3,12 @@
 // step and the step is bound by how fast the weights stream in from memory. It converts each weight
 // vector once for all rows, computes four output rows together (four independent accumulator
 // chains), prefetches the rows two groups ahead into L2 and splits the output rows over torch's
-// intra-op threads: 1.7-3x torch's matmul at these row counts (docs/benchmarks.md, "The layer loop").
-// From five rows on torch's matmul is as fast (a version for up to eight rows, measured: 0.7-1.5x).
+// intra-op threads: 1.3-3x torch's matmul at 1-8 rows (docs/benchmarks.md, "The layer loop"); from
+// five rows on two output rows at a time, so that the accumulators stay in registers. (Before the
+// prefetch, 5-8 rows ran at 0.7-1.5x of torch's and the kernel stopped at 4.)
 //
 // Weights w [N, K] (N outputs, K input features): float32, bfloat16 or float16, K a multiple of 16.
-// x [M, K] (M <= 4) of any of the three dtypes, converted to float32 once. Sums are float32; the
+// x [M, K] (M <= 8) of any of the three dtypes, converted to float32 once. Sums are float32; the
 // output is rounded to x's dtype, then the bias added and rounded again, as torch's
 // ``linear(x, w) + bias`` in that dtype rounds. (int8 / int4 weights stay on torch's packed kernels:
 // versions of this loop for them, tried, ran at 0.6-0.9 of their speed.)
@@ -31,12 +32,20 @@
 #include "ops.h"
 #include "vec.h"
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BATCHINFER_X86_GCC 1
+#include <immintrin.h>
+#else
+#define BATCHINFER_X86_GCC 0
+#endif
+
 namespace {
 
 using namespace batchinfer_vec;
 
-constexpr int64_t MAX_ROWS = 4;  // activation rows a call takes (more: torch's matmul is as fast)
-constexpr int64_t NR = 4;        // output rows computed together
+constexpr int64_t MAX_ROWS = 8;       // activation rows a dense call takes (more: torch's matmul is as fast)
+constexpr int64_t INT8_MAX_ROWS = 4;  // and an int8 one (from 5 on QuantizedLinear reads its dense copy)
+constexpr int64_t NR = 4;        // output rows computed together (two above four activation rows)
 constexpr int64_t GRAIN = 64;    // output rows per parallel task (at least)
 // Software prefetch of the weight rows two groups ahead, into L2 (prefetcht1): streaming a model's
 // weights from memory, one core's hardware prefetchers alone read 7-9 GB/s here; with this 21-27 at
@@ -54,6 +63,7 @@ struct Args {
 // Dense: y[m, n] = sum_k w[n, k] * x[m, k].
 template <int M, class W, vf (*load)(const W*)>
 BATCHINFER_INLINE void rows_dense(const Args& a, const W* w, int64_t n0, int64_t n1) {
+  constexpr int64_t NR = M <= 4 ? 4 : 2;  // accumulators NR x M stay in registers
   const int64_t K = a.K;
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
@@ -91,15 +101,74 @@ BATCHINFER_INLINE void rows_dense(const Args& a, const W* w, int64_t n0, int64_t
   BATCHINFER_DENSE(KIND##_1, 1, W, LOAD)    \
   BATCHINFER_DENSE(KIND##_2, 2, W, LOAD)    \
   BATCHINFER_DENSE(KIND##_3, 3, W, LOAD)    \
-  BATCHINFER_DENSE(KIND##_4, 4, W, LOAD)
+  BATCHINFER_DENSE(KIND##_4, 4, W, LOAD)    \
+  BATCHINFER_DENSE(KIND##_5, 5, W, LOAD)    \
+  BATCHINFER_DENSE(KIND##_6, 6, W, LOAD)    \
+  BATCHINFER_DENSE(KIND##_7, 7, W, LOAD)    \
+  BATCHINFER_DENSE(KIND##_8, 8, W, LOAD)
 BATCHINFER_DENSE_ALL(f32, float, load_f32)
 BATCHINFER_DENSE_ALL(bf16, uint16_t, load_bf16)
 BATCHINFER_DENSE_ALL(f16, uint16_t, load_f16)
 
 #define BATCHINFER_PICK(KIND, M) \
-  std::array<decltype(&KIND##_1), MAX_ROWS>{KIND##_1, KIND##_2, KIND##_3, KIND##_4}[(M) - 1]
+  std::array<decltype(&KIND##_1), MAX_ROWS>{KIND##_1, KIND##_2, KIND##_3, KIND##_4, KIND##_5, KIND##_6, KIND##_7, KIND##_8}[(M) - 1]
 
-// x [M, K] (float32 / bfloat16 / float16, M <= 4) as float32 rows.
+// int8 codes times M rows (AVX-512 only: GCC's generic vectors widen bytes into shuffles, which
+// ran at 7-8 GB/s, below torch's packed kernel; this reads 17-19 GB/s against its 7-12). The same
+// structure as rows_dense: four output rows together, the rows ahead prefetched into L2;
+// y[m, n] = sum_k q[n, k] * x[m, k] in float32.
+#if BATCHINFER_X86_GCC
+#ifndef BATCHINFER_I8_AHEAD
+#define BATCHINFER_I8_AHEAD (8 * NR)
+#endif
+constexpr int64_t I8_PREFETCH_ROWS = BATCHINFER_I8_AHEAD;  // 16-64 ahead measured alike; a row is half a bf16 one
+
+__attribute__((target("avx512f"))) inline __m512 load_i8_avx512(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int M>
+__attribute__((target("avx512f"))) void rows_i8(const Args& a, const int8_t* q, int64_t n0, int64_t n1) {
+  const int64_t K = a.K;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    __m512 acc[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    const int8_t* ahead = q + std::min(n + I8_PREFETCH_ROWS, a.N - NR) * K;  // the last rows: these again
+    for (int64_t k = 0; k < K; k += LANES) {
+      __m512 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(a.x + m * K + k);
+      if (k % 64 == 0)  // once per cache line
+        for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + k), _MM_HINT_T1);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 wv = load_i8_avx512(q + (n + r) * K + k);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) a.y[m * a.N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+  }
+  for (; n < n1; ++n) {
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += LANES) {
+      const __m512 wv = load_i8_avx512(q + n * K + k);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(a.x + m * K + k), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) a.y[m * a.N + n] = _mm512_reduce_add_ps(acc[m]);
+  }
+}
+
+bool int8_kernel_runs() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+}
+#else
+bool int8_kernel_runs() { return false; }
+#endif
+
+// x [M, K] (float32 / bfloat16 / float16, M <= 8) as float32 rows.
 std::vector<float> rows_as_float(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<float> out(M * K);
@@ -190,12 +259,44 @@ at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w, const std::optio
   return finish(x, y, N, bias);
 }
 
+// y = (x @ q.T) * scales (+ bias): int8 codes q [N, K] with one scale per output row, as torch's
+// _weight_int8pack_mm computes it (float32 sums of code x activation, times the scale, rounded to
+// x's dtype); then the bias added and rounded. Only where gemv_int8_runs(): AVX-512.
+at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(int8_kernel_runs(), "gemv_int8: needs AVX-512 (gemv_int8_runs() is false here)");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
+              "gemv_int8: q must be a contiguous CPU [N, K] int8 tensor");
+  const int64_t N = q.size(0), K = q.size(1), M = x.size(0);
+  TORCH_CHECK(scales.device().is_cpu() && scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(),
+              "gemv_int8: scales must be a contiguous [", N, "] tensor");
+  check_x(x, K, LANES, bias, N);
+  const std::vector<float> xf = rows_as_float(x);
+  std::vector<float> y(M * N);
+  const Args a{xf.data(), M, K, N, y.data()};
+#if BATCHINFER_X86_GCC
+  TORCH_CHECK(M <= INT8_MAX_ROWS, "gemv_int8: 1 to ", INT8_MAX_ROWS, " rows, got ", M);
+  auto f = std::array<decltype(&rows_i8<1>), INT8_MAX_ROWS>{rows_i8<1>, rows_i8<2>, rows_i8<3>, rows_i8<4>}[M - 1];
+  over_rows(N, [&](int64_t n0, int64_t n1) { f(a, q.data_ptr<int8_t>(), n0, n1); });
+#endif
+  const at::Tensor s = scales.to(at::kFloat);
+  const float* sp = s.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) y[m * N + n] *= sp[n];
+  return finish(x, y, N, bias);
+}
+
+bool gemv_int8_runs() { return int8_kernel_runs(); }
+
 }  // namespace batchinfer_ops
 
 TORCH_LIBRARY_FRAGMENT(BATCHINFER_OPS_NS, m) {
   m.def("gemv_dense(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("gemv_int8(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("gemv_int8_runs() -> bool", &batchinfer_ops::gemv_int8_runs);  // no tensors: one kernel for all
 }
 
 TORCH_LIBRARY_IMPL(BATCHINFER_OPS_NS, CPU, m) {
   m.impl("gemv_dense", &batchinfer_ops::gemv_dense);
+  m.impl("gemv_int8", &batchinfer_ops::gemv_int8);
 }

@@ -1,7 +1,7 @@
-"""Dense matmuls of one to four rows on the CPU (``gemv.cpp``): a linear layer at a decode step
+"""Dense matmuls of one to eight rows on the CPU (``gemv.cpp``): a linear layer at a decode step
 of a few sequences, where the step is bound by how fast the weights stream in from memory: the
 kernel prefetches the rows it will read next, and reads float32 / bfloat16 / float16 weights at
-1.7-3x the rate of torch's ``F.linear`` at these row counts (docs/benchmarks.md, "The layer loop").
+1.3-3x the rate of torch's ``F.linear`` at these row counts (docs/benchmarks.md, "The layer loop").
 
 ``workers/quant/dense.py``'s ``GemvLinear`` calls ``linear`` when ``supports`` says so; the library
 and its switch are ``decode``'s (``BATCHINFER_CPU_DECODE_KERNEL``).
@@ -13,7 +13,8 @@ import torch
 
 from batchinfer.kernels.cpu_ext import decode
 
-MAX_ROWS = 4  # activation rows a call takes (gemv.cpp's MAX_ROWS; from 5 on torch is as fast)
+MAX_ROWS = 8  # activation rows a dense call takes (gemv.cpp's MAX_ROWS; from 9 on torch is as fast)
+INT8_MAX_ROWS = 4  # and an int8 one (gemv.cpp's INT8_MAX_ROWS)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LANES = 16  # in_features must be a multiple of it
 
@@ -31,3 +32,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``torch.nn.functional.linear(x, weight, bias)`` for ``[M, K] x [N, K] -> [M, N]`` in x's
     dtype (float32 sums; see ``gemv.cpp``). Raises ``RuntimeError`` outside ``supports``."""
     return decode.library().gemv_dense(x, weight, bias)
+
+
+def int8_runs() -> bool:
+    """Whether the int8 kernel runs on this CPU (AVX-512) with the library built and switched on."""
+    global _INT8_RUNS
+    if _INT8_RUNS is None:
+        library = decode.library()
+        _INT8_RUNS = library is not None and bool(library.gemv_int8_runs())
+    return _INT8_RUNS and decode.kernel_mode() != "0"
+
+
+_INT8_RUNS: bool | None = None  # the CPU and the build do not change within a process
+
+
+def int8_supports(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether ``linear_int8(x, q, ...)`` runs here now: x ``[M <= INT8_MAX_ROWS, K]`` with a contiguous
+    last axis (a CPU tensor of ``decode.DTYPES``), contiguous int8 codes with ``K % LANES == 0``, and
+    ``int8_runs``."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= INT8_MAX_ROWS and x.stride(-1) == 1 and q.dtype == torch.int8
+            and q.shape[1] % LANES == 0 and q.is_contiguous() and decode.usable(x) and int8_runs())
+
+
+def linear_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(x @ q.T) * scales (+ bias)`` for int8 codes ``q [N, K]`` with one scale per output row,
+    ``[M, K] -> [M, N]`` in x's dtype: what ``torch._weight_int8pack_mm`` computes (float32 sums,
+    scaled, rounded), 1.6-2.4x faster at 1-4 rows. Raises ``RuntimeError`` outside ``int8_supports``."""
+    return decode.library().gemv_int8(x, q, scales, bias)

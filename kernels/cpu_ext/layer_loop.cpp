@@ -37,14 +37,17 @@ namespace {
 enum Kind : int64_t {
   TORCH = 0,  // nn.Linear: at::linear
   GEMV = 1,   // GemvLinear: gemv_dense up to GEMV_ROWS rows, at::linear above
-  INT8 = 2,   // QuantizedLinear int8: the packed kernel up to packed_max_rows rows, the dense copy above
+  INT8 = 2,   // QuantizedLinear int8: the packed kernel (gemv_int8 where it runs) up to packed_max_rows
+              // rows, the dense copy above (through gemv_dense up to GEMV_ROWS)
   INT4 = 3,   // QuantizedLinear int4: the same with the int4 pack
 };
 constexpr int64_t LINEARS = 4;      // qkv_proj, o_proj, gate_up_proj, down_proj
 constexpr int64_t PER_LINEAR = 4;   // weight, qweight, scales / scales_and_zeros, bias
 constexpr int64_t PER_LAYER = 2 + LINEARS * PER_LINEAR;
-constexpr int64_t GEMV_ROWS = 4;    // gemv.cpp's MAX_ROWS
+constexpr int64_t GEMV_ROWS = 8;    // gemv.cpp's MAX_ROWS
+constexpr int64_t INT8_ROWS = 4;    // gemv.cpp's INT8_MAX_ROWS
 constexpr int64_t INT4_GROUP = 32;  // workers/quant/linear.py's GROUP_SIZE
+constexpr int64_t LANES = 16;       // gemv.cpp's: in_features must be a multiple of it
 
 using Slots = std::vector<std::optional<at::Tensor>>;
 
@@ -63,15 +66,23 @@ at::Tensor linear(const at::Tensor& x, const Slots& w, int64_t at_slot, int64_t 
   TORCH_CHECK(kind == INT8 || kind == INT4, "decode_layers: unknown linear kind ", kind);
   at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
   at::Tensor y;
-  if (M > packed_max_rows) {
-    y = at::linear(xb, weight, bias);
+  if (M > packed_max_rows) {  // the dense bfloat16 copy, through the GEMV as QuantizedLinear runs it
+    const bool gemv = M <= GEMV_ROWS && weight.is_contiguous() && weight.size(1) % LANES == 0;
+    y = gemv ? batchinfer_ops::gemv_dense(xb, weight, bias) : at::linear(xb, weight, bias);
   } else {
     xb = xb.contiguous();
     const at::Tensor& packed = need(w, at_slot + 1, "a quantized linear's qweight");
     const at::Tensor& scales = need(w, at_slot + 2, "a quantized linear's scales");
-    y = kind == INT8 ? at::_weight_int8pack_mm(xb, packed, scales)
-                     : at::_weight_int4pack_mm_for_cpu(xb, packed, INT4_GROUP, scales);
-    if (bias.has_value()) y = y.add(*bias);
+    // As QuantizedLinear picks (gemv.int8_supports): the compiled int8 kernel where it runs.
+    const bool compiled = kind == INT8 && M <= INT8_ROWS && batchinfer_ops::gemv_int8_runs() &&
+                          packed.is_contiguous() && packed.size(1) % LANES == 0;
+    if (compiled) {
+      y = batchinfer_ops::gemv_int8(xb, packed, scales, bias);
+    } else {
+      y = kind == INT8 ? at::_weight_int8pack_mm(xb, packed, scales)
+                       : at::_weight_int4pack_mm_for_cpu(xb, packed, INT4_GROUP, scales);
+      if (bias.has_value()) y = y.add(*bias);
+    }
   }
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }

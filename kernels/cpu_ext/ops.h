@@ -22,6 +22,11 @@ void rotary_cache(const at::Tensor& positions, const at::Tensor& q, const at::Te
 // gemv.cpp: x [M <= 4, K] @ w [N, K].T (+ bias) in x's dtype.
 at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 
+// gemv.cpp: (x [M <= 4, K] @ q [N, K].T) * scales (+ bias) for int8 codes, where gemv_int8_runs().
+at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias);
+bool gemv_int8_runs();
+
 // paged_decode.cpp: attention of every decode row over its paged context, into out.
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,

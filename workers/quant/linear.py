@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchinfer.kernels.cpu_ext import gemv
+
 GROUP_SIZE = 32  # int4: weights per scale/zero group along K (a GGUF Q4_0 / Q4_1 block)
 INNER_K_TILES = 8  # int4: the CPU pack's tile parameter (the value torch's own int4 CPU path uses)
 # Crossover of the packed kernels and a dense bfloat16 matmul, measured with 1 thread on this repo's
@@ -141,15 +143,22 @@ class QuantizedLinear(nn.Module):
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
         if x2.shape[0] > self.packed_max_rows:  # dense: faster from a few rows on (PACKED_MAX_ROWS)
+            if gemv.supports(x2, self.weight):  # up to gemv.MAX_ROWS rows: the compiled GEMV
+                return self._out(gemv.linear(x2, self.weight, self.bias), x)
             y = torch.nn.functional.linear(x2, self.weight, self.bias)  # [M, N]
         else:
             x2 = x2.contiguous()  # both kernels refuse strided rows (a broadcast row, say)
+            if self.mode == "int8" and gemv.int8_supports(x2, self.qweight):  # the compiled one: faster
+                return self._out(gemv.linear_int8(x2, self.qweight, self.scales, self.bias), x)
             if self.mode == "int8":
                 y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)  # [M, N]
             else:
                 y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, GROUP_SIZE, self.scales_and_zeros)
             if self.bias is not None:
                 y = y + self.bias
+        return self._out(y, x)
+
+    def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [M, N] -> [..., N] in x's dtype
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)

@@ -25,10 +25,12 @@ The engine runs twice, with the compiled CPU decode kernel (``BATCHINFER_CPU_DEC
 without it (``0``): tokens/s and the roofline of each (``--decode-kernel on|off``: one of them).
 ``--attention`` runs only a micro-bench of decode attention alone (kernel vs the torch gather path,
 per-head vs per-sequence work items, our cache layout vs vLLM's) at the model's head shapes.
-``--linear`` runs only a micro-bench of the model's linear layers at 1-4 rows in bfloat16 (a decode
-step of 1-4 sequences): torch's ``F.linear`` against the extension's GEMV (``kernels/cpu_ext/gemv``),
-the ratio of the two and each one's weight bytes read per second (the copy bandwidth measured in
-the same run printed beside them; a small layer's weights stay in cache between calls).
+``--linear`` runs only micro-benches of the model's linear layers at 1-8 rows (a decode step of 1-8
+sequences): torch's ``F.linear`` against the extension's GEMV (``kernels/cpu_ext/gemv``), the ratio
+of the two and each one's weight bytes read per second, the copy bandwidth measured in the same run
+printed beside them; first each shape alone in bfloat16 (a small layer's weights stay in cache
+between calls), then all of the model's weights streamed one after the other, as a decode step
+reads them, in float32 and bfloat16, and as int8 codes (torch's packed kernel against the int8 GEMV).
 
 On a machine shared with other work, ``--threads 1`` gives steadier figures: OpenMP threads that
 wait at barriers for a descheduled sibling make multi-threaded timings swing by 10x.
@@ -458,8 +460,9 @@ def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: boo
 
 
 def linear_micro(model: nn.Module, quick: bool) -> list[dict]:
-    """The model's linear shapes (one of each, plus the LM head) at 1-4 rows in bfloat16: torch's
-    ``F.linear`` against the GEMV, their ratio, and the weight bytes each reads per second."""
+    """The model's linear shapes (one of each, plus the LM head) at 1-8 rows in bfloat16, one weight
+    called again and again (a small one stays in cache): torch's ``F.linear`` against the GEMV,
+    their ratio, and the weight bytes each reads per second."""
     from batchinfer.kernels.cpu_ext import decode, gemv
 
     if decode.library() is None:
@@ -487,6 +490,57 @@ def linear_micro(model: nn.Module, quick: bool) -> list[dict]:
             rows.append(row)
             print(f"  {name:13s} {f'{n} x {k}':>12s} {m:4d} {row['torch_us']:8.1f} {row['gemv_us']:8.1f} "
                   f"{row['speedup']:6.2f}x {row['torch_gb_per_s']:10.1f} {row['gemv_gb_per_s']:9.1f}")
+    return rows
+
+
+def stream_micro(model: nn.Module, quick: bool) -> list[dict]:
+    """Every linear weight of the model (each layer's four projections, then the LM head) multiplied
+    once, one after the other, at 1-8 rows: the weights stream from memory as in a decode step of
+    that many sequences. torch against the GEMV in float32 and bfloat16, torch's packed int8 kernel
+    against the int8 GEMV; GB/s of weights read and the ratio, beside the copy bandwidth."""
+    from batchinfer.kernels.cpu_ext import gemv
+    from batchinfer.workers.quant.linear import quantize_int8
+
+    weights = [proj.weight.detach() for layer in model.layers
+               for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                            layer.mlp.down_proj)]
+    weights.append((model.embed_tokens if model.lm_head is None else model.lm_head).weight.detach())
+    gen, rows, copy = torch.Generator().manual_seed(0), [], copy_bandwidth()
+    print(f"the model's weights streamed ({len(weights)} matrices, each once a pass), "
+          f"{torch.get_num_threads()} threads; copy bandwidth (read + write) {copy / 1e9:.1f} GB/s; "
+          "ms per pass, best of 5")
+    print(f"  {'weights':8s} {'rows':>4s} {'MB':>7s} {'torch':>8s} {'ours':>8s} {'speedup':>7s} "
+          f"{'torch GB/s':>10s} {'ours GB/s':>9s}")
+
+    def one(kind: str, m: int, nbytes: int, torch_pass, our_pass) -> None:
+        torch_s, ours_s = _timed(torch_pass), _timed(our_pass)
+        row = {"weights": kind, "rows": m, "mb": nbytes / 1e6, "torch_ms": torch_s * 1e3,
+               "ours_ms": ours_s * 1e3, "speedup": torch_s / ours_s, "torch_gb_per_s": nbytes / torch_s / 1e9,
+               "ours_gb_per_s": nbytes / ours_s / 1e9, "copy_gb_per_s": copy / 1e9}
+        rows.append(row)
+        print(f"  {kind:8s} {m:4d} {row['mb']:7.1f} {row['torch_ms']:8.2f} {row['ours_ms']:8.2f} "
+              f"{row['speedup']:6.2f}x {row['torch_gb_per_s']:10.1f} {row['ours_gb_per_s']:9.1f}")
+
+    for dtype in (torch.float32, torch.bfloat16):
+        ws = [w.to(dtype).contiguous() for w in weights]
+        nbytes = sum(w.nbytes for w in ws)
+        for m in (1, 4) if quick else (1, 2, 4, 8):
+            xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {w.shape[1] for w in ws}}
+            one(str(dtype).removeprefix("torch."), m, nbytes,
+                lambda ws=ws, xs=xs: [F.linear(xs[w.shape[1]], w) for w in ws],
+                lambda ws=ws, xs=xs: [gemv.linear(xs[w.shape[1]], w) for w in ws])
+        del ws
+    if gemv.int8_runs():
+        codes = [quantize_int8(w) for w in weights]
+        nbytes = sum(q.nbytes for q, _ in codes)
+        for m in (1, 4) if quick else (1, 2, 4):
+            xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16)
+                  for k in {q.shape[1] for q, _ in codes}}
+            one("int8", m, nbytes,
+                lambda xs=xs: [torch._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in codes],
+                lambda xs=xs: [gemv.linear_int8(xs[q.shape[1]], q, s) for q, s in codes])
+    else:
+        print("  int8: the int8 GEMV does not run on this CPU (it needs AVX-512)")
     return rows
 
 
@@ -533,8 +587,11 @@ def main() -> None:
               f"float32, {torch.get_num_threads()} threads")
         if args.linear:
             rows = linear_micro(model, args.quick)
+            streamed = stream_micro(model, args.quick)
             print(json.dumps({"linear": [{k: round(v, 4) if isinstance(v, float) else v
-                                          for k, v in r.items()} for r in rows]}))
+                                          for k, v in r.items()} for r in rows],
+                              "streamed": [{k: round(v, 4) if isinstance(v, float) else v
+                                            for k, v in r.items()} for r in streamed]}))
             return
         if args.attention:
             rows = attention_micro(model.config.num_attention_heads, model.num_kv_heads, model.head_dim,

@@ -246,7 +246,8 @@ def test_gemv_int8_refuses_what_it_cannot_take():
         gemv.linear_int8(torch.zeros(1, 32, dtype=torch.bfloat16), q.float(), scales)
     with pytest.raises(RuntimeError, match="scales must be a contiguous \\[8\\] tensor"):
         gemv.linear_int8(torch.zeros(1, 32, dtype=torch.bfloat16), q, scales[:4])
-    assert not gemv.int8_supports(torch.zeros(1, 24, dtype=torch.bfloat16), torch.zeros(8, 24, dtype=torch.int8))
+    odd = torch.zeros(8, 24, dtype=torch.int8)  # K not a multiple of 16
+    assert not gemv.int8_supports(torch.zeros(1, 24, dtype=torch.bfloat16), odd)
     assert gemv.int8_supports(torch.zeros(4, 32, dtype=torch.bfloat16), q)
 
 

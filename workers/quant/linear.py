@@ -1,7 +1,9 @@
 """``QuantizedLinear``: an ``nn.Linear`` whose weight is int8 or int4, run by torch's packed CPU kernels.
 
 int8: ``q = round(w / s)`` in [-127, 127] per output channel, ``s = max|w_row| / 127`` (bfloat16);
-the weight is ``q * s``. Kernel: ``torch._weight_int8pack_mm(x, q [N, K] int8, s [N])``.
+the weight is ``q * s``. Kernel: ``torch._weight_int8pack_mm(x, q [N, K] int8, s [N])``, or where
+it runs (AVX-512, up to 4 rows) the compiled ``kernels.cpu_ext.gemv.linear_int8``, which computes
+the same and streams the codes 1.4-2x faster.
 
 int4: groups of ``GROUP_SIZE`` weights along the input dimension (K), asymmetric: ``q`` in [0, 15],
 the weight is ``(q - 8) * scale + zero`` with ``scale = (max - min) / 15`` and ``zero = min + 8 *
@@ -13,7 +15,8 @@ Both kernels take bfloat16 activations (float32 ones fall on a path ~30x slower)
 to a dense bfloat16 matmul as the row count grows: each dequantizes its weight tile by tile for
 every call, which a dense matmul amortises over the rows. So the module also keeps ``weight``,
 the dense bfloat16 copy of the *quantized* weights (``q * s`` rounded to bfloat16), and a step of
-M rows runs the packed kernel when ``M <= PACKED_MAX_ROWS``, the dense copy otherwise: the same
+M rows runs the packed kernel when ``M <= PACKED_MAX_ROWS``, the dense copy otherwise (up to
+``gemv.MAX_ROWS`` rows through the compiled GEMV, as ``GemvLinear`` runs): the same
 weights either way, up to that one bfloat16 rounding of each (the kernels compute ``q * s`` in
 float32). Memory per weight: int8 1 byte + 2 (the copy), int4 0.5 + 1/8 (scale and zero per 32)
 + 2: more than bfloat16's 2 bytes, less than float32's 4. What quantization buys is decode speed

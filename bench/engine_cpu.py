@@ -30,7 +30,7 @@ sequences): torch's ``F.linear`` against the extension's GEMV (``kernels/cpu_ext
 of the two and each one's weight bytes read per second, the copy bandwidth measured in the same run
 printed beside them; first each shape alone in bfloat16 (a small layer's weights stay in cache
 between calls), then all of the model's weights streamed one after the other, as a decode step
-reads them, in float32 and bfloat16, and as int8 codes (torch's packed kernel against the int8 GEMV).
+reads them, in float32, bfloat16 and float16, and as int8 codes (torch's packed kernel against the int8 GEMV).
 
 On a machine shared with other work, ``--threads 1`` gives steadier figures: OpenMP threads that
 wait at barriers for a descheduled sibling make multi-threaded timings swing by 10x.
@@ -496,7 +496,7 @@ def linear_micro(model: nn.Module, quick: bool) -> list[dict]:
 def stream_micro(model: nn.Module, quick: bool) -> list[dict]:
     """Every linear weight of the model (each layer's four projections, then the LM head) multiplied
     once, one after the other, at 1-8 rows: the weights stream from memory as in a decode step of
-    that many sequences. torch against the GEMV in float32 and bfloat16, torch's packed int8 kernel
+    that many sequences. torch against the GEMV in float32, bfloat16 and float16, torch's packed int8 kernel
     against the int8 GEMV; GB/s of weights read and the ratio, beside the copy bandwidth."""
     from batchinfer.kernels.cpu_ext import gemv
     from batchinfer.workers.quant.linear import quantize_int8
@@ -521,7 +521,7 @@ def stream_micro(model: nn.Module, quick: bool) -> list[dict]:
         print(f"  {kind:8s} {m:4d} {row['mb']:7.1f} {row['torch_ms']:8.2f} {row['ours_ms']:8.2f} "
               f"{row['speedup']:6.2f}x {row['torch_gb_per_s']:10.1f} {row['ours_gb_per_s']:9.1f}")
 
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         ws = [w.to(dtype).contiguous() for w in weights]
         nbytes = sum(w.nbytes for w in ws)
         for m in (1, 4) if quick else (1, 2, 4, 8):

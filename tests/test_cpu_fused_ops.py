@@ -187,6 +187,18 @@ def test_gemv_against_float64(dtype, rows, out_features):
     assert torch.equal(gemv.linear(x, w, bias), got + bias)
 
 
+def test_gemv_reads_every_float16_value_exactly():
+    """All 65,536 float16 bit patterns as the first column of a weight, times a one-hot row: the
+    vectorised half-to-float conversion gives each value exactly (subnormals, infinities, NaNs)."""
+    values = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    w = torch.zeros(65536, 16, dtype=torch.float16)
+    w[:, 0] = values
+    x = torch.zeros(1, 16)
+    x[0, 0] = 1.0
+    got, want = gemv.linear(x, w)[0], values.float()  # float32 out: nothing rounded after the product
+    assert bool(((got == want) | (got.isnan() & want.isnan())).all())
+
+
 def test_gemv_splits_rows_over_threads_with_the_same_answer():
     g = _gen(9)
     w = torch.randn(1000, 64, generator=g).to(torch.bfloat16)
@@ -214,6 +226,9 @@ def test_gemv_refuses_what_it_cannot_take():
     float64 = torch.randn(8, 32, dtype=torch.float64)
     assert not gemv.supports(torch.randn(1, 32, dtype=torch.float64), float64)  # float64 stays on torch
     assert gemv.supports(torch.randn(8, 32, dtype=torch.bfloat16), w)
+    half = torch.randn(8, 32, dtype=torch.float16)  # one row of float16 weights: torch's is faster
+    assert not gemv.supports(torch.randn(1, 32, dtype=torch.float16), half)
+    assert gemv.supports(torch.randn(2, 32, dtype=torch.float16), half)
 
 
 needs_int8 = pytest.mark.skipif(not gemv.int8_runs(), reason="the int8 GEMV needs AVX-512")

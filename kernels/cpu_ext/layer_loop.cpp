@@ -61,7 +61,9 @@ at::Tensor linear(const at::Tensor& x, const Slots& w, int64_t at_slot, int64_t 
   const at::Tensor& weight = need(w, at_slot, "a linear's weight");
   const std::optional<at::Tensor>& bias = w[at_slot + 3];
   const int64_t M = x.size(0);
-  if (kind == GEMV && M <= GEMV_ROWS) return batchinfer_ops::gemv_dense(x, weight, bias);
+  // gemv.supports: up to GEMV_ROWS rows, but not one row of float16 weights (torch's is faster there).
+  const bool half_row = M == 1 && weight.scalar_type() == at::kHalf;
+  if (kind == GEMV && M <= GEMV_ROWS && !half_row) return batchinfer_ops::gemv_dense(x, weight, bias);
   if (kind == TORCH || kind == GEMV) return at::linear(x, weight, bias);
   TORCH_CHECK(kind == INT8 || kind == INT4, "decode_layers: unknown linear kind ", kind);
   at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);

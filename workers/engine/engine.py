@@ -86,7 +86,7 @@ class Engine(ModelFolderState, WorkerEngine):
                 raise ValueError(f"quantization {config.quantization!r} runs in bfloat16; the model handed "
                                  f"in is {self.model.dtype}: load it in bfloat16 (or let the engine load it)")
             quantize_model(self.model, self.quantization.layers, self.quantization.head)
-        use_gemv(self.model)  # CPU, bfloat16 / float16: few-row matmuls on the compiled GEMV
+        use_gemv(self.model)  # CPU: few-row matmuls on the compiled GEMV
         use_layer_loop(self.model)  # CPU decode steps: the layers in one compiled call
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         path = Path(config.model)

@@ -1,8 +1,8 @@
 """``GemvLinear``: an ``nn.Linear`` whose few-row calls on the CPU take the compiled GEMV.
 
-At a decode step of one to four sequences a linear layer multiplies one to four rows by its whole
+At a decode step of one to eight sequences a linear layer multiplies one to eight rows by its whole
 weight: the step is bound by how fast the weights stream in, and ``kernels/cpu_ext/gemv.cpp``
-(which prefetches them) reads them at 1.7-3x the rate of torch's matmul at these row counts
+(which prefetches them) reads them at 1.3-3x the rate of torch's matmul at these row counts
 (docs/benchmarks.md, "The layer loop"). ``use_gemv`` swaps a loaded decoder's dense projections
 and LM head for this class (the same parameters, not copies); more rows, other dtypes, or a library
 that did not build take ``nn.Linear``'s own path. Same weights and float32 sums either way: outputs

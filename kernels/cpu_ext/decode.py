@@ -1,8 +1,9 @@
 """The compiled CPU extension: build on first use, load; and its decode-attention kernel.
 
-``paged_decode.cpp``, ``fused_ops.cpp`` and ``gemv.cpp`` (shipped beside this module: the decode
-attention here, the fused norm / rotary ops ``elementwise`` calls, the few-row matmuls ``gemv``
-calls; ``vec.h`` holds what they share) are compiled into one library by ``torch.utils.cpp_extension``
+``paged_decode.cpp``, ``fused_ops.cpp``, ``gemv.cpp`` and ``layer_loop.cpp`` (shipped beside this
+module: the decode attention here, the fused norm / rotary ops ``elementwise`` calls, the few-row
+matmuls ``gemv`` calls, the decode step's layer loop ``layers`` calls; ``vec.h`` and ``ops.h`` hold
+what they share) are compiled into one library by ``torch.utils.cpp_extension``
 the first time a process needs it — ~20-60 s once per machine; later processes load the cached
 library from ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) under
 ``batchinfer/<name>``, where ``<name>`` carries a digest of the sources, the flags, the compiler and

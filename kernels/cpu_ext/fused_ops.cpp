@@ -31,6 +31,8 @@
 
 namespace {
 
+using batchinfer_ops::index_at;
+
 constexpr int64_t TOKENS_PER_TASK = 16;  // parallel_for grain: a decode step's few rows stay on one thread
 
 template <class T>
@@ -148,10 +150,6 @@ inline void rotate_head(T* x, const T* cos, const T* sin, int64_t half, bool neo
       x[2 * i + 1] = from_f<T>(d + e);
     }
   }
-}
-
-inline int64_t index_at(const at::Tensor& t, int64_t i) {
-  return t.scalar_type() == at::kLong ? t.data_ptr<int64_t>()[i] : t.data_ptr<int32_t>()[i];
 }
 
 template <class T>

@@ -10,8 +10,9 @@
 // Weights w [N, K] (N outputs, K input features): float32, bfloat16 or float16, K a multiple of 16.
 // x [M, K] (M <= 8) of any of the three dtypes, converted to float32 once. Sums are float32; the
 // output is rounded to x's dtype, then the bias added and rounded again, as torch's
-// ``linear(x, w) + bias`` in that dtype rounds. (int8 / int4 weights stay on torch's packed kernels:
-// versions of this loop for them, tried, ran at 0.6-0.9 of their speed.)
+// ``linear(x, w) + bias`` in that dtype rounds. int8 codes have a kernel of their own below (AVX-512);
+// int4 ones stay on torch's packed kernel (a version of this loop for them, before the prefetch, ran
+// at 0.6-0.9 of its speed).
 //
 // Vectorization: vec.h's 16-float vectors, the hot functions cloned per instruction set.
 
@@ -43,8 +44,9 @@ namespace {
 
 using namespace batchinfer_vec;
 
-constexpr int64_t MAX_ROWS = 8;       // activation rows a dense call takes (more: torch's matmul is as fast)
-constexpr int64_t INT8_MAX_ROWS = 4;  // and an int8 one (from 5 on QuantizedLinear reads its dense copy)
+constexpr int64_t MAX_ROWS = batchinfer_ops::GEMV_MAX_ROWS;  // activation rows a dense call takes
+constexpr int64_t INT8_MAX_ROWS = batchinfer_ops::GEMV_INT8_MAX_ROWS;  // from 5 on QuantizedLinear reads its
+                                                                       // dense copy
 constexpr int64_t NR = 4;        // output rows computed together (two above four activation rows)
 constexpr int64_t GRAIN = 64;    // output rows per parallel task (at least)
 // Software prefetch of the weight rows two groups ahead, into L2 (prefetcht1): streaming a model's
@@ -117,11 +119,10 @@ BATCHINFER_DENSE_ALL(f16, uint16_t, load_f16)
 // ran at 7-8 GB/s, below torch's packed kernel; this reads 17-19 GB/s against its 7-12). The same
 // structure as rows_dense: four output rows together, the rows ahead prefetched into L2;
 // y[m, n] = sum_k q[n, k] * x[m, k] in float32.
+// (A copy of rows_dense's loop: an always_inline load with target("avx512f") cannot be inlined into
+// that template, which is compiled for every target clone.)
 #if BATCHINFER_X86_GCC
-#ifndef BATCHINFER_I8_AHEAD
-#define BATCHINFER_I8_AHEAD (8 * NR)
-#endif
-constexpr int64_t I8_PREFETCH_ROWS = BATCHINFER_I8_AHEAD;  // 16-64 ahead measured alike; a row is half a bf16 one
+constexpr int64_t I8_PREFETCH_ROWS = 8 * NR;  // 16-64 rows ahead measured alike; a row is half a bf16 one
 
 __attribute__((target("avx512f"))) inline __m512 load_i8_avx512(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -268,25 +269,48 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
               "gemv_int8: q must be a contiguous CPU [N, K] int8 tensor");
   const int64_t N = q.size(0), K = q.size(1), M = x.size(0);
-  TORCH_CHECK(scales.device().is_cpu() && scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(),
-              "gemv_int8: scales must be a contiguous [", N, "] tensor");
+  TORCH_CHECK(scales.device().is_cpu() && scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kBFloat16 || scales.scalar_type() == at::kFloat ||
+                   scales.scalar_type() == at::kHalf),
+              "gemv_int8: scales must be a contiguous [", N, "] tensor of float32, bfloat16 or float16");
   check_x(x, K, LANES, bias, N);
+  TORCH_CHECK(M <= INT8_MAX_ROWS, "gemv_int8: 1 to ", INT8_MAX_ROWS, " rows, got ", M);
   const std::vector<float> xf = rows_as_float(x);
   std::vector<float> y(M * N);
   const Args a{xf.data(), M, K, N, y.data()};
 #if BATCHINFER_X86_GCC
-  TORCH_CHECK(M <= INT8_MAX_ROWS, "gemv_int8: 1 to ", INT8_MAX_ROWS, " rows, got ", M);
   auto f = std::array<decltype(&rows_i8<1>), INT8_MAX_ROWS>{rows_i8<1>, rows_i8<2>, rows_i8<3>, rows_i8<4>}[M - 1];
   over_rows(N, [&](int64_t n0, int64_t n1) { f(a, q.data_ptr<int8_t>(), n0, n1); });
 #endif
-  const at::Tensor s = scales.to(at::kFloat);
-  const float* sp = s.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) y[m * N + n] *= sp[n];
+  auto scale_rows = [&](const auto* s) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] *= static_cast<float>(s[n]);
+  };
+  if (scales.scalar_type() == at::kBFloat16) {
+    scale_rows(scales.data_ptr<c10::BFloat16>());
+  } else if (scales.scalar_type() == at::kFloat) {
+    scale_rows(scales.data_ptr<float>());
+  } else {
+    scale_rows(scales.data_ptr<c10::Half>());
+  }
   return finish(x, y, N, bias);
 }
 
 bool gemv_int8_runs() { return int8_kernel_runs(); }
+
+// Not one row of float16 weights: there torch's product streams them faster (0.8x).
+bool gemv_dense_takes(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t M = x.size(0);
+  const auto dtype = w.scalar_type();
+  return x.dim() == 2 && M >= 1 && M <= MAX_ROWS && x.stride(1) == 1 &&
+         (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && w.size(1) % LANES == 0 &&
+         w.is_contiguous() && !(M == 1 && dtype == at::kHalf);
+}
+
+bool gemv_int8_takes(const at::Tensor& x, const at::Tensor& q) {
+  return x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= INT8_MAX_ROWS && x.stride(1) == 1 &&
+         q.scalar_type() == at::kChar && q.size(1) % LANES == 0 && q.is_contiguous() && int8_kernel_runs();
+}
 
 }  // namespace batchinfer_ops
 

@@ -9,6 +9,8 @@ and its switch are ``decode``'s (``BATCHINFER_CPU_DECODE_KERNEL``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from batchinfer.kernels.cpu_ext import decode
@@ -23,7 +25,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear(x, weight)`` runs here now: x ``[M <= MAX_ROWS, K]`` with a contiguous last
     axis, a contiguous CPU weight of ``WEIGHT_DTYPES`` with ``K % LANES == 0``, and the library
     usable (``decode.usable``). Not one row of float16 weights: there torch's product is faster
-    (0.8x; the kernel's half-to-float conversion costs more than the memory it saves)."""
+    (0.8x; the kernel's half-to-float conversion costs more than the memory it saves). The compiled
+    layer loop asks the same in C++ (``gemv_dense_takes``; ``gemv_int8_takes`` for ``int8_supports``)."""
     return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(-1) == 1
             and weight.dtype in WEIGHT_DTYPES and weight.shape[1] % LANES == 0 and weight.is_contiguous()
             and not (x.shape[0] == 1 and weight.dtype == torch.float16) and decode.usable(x))
@@ -36,15 +39,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def int8_runs() -> bool:
-    """Whether the int8 kernel runs on this CPU (AVX-512) with the library built and switched on."""
-    global _INT8_RUNS
-    if _INT8_RUNS is None:
-        library = decode.library()
-        _INT8_RUNS = library is not None and bool(library.gemv_int8_runs())
-    return _INT8_RUNS and decode.kernel_mode() != "0"
+    """Whether the int8 kernel runs here: the library switched on and built, on a CPU with AVX-512."""
+    return decode.kernel_mode() != "0" and _int8_built()
 
 
-_INT8_RUNS: bool | None = None  # the CPU and the build do not change within a process
+@functools.cache
+def _int8_built() -> bool:  # the build and the CPU do not change within a process
+    library = decode.library()
+    return library is not None and bool(library.gemv_int8_runs())
 
 
 def int8_supports(x: torch.Tensor, q: torch.Tensor) -> bool:
@@ -52,7 +54,7 @@ def int8_supports(x: torch.Tensor, q: torch.Tensor) -> bool:
     last axis (a CPU tensor of ``decode.DTYPES``), contiguous int8 codes with ``K % LANES == 0``, and
     ``int8_runs``."""
     return (x.dim() == 2 and 0 < x.shape[0] <= INT8_MAX_ROWS and x.stride(-1) == 1 and q.dtype == torch.int8
-            and q.shape[1] % LANES == 0 and q.is_contiguous() and decode.usable(x) and int8_runs())
+            and q.shape[1] % LANES == 0 and q.is_contiguous() and decode.usable(x) and _int8_built())
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,

@@ -36,18 +36,15 @@ namespace {
 
 enum Kind : int64_t {
   TORCH = 0,  // nn.Linear: at::linear
-  GEMV = 1,   // GemvLinear: gemv_dense up to GEMV_ROWS rows, at::linear above
-  INT8 = 2,   // QuantizedLinear int8: the packed kernel (gemv_int8 where it runs) up to packed_max_rows
-              // rows, the dense copy above (through gemv_dense up to GEMV_ROWS)
+  GEMV = 1,   // GemvLinear: gemv_dense where gemv_dense_takes the rows, at::linear otherwise
+  INT8 = 2,   // QuantizedLinear int8: the packed kernel (gemv_int8 where it takes them) up to
+              // packed_max_rows rows, the dense copy above (through gemv_dense where it takes them)
   INT4 = 3,   // QuantizedLinear int4: the same with the int4 pack
 };
 constexpr int64_t LINEARS = 4;      // qkv_proj, o_proj, gate_up_proj, down_proj
 constexpr int64_t PER_LINEAR = 4;   // weight, qweight, scales / scales_and_zeros, bias
 constexpr int64_t PER_LAYER = 2 + LINEARS * PER_LINEAR;
-constexpr int64_t GEMV_ROWS = 8;    // gemv.cpp's MAX_ROWS
-constexpr int64_t INT8_ROWS = 4;    // gemv.cpp's INT8_MAX_ROWS
 constexpr int64_t INT4_GROUP = 32;  // workers/quant/linear.py's GROUP_SIZE
-constexpr int64_t LANES = 16;       // gemv.cpp's: in_features must be a multiple of it
 
 using Slots = std::vector<std::optional<at::Tensor>>;
 
@@ -61,24 +58,21 @@ at::Tensor linear(const at::Tensor& x, const Slots& w, int64_t at_slot, int64_t 
   const at::Tensor& weight = need(w, at_slot, "a linear's weight");
   const std::optional<at::Tensor>& bias = w[at_slot + 3];
   const int64_t M = x.size(0);
-  // gemv.supports: up to GEMV_ROWS rows, but not one row of float16 weights (torch's is faster there).
-  const bool half_row = M == 1 && weight.scalar_type() == at::kHalf;
-  if (kind == GEMV && M <= GEMV_ROWS && !half_row) return batchinfer_ops::gemv_dense(x, weight, bias);
-  if (kind == TORCH || kind == GEMV) return at::linear(x, weight, bias);
+  if (kind == TORCH || kind == GEMV) {
+    const bool gemv = kind == GEMV && batchinfer_ops::gemv_dense_takes(x, weight);  // as GemvLinear picks
+    return gemv ? batchinfer_ops::gemv_dense(x, weight, bias) : at::linear(x, weight, bias);
+  }
   TORCH_CHECK(kind == INT8 || kind == INT4, "decode_layers: unknown linear kind ", kind);
   at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
   at::Tensor y;
   if (M > packed_max_rows) {  // the dense bfloat16 copy, through the GEMV as QuantizedLinear runs it
-    const bool gemv = M <= GEMV_ROWS && weight.is_contiguous() && weight.size(1) % LANES == 0;
-    y = gemv ? batchinfer_ops::gemv_dense(xb, weight, bias) : at::linear(xb, weight, bias);
+    y = batchinfer_ops::gemv_dense_takes(xb, weight) ? batchinfer_ops::gemv_dense(xb, weight, bias)
+                                                     : at::linear(xb, weight, bias);
   } else {
     xb = xb.contiguous();
     const at::Tensor& packed = need(w, at_slot + 1, "a quantized linear's qweight");
     const at::Tensor& scales = need(w, at_slot + 2, "a quantized linear's scales");
-    // As QuantizedLinear picks (gemv.int8_supports): the compiled int8 kernel where it runs.
-    const bool compiled = kind == INT8 && M <= INT8_ROWS && batchinfer_ops::gemv_int8_runs() &&
-                          packed.is_contiguous() && packed.size(1) % LANES == 0;
-    if (compiled) {
+    if (kind == INT8 && batchinfer_ops::gemv_int8_takes(xb, packed)) {  // as QuantizedLinear picks
       y = batchinfer_ops::gemv_int8(xb, packed, scales, bias);
     } else {
       y = kind == INT8 ? at::_weight_int8pack_mm(xb, packed, scales)
@@ -87,10 +81,6 @@ at::Tensor linear(const at::Tensor& x, const Slots& w, int64_t at_slot, int64_t 
     }
   }
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
-}
-
-int64_t index_of(const at::Tensor& t, int64_t i) {
-  return t.scalar_type() == at::kLong ? t.data_ptr<int64_t>()[i] : t.data_ptr<int32_t>()[i];
 }
 
 }  // namespace
@@ -123,10 +113,10 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions, const
   TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && (cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong),
               "decode_layers: cu_seqlens_q must be int32/int64 [S + 1]");
   for (int64_t i = 0; i + 1 < cu.size(0); ++i) {
-    const int64_t n = index_of(cu, i + 1) - index_of(cu, i);
+    const int64_t n = index_at(cu, i + 1) - index_at(cu, i);
     TORCH_CHECK(n == 0 || n == 1, "decode_layers: sequence ", i, " has ", n, " queries; a decode step has at most 1");
   }
-  TORCH_CHECK(index_of(cu, 0) == 0 && index_of(cu, cu.size(0) - 1) == T, "decode_layers: cu_seqlens_q must span the ",
+  TORCH_CHECK(index_at(cu, 0) == 0 && index_at(cu, cu.size(0) - 1) == T, "decode_layers: cu_seqlens_q must span the ",
               T, " rows of x");
   const at::Tensor pos = positions.contiguous(), slots = slot_mapping.contiguous();
   const Slots w = weights.vec();

@@ -1,5 +1,6 @@
 // The library's entry points as C++ functions (namespace batchinfer_ops): each source registers its
-// own as torch ops, and layer_loop.cpp calls them directly, without the dispatcher or Python between.
+// own as torch ops, and layer_loop.cpp calls them directly, without the dispatcher or Python between;
+// and the small pieces the sources share.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,6 +11,11 @@
 
 namespace batchinfer_ops {
 
+// Element i of an int32 / int64 index tensor (positions, slots, block tables, offsets).
+inline int64_t index_at(const at::Tensor& t, int64_t i) {
+  return t.scalar_type() == at::kLong ? t.data_ptr<int64_t>()[i] : t.data_ptr<int32_t>()[i];
+}
+
 // fused_ops.cpp: (normed, x + residual); without a residual the second is an empty tensor.
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                             const std::optional<at::Tensor>& residual);
@@ -19,13 +25,20 @@ void rotary_cache(const at::Tensor& positions, const at::Tensor& q, const at::Te
                   bool is_neox, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_cache,
                   const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping);
 
-// gemv.cpp: x [M <= 4, K] @ w [N, K].T (+ bias) in x's dtype.
+// gemv.cpp: x [M <= GEMV_MAX_ROWS, K] @ w [N, K].T (+ bias) in x's dtype.
+constexpr int64_t GEMV_MAX_ROWS = 8;
 at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+// Whether gemv_dense is the faster product for these rows and this weight (kernels.cpu_ext.gemv.supports
+// asks the same of the Python side's tensors).
+bool gemv_dense_takes(const at::Tensor& x, const at::Tensor& w);
 
-// gemv.cpp: (x [M <= 4, K] @ q [N, K].T) * scales (+ bias) for int8 codes, where gemv_int8_runs().
+// gemv.cpp: (x [M <= GEMV_INT8_MAX_ROWS, K] @ q [N, K].T) * scales (+ bias) for int8 codes, where
+// gemv_int8_runs() (AVX-512); gemv_int8_takes: that, the rows and the codes' layout (gemv.int8_supports).
+constexpr int64_t GEMV_INT8_MAX_ROWS = 4;
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                      const std::optional<at::Tensor>& bias);
 bool gemv_int8_runs();
+bool gemv_int8_takes(const at::Tensor& x, const at::Tensor& q);
 
 // paged_decode.cpp: attention of every decode row over its paged context, into out.
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -292,10 +292,6 @@ BATCHINFER_ENTRY(attend_f32, F32)
 BATCHINFER_ENTRY(attend_bf16, BF16)
 BATCHINFER_ENTRY(attend_f16, F16)
 
-int64_t as_index(const at::Tensor& t, int64_t i) {
-  return t.scalar_type() == at::kLong ? t.data_ptr<int64_t>()[i] : t.data_ptr<int32_t>()[i];
-}
-
 }  // namespace
 
 namespace batchinfer_ops {
@@ -336,15 +332,15 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   struct Row { int64_t row, seq, len; };
   std::vector<Row> rows;
   for (int64_t i = 0; i < S; ++i) {
-    const int64_t row = as_index(cu_seqlens_q, i);
-    if (as_index(cu_seqlens_q, i + 1) - row != 1) continue;
-    const int64_t len = as_index(seq_lens, i);
+    const int64_t row = index_at(cu_seqlens_q, i);
+    if (index_at(cu_seqlens_q, i + 1) - row != 1) continue;
+    const int64_t len = index_at(seq_lens, i);
     TORCH_CHECK(len >= 1 && row >= 0 && row < q.size(0), "paged_decode: sequence ", i, ": bad length or row");
     const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
     TORCH_CHECK((len + bs - 1) / bs <= max_blocks, "paged_decode: sequence ", i,
                 " needs more blocks than the table has");
     for (int64_t b = lo / bs; b * bs < len; ++b) {
-      const int64_t id = as_index(block_tables, i * max_blocks + b);
+      const int64_t id = index_at(block_tables, i * max_blocks + b);
       TORCH_CHECK_INDEX(id >= 0 && id < num_blocks, "paged_decode: sequence ", i, " block ", b, " is ", id,
                         ", outside the cache's ", num_blocks, " blocks");
     }

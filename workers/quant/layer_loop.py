@@ -116,8 +116,10 @@ class LayerLoop:
             assert isinstance(layer, DecoderLayer)
             self.weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for _, linear in _linears(layer):
+                kind = _kind(linear, decoder.dtype)
+                assert kind is not None  # unsupported_reason checked every linear
                 self.weights += _slots(linear)
-                self.kinds.append(_kind(linear, decoder.dtype) or layers.TORCH)
+                self.kinds.append(kind)
                 self.packed_max_rows.append(getattr(linear, "packed_max_rows", 0))
             self.sliding_windows.append(layer.self_attn.sliding_window or 0)
         self.weights.append(decoder.norm.weight)

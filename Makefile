@@ -24,6 +24,13 @@ TVM_FFI_PKG ?= apache-tvm-ffi==0.1.15.post2
 # build takes 15+ minutes on 2 cores). Built from the sdist so that llama.cpp is compiled for this CPU.
 BENCH_VENV ?= .venv-bench
 LLAMA_CPP_PKG ?= llama-cpp-python==0.3.36
+# On a CPU with AMX (amx_int8: Sapphire Rapids and later) llama.cpp 0.3.36 built for the CPU runs its
+# quantized matmuls (Q4_0, Q4_1, Q8_0) through ggml's AMX kernel, which crashed with SIGSEGV on a
+# 2-vCPU Xeon VM (2026-12-06): there the build names the CPU's other features itself, AMX off.
+LLAMA_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_CMAKE_ARGS ?= $(if $(shell grep -sqw amx_int8 /proc/cpuinfo && echo amx),$(LLAMA_NO_AMX))
 
 .PHONY: setup setup-dev test test-latest check-latest drift lock demo bench bench-venv lint clean
 
@@ -100,8 +107,8 @@ bench: setup-dev
 
 bench-venv:
 	$(PY) -m venv $(BENCH_VENV)
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BENCH_VENV)/bin/pip install --no-binary llama-cpp-python \
-		"$(LLAMA_CPP_PKG)" numpy
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BENCH_VENV)/bin/pip install \
+		--no-cache-dir --no-binary llama-cpp-python "$(LLAMA_CPP_PKG)" numpy
 
 # mypy through .ci/typecheck.py: it lays out .typecheck/ like the installed package first.
 lint: setup-dev

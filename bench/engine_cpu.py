@@ -19,7 +19,9 @@ a [T, in] input with each of the model's weights (all layers, then the LM head a
 rows), so it sees the same token counts, thread count and machine load as the engine. Bytes = every
 weight once per step (the LM head when the step samples) + the K/V the step's attention reads (each
 sequence's context, once per layer); the copy bandwidth is the read + write traffic of a large
-``copy_`` timed before and after the runs.
+``copy_`` timed before and after the runs. Beside it, the per-op ceiling: the decode rows'
+attention (their K/V read at ~1 FLOP a byte) timed at the copy bandwidth after the step's other
+work, max(FLOPs / matmul rate, bytes / bandwidth) of the rest, as one thread runs the two in turn.
 
 The engine runs twice, with the compiled CPU decode kernel (``BATCHINFER_CPU_DECODE_KERNEL=1``) and
 without it (``0``): tokens/s and the roofline of each (``--decode-kernel on|off``: one of them).
@@ -52,7 +54,8 @@ below 300, valid in any vocabulary.
 ``--cpu-clock`` (with ``--threads 1``) times with the main thread's CPU time instead of wall time.
 
 The last line printed is one JSON object: tokens_per_s, transformers_tokens_per_s, ratio, efficiency
-(engine), model_gflops_per_s, matmul_gflops_per_s, copy_gb_per_s, roofline_efficiency, decode_kernel
+(engine), model_gflops_per_s, matmul_gflops_per_s, copy_gb_per_s, roofline_efficiency,
+serial_roofline_efficiency (the per-op ceiling's), decode_kernel
 (on / off: the run those figures are of), tokens_per_s_kernel_off and roofline_efficiency_kernel_off
 (with both runs). The transformers figures are null with ``--no-transformers``; the efficiencies and
 the matmul rate with ``--profile``, which replays nothing. ``--profile`` also prints where every 4th
@@ -129,16 +132,18 @@ class FlopModel:
         self.bytes = 0.0
         self.ceiling_flops = 0.0
         self.ceiling_time = 0.0
-        # Per replayed step: (FLOPs, bytes, matmul FLOP/s at its shapes, engine seconds).
-        self.replayed: list[tuple[float, float, float, float]] = []
+        # Per replayed step: (FLOPs, bytes, matmul FLOP/s at its shapes, engine seconds, the decode
+        # rows' attention FLOPs, the K/V bytes those rows read).
+        self.replayed: list[tuple[float, float, float, float, float, float]] = []
 
-    def step_cost(self, inputs) -> tuple[dict[str, float], float, float]:
-        """The step's FLOPs by kind, its bytes, and the K/V bytes its decode rows read."""
+    def step_cost(self, inputs) -> tuple[dict[str, float], float, float, float]:
+        """The step's FLOPs by kind, its bytes, the K/V bytes its decode rows read and those rows'
+        attention FLOPs."""
         meta = inputs.attn_metadata
         cu, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
         T, N = cu[-1], inputs.sample_indices.numel()
         pairs = 0  # (query, visible key) pairs: a chunk's q queries end at position L - 1
-        keys = decode_keys = 0  # cached keys attention reads (per layer)
+        keys = decode_keys = 0  # cached keys attention reads (per layer); a decode row's pairs = its keys
         for i, length in enumerate(lens):
             q = cu[i + 1] - cu[i]
             pairs += q * (length - q + 1) + q * (q - 1) // 2
@@ -147,11 +152,11 @@ class FlopModel:
         flops = {"linear": 2.0 * T * self.layer_macs, "lm_head": 2.0 * N * self.head.numel(),
                  "attention": 2.0 * pairs * self.attn_macs}
         nbytes = self.layer_bytes + (self.head_bytes if N else 0) + keys * self.kv_bytes
-        return flops, nbytes, decode_keys * self.kv_bytes
+        return flops, nbytes, decode_keys * self.kv_bytes, 2.0 * decode_keys * self.attn_macs
 
     def count(self, inputs) -> None:
         """Add the step's FLOPs and bytes (from its ``StepInputs``)."""
-        flops, nbytes, decode_bytes = self.step_cost(inputs)
+        flops, nbytes, decode_bytes, _ = self.step_cost(inputs)
         for kind, value in flops.items():
             self.flops[kind] += value
         self.bytes += nbytes
@@ -176,20 +181,28 @@ class FlopModel:
         matmul_flops = self.ceiling_flops
         elapsed = self.time_ceiling(inputs)
         rate = (self.ceiling_flops - matmul_flops) / elapsed
-        flops, nbytes, _ = self.step_cost(inputs)
-        self.replayed.append((sum(flops.values()), nbytes, rate, engine_seconds))
+        flops, nbytes, decode_bytes, decode_flops = self.step_cost(inputs)
+        self.replayed.append((sum(flops.values()), nbytes, rate, engine_seconds, decode_flops, decode_bytes))
         return elapsed
 
     def roofline(self, bandwidth: float) -> dict[str, float] | None:
         """Over the replayed steps: the ceiling time (per step max(FLOPs / its matmul rate, bytes /
-        ``bandwidth``)), the engine's time on them, their ratio, and the share of memory-bound steps."""
+        ``bandwidth``)), the engine's time on them, their ratio, and the share of memory-bound steps.
+
+        Also the per-op ceiling (``serial_*``): the same terms, but the decode rows' attention, which
+        reads its K/V at ~1 FLOP a byte, timed at ``bandwidth`` *after* the rest of the step, as one
+        thread runs them (the matmuls, then attention, layer by layer): per step max(the other FLOPs
+        / rate, the other bytes / bandwidth) + the decode rows' K/V bytes / bandwidth."""
         if not self.replayed:
             return None
-        ceilings = [(f / rate, b / bandwidth) for f, b, rate, _ in self.replayed]
+        ceilings = [(f / rate, b / bandwidth) for f, b, rate, *_ in self.replayed]
         ceiling = sum(max(c) for c in ceilings)
-        engine = sum(e for *_, e in self.replayed)
+        serial = sum(max((f - df) / rate, (b - db) / bandwidth) + db / bandwidth
+                     for f, b, rate, _, df, db in self.replayed)
+        engine = sum(r[3] for r in self.replayed)
         return {"ceiling_s": ceiling, "engine_s": engine, "efficiency": ceiling / engine,
-                "memory_bound_share": sum(m > c for c, m in ceilings) / len(ceilings)}
+                "memory_bound_share": sum(m > c for c, m in ceilings) / len(ceilings),
+                "serial_ceiling_s": serial, "serial_efficiency": serial / engine}
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -637,6 +650,8 @@ def main() -> None:
                 print(f"roofline, decode kernel {mode:3s}: ceiling {roof['ceiling_s']:.2f} s of the replayed "
                       f"steps' {roof['engine_s']:.2f} s ({roof['memory_bound_share']:.0%} of them "
                       f"memory-bound): efficiency {roof['efficiency']:.2f} (target >= 0.8)")
+                print(f"  per op (the decode rows' K/V read after the matmuls): ceiling "
+                      f"{roof['serial_ceiling_s']:.2f} s, efficiency {roof['serial_efficiency']:.2f}")
         if len(modes) == 2:
             on, off = (runs[m][1] / runs[m][0] for m in modes)
             print(f"decode kernel on vs off: {on:.1f} vs {off:.1f} output tokens/s ({on / off:.2f}x)")
@@ -653,9 +668,9 @@ def main() -> None:
     def rounded(x: float | None, digits: int) -> float | None:
         return None if x is None else round(x, digits)
 
-    def roof(mode: str) -> float | None:
+    def roof(mode: str, key: str = "efficiency") -> float | None:
         r = roofs.get(mode)
-        return None if r is None else round(r["efficiency"], 3)
+        return None if r is None else round(r[key], 3)
 
     off_tps = runs["off"][1] / runs["off"][0] if "off" in runs else None
     print(json.dumps({"tokens_per_s": round(engine_tps, 2), "transformers_tokens_per_s": rounded(hf_tps, 2),
@@ -665,6 +680,7 @@ def main() -> None:
                       "matmul_gflops_per_s": None if matmul_rate is None else round(matmul_rate / 1e9, 2),
                       "copy_gb_per_s": round(bandwidth / 1e9, 2),
                       "roofline_efficiency": roof(modes[0]),
+                      "serial_roofline_efficiency": roof(modes[0], "serial_efficiency"),
                       "decode_kernel": modes[0],
                       "tokens_per_s_kernel_off": rounded(off_tps, 2) if len(modes) == 2 else None,
                       "roofline_efficiency_kernel_off": roof("off") if len(modes) == 2 else None}))

@@ -7,7 +7,8 @@ Reads one JSON object on stdin::
 
 and prints one JSON object on stdout: ``outputs`` (each request's ``n_out`` greedy token ids, in
 input order), ``wall_s`` (first decode to last), ``tokens_per_s`` (output tokens / wall_s), ``n_ctx``,
-``steps`` (llama_decode calls) and ``load_s``.
+``steps`` (llama_decode calls), ``load_s`` and ``system_info`` (``llama_print_system_info``: the CPU
+features ggml was built with, AMX_INT8 among them).
 
 It schedules as llama.cpp's server does with parallel slots: ``concurrency`` sequences in flight, a
 new one starting when one finishes (its KV removed with ``llama_memory_seq_rm``); every step is ONE
@@ -147,7 +148,9 @@ def main() -> None:
     outputs = runner.run(prompts, n_out)
     wall = time.perf_counter() - t0
     json.dump({"outputs": outputs, "wall_s": wall, "tokens_per_s": sum(map(len, outputs)) / wall,
-               "n_ctx": runner.n_ctx, "steps": runner.steps, "load_s": load_s}, sys.stdout)
+               "n_ctx": runner.n_ctx, "steps": runner.steps, "load_s": load_s,
+               "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()},
+              sys.stdout)
     runner.close()
 
 

@@ -19,8 +19,9 @@ tests' writer), or a path to any .gguf file.
 
 Per (model, concurrency, threads) it prints both tokens/s, the ratio batchinfer / llama.cpp and
 the first-tokens agreement (the fraction of requests whose first 8 output tokens are the same on
-both sides: greedy on near-tied logits parts on numerics alone, more so in bfloat16); the last line
-is one JSON object with every row.
+both sides: greedy on near-tied logits parts on numerics alone, more so in bfloat16), then what
+ggml was built with (``llama_print_system_info``: AMX_INT8 = 1 when its AMX matmuls run); the last
+line is one JSON object with every row.
 """
 
 from __future__ import annotations
@@ -84,8 +85,21 @@ def llama_side(python: str, model: Path, prompts: list[list[int]], n_out: int, t
     proc = subprocess.run([python, str(RUNNER)], input=json.dumps(job), capture_output=True, text=True,
                           env=env, timeout=3600)
     if proc.returncode != 0:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"}
+        hint = ""
+        if proc.returncode == -11 and cpu_has_amx():
+            hint = ("; a crash on a CPU with AMX: llama.cpp built for it ran ggml's AMX matmul, which died "
+                    "here before (docs/benchmarks.md): `make bench-venv` builds it without AMX; ")
+        return {"error": f"exit {proc.returncode}{hint}: {proc.stderr.strip()[-600:]}"}
     return json.loads(proc.stdout)
+
+
+def cpu_has_amx() -> bool:
+    """The CPU reports AMX int8 (``amx_int8`` in /proc/cpuinfo's flags)."""
+    try:
+        return any(line.startswith("flags") and " amx_int8" in line
+                   for line in Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return False
 
 
 def our_engine_options(dtype: str, quantization: str | None, notes: list[str]) -> dict:
@@ -175,6 +189,7 @@ def main() -> None:
     notes: list[str] = []
     options = our_engine_options(args.dtype, args.quantization, notes)
     rows = []
+    builds: set[str] = set()  # llama_print_system_info of the runs
     print(f"{'model':10} {'C':>3} {'T':>2} {'reqs':>4} {'batchinfer tok/s':>16} {'llama.cpp tok/s':>15} "
           f"{'ratio':>6} {'agree@8':>7}  dtype")
     with tempfile.TemporaryDirectory(prefix="peer-llamacpp-") as tmp:
@@ -190,13 +205,18 @@ def main() -> None:
                     ours = our_side(llm, batch, args.n_out, t, c)
                     theirs = llama_side(args.llama_python, path, batch, args.n_out, t, c, args.n_batch,
                                         args.llama_kv_unified)
+                    if theirs.get("system_info"):
+                        builds.add(theirs["system_info"])
                     rows.append(report({"model": name, "concurrency": c, "threads": t, "requests": len(batch),
                                         "n_out": args.n_out, "dtype": dtype}, ours, theirs))
                 del llm
+    for info in sorted(builds):  # what ggml was built with (AMX_INT8 = 1: its AMX matmuls run)
+        print("llama.cpp:", info)
     for note in notes:
         print("note:", note)
     print(json.dumps({"rows": rows, "dtype": args.dtype, "quantization": options.get("quantization"),
-                      "prompt_len": [lo, hi], "n_batch": args.n_batch, "notes": notes}))
+                      "prompt_len": [lo, hi], "n_batch": args.n_batch, "notes": notes,
+                      "llamacpp_system_info": sorted(builds)}))
 
 
 if __name__ == "__main__":

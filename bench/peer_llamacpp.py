@@ -87,8 +87,8 @@ def llama_side(python: str, model: Path, prompts: list[list[int]], n_out: int, t
     if proc.returncode != 0:
         hint = ""
         if proc.returncode == -11 and cpu_has_amx():
-            hint = ("; a crash on a CPU with AMX: llama.cpp built for it ran ggml's AMX matmul, which died "
-                    "here before (docs/benchmarks.md): `make bench-venv` builds it without AMX; ")
+            hint = (" (a crash on a CPU with AMX: llama.cpp built for it runs ggml's AMX matmul, which died "
+                    "on such a VM before, docs/benchmarks.md; `make bench-venv` builds it without AMX)")
         return {"error": f"exit {proc.returncode}{hint}: {proc.stderr.strip()[-600:]}"}
     return json.loads(proc.stdout)
 

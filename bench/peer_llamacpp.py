@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from batchinfer import LLM, SamplingParams
+from batchinfer.workers.auto_dtype import cpu_flags
 from batchinfer.workers.engine_config import EngineConfig
 from batchinfer.workers.models.demo import demo_gguf
 
@@ -86,20 +87,11 @@ def llama_side(python: str, model: Path, prompts: list[list[int]], n_out: int, t
                           env=env, timeout=3600)
     if proc.returncode != 0:
         hint = ""
-        if proc.returncode == -11 and cpu_has_amx():
+        if proc.returncode == -11 and "amx_int8" in cpu_flags():
             hint = (" (a crash on a CPU with AMX: llama.cpp built for it runs ggml's AMX matmul, which died "
                     "on such a VM before, docs/benchmarks.md; `make bench-venv` builds it without AMX)")
         return {"error": f"exit {proc.returncode}{hint}: {proc.stderr.strip()[-600:]}"}
     return json.loads(proc.stdout)
-
-
-def cpu_has_amx() -> bool:
-    """The CPU reports AMX int8 (``amx_int8`` in /proc/cpuinfo's flags)."""
-    try:
-        return any(line.startswith("flags") and " amx_int8" in line
-                   for line in Path("/proc/cpuinfo").read_text().splitlines())
-    except OSError:
-        return False
 
 
 def our_engine_options(dtype: str, quantization: str | None, notes: list[str]) -> dict:

@@ -47,13 +47,18 @@ def _probe_cpu_bf16() -> bool:
             return bool(caps["avx512_bf16"] or caps.get("amx_bf16"))
     except (AttributeError, RuntimeError):
         pass
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux's ``/proc/cpuinfo`` lists them (empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return False
+        return frozenset()
     lines = (line.split(":", 1)[-1] for line in text.splitlines() if line.startswith("flags"))
-    flags = {flag for line in lines for flag in line.split()}
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return frozenset(flag for line in lines for flag in line.split())
 
 
 def checkpoint_dtype(model: str) -> str | None:

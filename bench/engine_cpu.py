@@ -72,6 +72,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +106,17 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int
     return prompts, outputs
 
 
+class ReplayedStep(NamedTuple):
+    """One replayed step's roofline terms."""
+
+    flops: float  # every FLOP of the step
+    nbytes: float  # its weights and K/V bytes
+    rate: float  # matmul FLOP/s at its shapes (the replay)
+    engine_s: float  # the engine's seconds on it
+    decode_flops: float  # of the FLOPs, the decode rows' attention
+    decode_bytes: float  # of the bytes, the K/V those rows read
+
+
 class FlopModel:
     """FLOPs and bytes of the steps of a dense decoder, and a timed roofline of them.
 
@@ -132,9 +144,7 @@ class FlopModel:
         self.bytes = 0.0
         self.ceiling_flops = 0.0
         self.ceiling_time = 0.0
-        # Per replayed step: (FLOPs, bytes, matmul FLOP/s at its shapes, engine seconds, the decode
-        # rows' attention FLOPs, the K/V bytes those rows read).
-        self.replayed: list[tuple[float, float, float, float, float, float]] = []
+        self.replayed: list[ReplayedStep] = []
 
     def step_cost(self, inputs) -> tuple[dict[str, float], float, float, float]:
         """The step's FLOPs by kind, its bytes, the K/V bytes its decode rows read and those rows'
@@ -182,7 +192,8 @@ class FlopModel:
         elapsed = self.time_ceiling(inputs)
         rate = (self.ceiling_flops - matmul_flops) / elapsed
         flops, nbytes, decode_bytes, decode_flops = self.step_cost(inputs)
-        self.replayed.append((sum(flops.values()), nbytes, rate, engine_seconds, decode_flops, decode_bytes))
+        self.replayed.append(ReplayedStep(sum(flops.values()), nbytes, rate, engine_seconds, decode_flops,
+                                          decode_bytes))
         return elapsed
 
     def roofline(self, bandwidth: float) -> dict[str, float] | None:
@@ -195,11 +206,12 @@ class FlopModel:
         / rate, the other bytes / bandwidth) + the decode rows' K/V bytes / bandwidth."""
         if not self.replayed:
             return None
-        ceilings = [(f / rate, b / bandwidth) for f, b, rate, *_ in self.replayed]
+        steps = self.replayed
+        ceilings = [(r.flops / r.rate, r.nbytes / bandwidth) for r in steps]
         ceiling = sum(max(c) for c in ceilings)
-        serial = sum(max((f - df) / rate, (b - db) / bandwidth) + db / bandwidth
-                     for f, b, rate, _, df, db in self.replayed)
-        engine = sum(r[3] for r in self.replayed)
+        serial = sum(max((r.flops - r.decode_flops) / r.rate, (r.nbytes - r.decode_bytes) / bandwidth)
+                     + r.decode_bytes / bandwidth for r in steps)
+        engine = sum(r.engine_s for r in steps)
         return {"ceiling_s": ceiling, "engine_s": engine, "efficiency": ceiling / engine,
                 "memory_bound_share": sum(m > c for c, m in ceilings) / len(ceilings),
                 "serial_ceiling_s": serial, "serial_efficiency": serial / engine}

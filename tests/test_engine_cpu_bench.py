@@ -16,7 +16,7 @@ def bench():
 def flop_model(bench, replayed):
     """A FlopModel holding only its replayed steps (what ``roofline`` reads)."""
     model = object.__new__(bench.FlopModel)
-    model.replayed = replayed
+    model.replayed = [bench.ReplayedStep(*step) for step in replayed]
     return model
 
 

@@ -75,6 +75,11 @@ def nightly(stack: Stack, bucket: str, *extra: str, partition_by: str = "date") 
     return done.returncode, report, done.stderr + stack.logs()
 
 
+def read_json(bucket: str, key: str) -> dict:
+    """The JSON object at ``key`` in ``bucket`` (a manifest), read through pyarrow's S3 filesystem."""
+    return json.loads(pafs.FileSystem.from_uri(f"s3://{bucket}")[0].open_input_stream(f"{bucket}/{key}").read())
+
+
 def objects(s3_server, bucket: str, prefix: str = "enriched/") -> dict[str, str]:
     """Every object below ``prefix``: key -> ETag (what a reader of the bucket sees, and whether it
     changed); the empty folder markers pyarrow's ``create_dir`` leaves (``key/``) are not files."""
@@ -149,8 +154,7 @@ def test_nightly_fills_the_output_then_processes_only_new_partitions(stack, lake
     texts = joined.select(pl.col("outputs").list.first().struct.field("text"), "title", "body")
     assert all(f"user: Title: {title}\n{body}\n" in text for text, title, body in texts.iter_rows()), \
         texts.head(3).to_dicts()
-    manifest = json.loads(pafs.FileSystem.from_uri(f"s3://{lake}")[0]
-                          .open_input_stream(f"{lake}/{manifests[0]}").read())
+    manifest = read_json(lake, manifests[0])
     (output,) = manifest["outputs"]
     assert output["rows"] == ROWS_PER_DAY and output["inputs"][0]["rows"] == ROWS_PER_DAY
     assert output["inputs"][0]["location"].startswith(f"s3://{lake}/events/date=")
@@ -239,8 +243,7 @@ def test_an_exporter_killed_mid_write_leaves_nothing_half_visible_and_a_rerun_co
     assert stack.client.status(job).status.value == "completed"
     final = objects(s3_server, lake)
     (manifest_key,) = [k for k in final if "_manifests/" in k]
-    manifest = json.loads(pafs.FileSystem.from_uri(f"s3://{lake}")[0]
-                          .open_input_stream(f"{lake}/{manifest_key}").read())
+    manifest = read_json(lake, manifest_key)
     assert manifest["job_id"] == job, manifest
     data = sorted(k for k in final if k.endswith(".parquet"))
     assert [k.split("/")[2] for k in data] == [f"lang={x}" for x in sorted(LANGS)]

@@ -522,7 +522,8 @@ def stream_micro(model: nn.Module, quick: bool) -> list[dict]:
     """Every linear weight of the model (each layer's four projections, then the LM head) multiplied
     once, one after the other, at 1-8 rows: the weights stream from memory as in a decode step of
     that many sequences. torch against the GEMV in float32, bfloat16 and float16, torch's packed int8 kernel
-    against the int8 GEMV; GB/s of weights read and the ratio, beside the copy bandwidth."""
+    against the int8 GEMV (``int8``; where VNNI runs, ``int8 f32`` is the kernel that widens the codes to
+    float32 instead); GB/s of weights read and the ratio, beside the copy bandwidth."""
     from batchinfer.kernels.cpu_ext import gemv
     from batchinfer.workers.quant.linear import quantize_int8
 
@@ -564,6 +565,10 @@ def stream_micro(model: nn.Module, quick: bool) -> list[dict]:
             one("int8", m, nbytes,
                 lambda xs=xs: [torch._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in codes],
                 lambda xs=xs: [gemv.linear_int8(xs[q.shape[1]], q, s) for q, s in codes])
+            if gemv.int8_vnni():  # the float32 kernel beside the VNNI one, in the same run
+                one("int8 f32", m, nbytes,
+                    lambda xs=xs: [torch._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in codes],
+                    lambda xs=xs: [gemv.linear_int8(xs[q.shape[1]], q, s, widen=True) for q, s in codes])
     else:
         print("  int8: the int8 GEMV does not run on this CPU (it needs AVX-512)")
     return rows

@@ -252,6 +252,54 @@ def test_gemv_int8_against_float64_and_torchs_kernel(rows, out_features):
 
 
 @needs_int8
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("out_features", "in_features"), [(5, 48), (67, 4096), (9, 4096 + 80)])
+def test_gemv_int8_sums_of_integers_are_exact_on_both_kernels(rows, out_features, in_features):
+    """Activations that are integers below 2^7 are exact in the VNNI kernel's 16-bit units, and their
+    sums with int8 codes are integers below 2^24: both kernels (int16 activations with int32 sums where
+    VNNI runs, float32 otherwise) must give the exact result, rounded once to bfloat16. 48 and 4176
+    features end on half a 32-code step; 4176 spans two 4096-feature chunks (two units a row)."""
+    g = _gen(11)
+    q = torch.randint(-128, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+    x = torch.randint(-100, 101, (rows, in_features), generator=g).to(torch.bfloat16)
+    x[0, -1] = 127  # the second chunk's unit differs from the first's
+    scales = torch.ones(out_features, dtype=torch.bfloat16)
+    exact = (x.double() @ q.double().T).to(torch.bfloat16)
+    library = decode.library()
+    assert torch.equal(library.gemv_int8(x, q, scales, None), exact)
+    assert torch.equal(library.gemv_int8_widened(x, q, scales, None), exact)
+
+
+@needs_int8
+def test_gemv_int8_vnni_activations_keep_their_precision():
+    """Where VNNI runs, a float32 activation row goes in as 16-bit integers in units of a power of
+    two near its largest magnitude / 2^15: against the float64 product, the error stays within the
+    integers' resolution, and a bfloat16 row (8 significant bits) loses nothing (the float32 kernel's
+    error is float32 rounding alone). A row holding an infinity goes to the float32 kernel whole."""
+    library = decode.library()
+    g = _gen(12)
+    q = torch.randint(-128, 128, (64, 256), generator=g, dtype=torch.int8)
+    scales = torch.ones(64)
+    x = torch.randn(2, 256, generator=g)
+    x[0, 7] = 40.0  # the row's unit: 2^(6 - 15)
+    exact = x.double() @ q.double().T
+    got = library.gemv_int8(x, q, scales, None)
+    bound = 0.5 * 2.0 ** (6 - 15) * q.double().abs().sum(1)  # half a unit per activation, times |code|
+    assert ((got.double() - exact).abs() <= bound + 1e-3 * exact.abs()).all()
+    widened = library.gemv_int8_widened(x, q, scales, None).double()
+    assert (widened - exact).abs().max() < 1e-6 * exact.abs().max()
+    row = x[0].to(torch.bfloat16).clamp(-2.0, 2.0)
+    row[7] = 2.0  # the unit 2^(2 - 15): every bfloat16 of magnitude 2^-6 or more is a whole number of it
+    row[row.abs() < 2.0 ** -6] = 0.0
+    exact = row.double() @ q.double().T
+    assert (library.gemv_int8(row.float()[None], q, scales, None)[0].double() - exact).abs().max() < 1e-3
+    x[1, 3] = float("inf")
+    got = library.gemv_int8(x, q, scales, None)
+    assert not torch.isfinite(got[1]).any() and torch.isfinite(got[0]).all()
+    assert torch.equal(got.nan_to_num(), library.gemv_int8_widened(x, q, scales, None).nan_to_num())
+
+
+@needs_int8
 def test_gemv_int8_refuses_what_it_cannot_take():
     q = torch.zeros(8, 32, dtype=torch.int8)
     scales = torch.ones(8, dtype=torch.bfloat16)

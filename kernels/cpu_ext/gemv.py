@@ -49,6 +49,12 @@ def _int8_built() -> bool:  # the build and the CPU do not change within a proce
     return library is not None and bool(library.gemv_int8_runs())
 
 
+def int8_vnni() -> bool:
+    """Whether the int8 kernel runs here with 16-bit integer activations (AVX512-VNNI's ``vpdpwssd``;
+    ``gemv.cpp``'s ``rows_i8_vnni``) rather than widening every code to float32."""
+    return int8_runs() and bool(decode.library().gemv_int8_vnni())
+
+
 def int8_supports(x: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether ``linear_int8(x, q, ...)`` runs here now: x ``[M <= INT8_MAX_ROWS, K]`` with a contiguous
     last axis (a CPU tensor of ``decode.DTYPES``), contiguous int8 codes with ``K % LANES == 0``, and
@@ -58,8 +64,12 @@ def int8_supports(x: torch.Tensor, q: torch.Tensor) -> bool:
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, *, widen: bool = False) -> torch.Tensor:
     """``(x @ q.T) * scales (+ bias)`` for int8 codes ``q [N, K]`` with one scale per output row,
     ``[M, K] -> [M, N]`` in x's dtype: what ``torch._weight_int8pack_mm`` computes (float32 sums,
-    scaled, rounded), 1.6-2.4x faster at 1-4 rows. Raises ``RuntimeError`` outside ``int8_supports``."""
-    return decode.library().gemv_int8(x, q, scales, bias)
+    scaled, rounded), 1.6-2.4x faster at 1-4 rows. Where ``int8_vnni`` holds, each activation row goes in
+    as 16-bit integers in units of a power of two per 4,096 features (exact for a bfloat16 value within
+    2^-7 of the largest magnitude, rounded at 2^-16 of it below) and the products add exactly; ``widen``
+    keeps the float32 kernel. Raises ``RuntimeError`` outside ``int8_supports``."""
+    library = decode.library()
+    return (library.gemv_int8_widened if widen else library.gemv_int8)(x, q, scales, bias)

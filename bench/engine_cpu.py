@@ -569,6 +569,16 @@ def stream_micro(model: nn.Module, quick: bool) -> list[dict]:
                 one("int8 f32", m, nbytes,
                     lambda xs=xs: [torch._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in codes],
                     lambda xs=xs: [gemv.linear_int8(xs[q.shape[1]], q, s, widen=True) for q, s in codes])
+        if gemv.int8_vnni():  # 5-8 rows: against the GEMV on the dense bfloat16 copy QuantizedLinear keeps
+            print("  int8/bf16: the VNNI kernel at 5-8 rows; its 'torch' column is the GEMV on the dense "
+                  "bfloat16 copy of the same codes (what a layer ran there before)")
+            dense = [(q.float() * s.float()[:, None]).to(torch.bfloat16) for q, s in codes]
+            for m in (8,) if quick else (5, 6, 8):
+                xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16)
+                      for k in {q.shape[1] for q, _ in codes}}
+                one("int8/bf16", m, nbytes,
+                    lambda xs=xs: [gemv.linear(xs[w.shape[1]], w) for w in dense],
+                    lambda xs=xs: [gemv.linear_int8(xs[q.shape[1]], q, s) for q, s in codes])
     else:
         print("  int8: the int8 GEMV does not run on this CPU (it needs AVX-512)")
     return rows

@@ -252,7 +252,7 @@ def test_gemv_int8_against_float64_and_torchs_kernel(rows, out_features):
 
 
 @needs_int8
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize(("out_features", "in_features"), [(5, 48), (67, 4096), (9, 4096 + 80)])
 def test_gemv_int8_sums_of_integers_are_exact_on_both_kernels(rows, out_features, in_features):
     """Activations that are integers below 2^7 are exact in the VNNI kernel's 16-bit units, and their
@@ -266,8 +266,16 @@ def test_gemv_int8_sums_of_integers_are_exact_on_both_kernels(rows, out_features
     scales = torch.ones(out_features, dtype=torch.bfloat16)
     exact = (x.double() @ q.double().T).to(torch.bfloat16)
     library = decode.library()
+    if rows > gemv.int8_max_rows():  # 5-8 rows only where VNNI runs
+        with pytest.raises(RuntimeError, match=f"1 to 4 rows, got {rows}"):
+            library.gemv_int8(x, q, scales, None)
+        return
     assert torch.equal(library.gemv_int8(x, q, scales, None), exact)
-    assert torch.equal(library.gemv_int8_widened(x, q, scales, None), exact)
+    if rows <= gemv.INT8_MAX_ROWS:
+        assert torch.equal(library.gemv_int8_widened(x, q, scales, None), exact)
+    else:  # the float32 kernel stops at 4 rows
+        with pytest.raises(RuntimeError, match=f"1 to 4 rows, got {rows}"):
+            library.gemv_int8_widened(x, q, scales, None)
 
 
 @needs_int8
@@ -297,14 +305,22 @@ def test_gemv_int8_vnni_activations_keep_their_precision():
     got = library.gemv_int8(x, q, scales, None)
     assert not torch.isfinite(got[1]).any() and torch.isfinite(got[0]).all()
     assert torch.equal(got.nan_to_num(), library.gemv_int8_widened(x, q, scales, None).nan_to_num())
+    if gemv.int8_vnni():  # 6 rows, one of them infinite: the float32 kernel 4 rows at a time
+        six = torch.cat([x, torch.randn(4, 256, generator=g)])
+        got = library.gemv_int8(six, q, scales, None)
+        halves = torch.cat([library.gemv_int8_widened(six[:4], q, scales, None),
+                            library.gemv_int8_widened(six[4:], q, scales, None)])
+        assert torch.equal(got.nan_to_num(), halves.nan_to_num())
 
 
 @needs_int8
 def test_gemv_int8_refuses_what_it_cannot_take():
     q = torch.zeros(8, 32, dtype=torch.int8)
     scales = torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
+        gemv.linear_int8(torch.zeros(9, 32, dtype=torch.bfloat16), q, scales)
     with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
-        gemv.linear_int8(torch.zeros(5, 32, dtype=torch.bfloat16), q, scales)
+        gemv.linear_int8(torch.zeros(5, 32, dtype=torch.bfloat16), q, scales, widen=True)
     with pytest.raises(RuntimeError, match="int8 tensor"):
         gemv.linear_int8(torch.zeros(1, 32, dtype=torch.bfloat16), q.float(), scales)
     with pytest.raises(RuntimeError, match="scales must be a contiguous \\[8\\] tensor"):
@@ -312,6 +328,8 @@ def test_gemv_int8_refuses_what_it_cannot_take():
     odd = torch.zeros(8, 24, dtype=torch.int8)  # K not a multiple of 16
     assert not gemv.int8_supports(torch.zeros(1, 24, dtype=torch.bfloat16), odd)
     assert gemv.int8_supports(torch.zeros(4, 32, dtype=torch.bfloat16), q)
+    assert gemv.int8_supports(torch.zeros(8, 32, dtype=torch.bfloat16), q) == gemv.int8_vnni()
+    assert not gemv.int8_supports(torch.zeros(9, 32, dtype=torch.bfloat16), q)
 
 
 @needs_int8
@@ -329,11 +347,14 @@ def test_quantized_int8_linear_takes_the_int8_gemv(monkeypatch):
     x = torch.randn(3, 64).to(torch.bfloat16)
     y = module(x)
     assert calls == [3]
-    module(torch.randn(5, 64).to(torch.bfloat16))
-    assert calls == [3]
+    assert module.packed_max_rows == gemv.int8_max_rows() == (8 if gemv.int8_vnni() else 4)
+    module(torch.randn(gemv.int8_max_rows(), 64).to(torch.bfloat16))
+    assert calls == [3, gemv.int8_max_rows()]
+    module(torch.randn(gemv.int8_max_rows() + 1, 64).to(torch.bfloat16))  # the dense copy
+    assert calls == [3, gemv.int8_max_rows()]
     monkeypatch.setenv(decode.ENV, "0")
     off = module(x)
-    assert calls == [3]
+    assert calls == [3, gemv.int8_max_rows()]
     torch.testing.assert_close(y, off, rtol=1e-2, atol=1e-2)
 
 

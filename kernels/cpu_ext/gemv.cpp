@@ -179,6 +179,7 @@ bool int8_kernel_runs() {
 // then add exactly: a chunk of 4096 features puts at most 256 products of |code| <= 128 and
 // |x| <= 32767 in a lane (< 2^31); the lanes become floats once a chunk.
 constexpr int64_t I8Q_CHUNK = 4096;
+constexpr int64_t INT8_VNNI_MAX_ROWS = batchinfer_ops::GEMV_INT8_VNNI_MAX_ROWS;
 constexpr int64_t I8Q_STEP = 32;  // codes a vpdpwssd takes per row
 // 16 rows ahead streamed 25-30 GB/s of codes on the AMD VM, one thread (the read rate: 29); 32 and 64
 // rows 21-27, 8 rows 18, none 9.5; into L1 (t0) or non-temporally (nta) as slow as none.
@@ -195,6 +196,7 @@ struct QArgs {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 template <int M>
 void rows_i8_vnni(const QArgs& a, const int8_t* q, int64_t n0, int64_t n1) {
+  constexpr int64_t NR = M <= 4 ? 4 : 2;  // accumulators NR x M stay in registers
   const int64_t K = a.K;
   for (int64_t n = n0; n < n1; n += NR) {
     const int64_t nr = std::min<int64_t>(NR, n1 - n);  // the last group may be short
@@ -373,22 +375,28 @@ static at::Tensor int8_product(const at::Tensor& x, const at::Tensor& q, const a
                    scales.scalar_type() == at::kHalf),
               "gemv_int8: scales must be a contiguous [", N, "] tensor of float32, bfloat16 or float16");
   check_x(x, K, LANES, bias, N);
-  TORCH_CHECK(M <= INT8_MAX_ROWS, "gemv_int8: 1 to ", INT8_MAX_ROWS, " rows, got ", M);
+  const bool vnni = !widen && int8_vnni_runs();
+  TORCH_CHECK(M <= (vnni ? INT8_VNNI_MAX_ROWS : INT8_MAX_ROWS), "gemv_int8: 1 to ",
+              vnni ? INT8_VNNI_MAX_ROWS : INT8_MAX_ROWS, " rows, got ", M);
   const std::vector<float> xf = rows_as_float(x);
   std::vector<float> y(M * N);
 #if BATCHINFER_X86_GCC
   const int64_t Kp = (K + I8Q_STEP - 1) / I8Q_STEP * I8Q_STEP, chunks = (K + I8Q_CHUNK - 1) / I8Q_CHUNK;
   std::vector<int16_t> x16;
   std::vector<float> xs;
-  if (!widen && int8_vnni_runs() && quantize_rows(xf, M, K, Kp, chunks, x16, xs)) {
+  if (vnni && quantize_rows(xf, M, K, Kp, chunks, x16, xs)) {
     const QArgs a{x16.data(), xs.data(), M, K, Kp, chunks, N, y.data()};
-    auto f = std::array<decltype(&rows_i8_vnni<1>), INT8_MAX_ROWS>{rows_i8_vnni<1>, rows_i8_vnni<2>, rows_i8_vnni<3>,
-                                                                   rows_i8_vnni<4>}[M - 1];
+    auto f = std::array<decltype(&rows_i8_vnni<1>), INT8_VNNI_MAX_ROWS>{
+        rows_i8_vnni<1>, rows_i8_vnni<2>, rows_i8_vnni<3>, rows_i8_vnni<4>,
+        rows_i8_vnni<5>, rows_i8_vnni<6>, rows_i8_vnni<7>, rows_i8_vnni<8>}[M - 1];
     over_rows(N, [&](int64_t n0, int64_t n1) { f(a, q.data_ptr<int8_t>(), n0, n1); });
   } else {
-    const Args a{xf.data(), M, K, N, y.data()};
-    auto f = std::array<decltype(&rows_i8<1>), INT8_MAX_ROWS>{rows_i8<1>, rows_i8<2>, rows_i8<3>, rows_i8<4>}[M - 1];
-    over_rows(N, [&](int64_t n0, int64_t n1) { f(a, q.data_ptr<int8_t>(), n0, n1); });
+    for (int64_t m0 = 0; m0 < M; m0 += INT8_MAX_ROWS) {  // up to 8 rows here only with VNNI: 4 at a time
+      const int64_t rows = std::min(INT8_MAX_ROWS, M - m0);
+      const Args a{xf.data() + m0 * K, rows, K, N, y.data() + m0 * N};
+      auto f = std::array<decltype(&rows_i8<1>), INT8_MAX_ROWS>{rows_i8<1>, rows_i8<2>, rows_i8<3>, rows_i8<4>}[rows - 1];
+      over_rows(N, [&](int64_t n0, int64_t n1) { f(a, q.data_ptr<int8_t>(), n0, n1); });
+    }
   }
 #endif
   auto scale_rows = [&](const auto* s) {
@@ -429,7 +437,8 @@ bool gemv_dense_takes(const at::Tensor& x, const at::Tensor& w) {
 }
 
 bool gemv_int8_takes(const at::Tensor& x, const at::Tensor& q) {
-  return x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= INT8_MAX_ROWS && x.stride(1) == 1 &&
+  return x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= (int8_vnni_runs() ? INT8_VNNI_MAX_ROWS : INT8_MAX_ROWS) &&
+         x.stride(1) == 1 &&
          q.scalar_type() == at::kChar && q.size(1) % LANES == 0 && q.is_contiguous() && int8_kernel_runs();
 }
 

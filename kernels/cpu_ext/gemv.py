@@ -17,6 +17,7 @@ from batchinfer.kernels.cpu_ext import decode
 
 MAX_ROWS = 8  # activation rows a dense call takes (gemv.cpp's MAX_ROWS; from 9 on torch is as fast)
 INT8_MAX_ROWS = 4  # and an int8 one (gemv.cpp's INT8_MAX_ROWS)
+INT8_VNNI_MAX_ROWS = 8  # an int8 one where int8_vnni() (gemv.cpp's INT8_VNNI_MAX_ROWS)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LANES = 16  # in_features must be a multiple of it
 
@@ -52,24 +53,38 @@ def _int8_built() -> bool:  # the build and the CPU do not change within a proce
 def int8_vnni() -> bool:
     """Whether the int8 kernel runs here with 16-bit integer activations (AVX512-VNNI's ``vpdpwssd``;
     ``gemv.cpp``'s ``rows_i8_vnni``) rather than widening every code to float32."""
-    return int8_runs() and bool(decode.library().gemv_int8_vnni())
+    return int8_runs() and _int8_vnni_built()
+
+
+def int8_max_rows() -> int:
+    """The most activation rows ``linear_int8`` takes here: ``INT8_VNNI_MAX_ROWS`` where ``int8_vnni``
+    (from 5 to 8 rows it reads the codes 1.35-1.5x faster than the GEMV reads a dense bfloat16 copy),
+    else ``INT8_MAX_ROWS`` (above it the float32 kernel loses to that copy)."""
+    return INT8_VNNI_MAX_ROWS if _int8_built() and _int8_vnni_built() else INT8_MAX_ROWS
+
+
+@functools.cache
+def _int8_vnni_built() -> bool:
+    return bool(decode.library().gemv_int8_vnni())
 
 
 def int8_supports(x: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether ``linear_int8(x, q, ...)`` runs here now: x ``[M <= INT8_MAX_ROWS, K]`` with a contiguous
-    last axis (a CPU tensor of ``decode.DTYPES``), contiguous int8 codes with ``K % LANES == 0``, and
-    ``int8_runs``."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= INT8_MAX_ROWS and x.stride(-1) == 1 and q.dtype == torch.int8
-            and q.shape[1] % LANES == 0 and q.is_contiguous() and decode.usable(x) and _int8_built())
+    """Whether ``linear_int8(x, q, ...)`` runs here now: x ``[M <= int8_max_rows(), K]`` with a
+    contiguous last axis (a CPU tensor of ``decode.DTYPES``), contiguous int8 codes with ``K % LANES
+    == 0``, and ``int8_runs``."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= INT8_VNNI_MAX_ROWS and x.stride(-1) == 1
+            and q.dtype == torch.int8 and q.shape[1] % LANES == 0 and q.is_contiguous() and decode.usable(x)
+            and _int8_built() and x.shape[0] <= int8_max_rows())
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None, *, widen: bool = False) -> torch.Tensor:
     """``(x @ q.T) * scales (+ bias)`` for int8 codes ``q [N, K]`` with one scale per output row,
     ``[M, K] -> [M, N]`` in x's dtype: what ``torch._weight_int8pack_mm`` computes (float32 sums,
-    scaled, rounded), 1.6-2.4x faster at 1-4 rows. Where ``int8_vnni`` holds, each activation row goes in
-    as 16-bit integers in units of a power of two per 4,096 features (exact for a bfloat16 value within
-    2^-7 of the largest magnitude, rounded at 2^-16 of it below) and the products add exactly; ``widen``
-    keeps the float32 kernel. Raises ``RuntimeError`` outside ``int8_supports``."""
+    scaled, rounded), 1.6-2.4x faster at 1-4 rows. Where ``int8_vnni`` holds (up to 8 rows), each
+    activation row goes in as 16-bit integers in units of a power of two per 4,096 features (exact
+    for a bfloat16 value within 2^-7 of the largest magnitude, rounded at 2^-16 of it below) and the
+    products add exactly; ``widen`` keeps the float32 kernel (up to 4 rows). Raises ``RuntimeError``
+    outside ``int8_supports``."""
     library = decode.library()
     return (library.gemv_int8_widened if widen else library.gemv_int8)(x, q, scales, bias)

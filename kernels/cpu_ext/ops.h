@@ -33,8 +33,10 @@ at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w, const std::optio
 bool gemv_dense_takes(const at::Tensor& x, const at::Tensor& w);
 
 // gemv.cpp: (x [M <= GEMV_INT8_MAX_ROWS, K] @ q [N, K].T) * scales (+ bias) for int8 codes, where
-// gemv_int8_runs() (AVX-512); gemv_int8_takes: that, the rows and the codes' layout (gemv.int8_supports).
+// gemv_int8_runs() (AVX-512), M <= GEMV_INT8_VNNI_MAX_ROWS with AVX512-VNNI; gemv_int8_takes: that, the
+// rows and the codes' layout (gemv.int8_supports).
 constexpr int64_t GEMV_INT8_MAX_ROWS = 4;
+constexpr int64_t GEMV_INT8_VNNI_MAX_ROWS = 8;
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                      const std::optional<at::Tensor>& bias);
 bool gemv_int8_runs();

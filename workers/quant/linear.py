@@ -16,7 +16,8 @@ Both kernels take bfloat16 activations (float32 ones fall on a path ~30x slower)
 to a dense bfloat16 matmul as the row count grows: each dequantizes its weight tile by tile for
 every call, which a dense matmul amortises over the rows. So the module also keeps ``weight``,
 the dense bfloat16 copy of the *quantized* weights (``q * s`` rounded to bfloat16), and a step of
-M rows runs the packed kernel when ``M <= PACKED_MAX_ROWS``, the dense copy otherwise (up to
+M rows runs the packed kernel when ``M <= packed_max_rows(mode)`` (``PACKED_MAX_ROWS``; 8 for int8
+where the compiled kernel runs with VNNI), the dense copy otherwise (up to
 ``gemv.MAX_ROWS`` rows through the compiled GEMV, as ``GemvLinear`` runs): the same
 weights either way, up to that one bfloat16 rounding of each (the kernels compute ``q * s`` in
 float32). Memory per weight: int8 1 byte + 2 (the copy), int4 0.5 + 1/8 (scale and zero per 32)
@@ -43,6 +44,14 @@ INNER_K_TILES = 8  # int4: the CPU pack's tile parameter (the value torch's own 
 #   576 x 1536 (down): M=1 45 48 80             | M=4 89 84 93   | M=6 148 141 108 | M=16 352 330 185
 # The packed kernels win up to 4 rows (by ~2x at one) and lose from 6 on.
 PACKED_MAX_ROWS = 4
+
+
+def packed_max_rows(mode: str) -> int:
+    """Up to how many rows a ``mode`` layer runs its quantized kernel (more: the dense copy):
+    ``PACKED_MAX_ROWS``, or for int8 where the compiled kernel takes activations as 16-bit integers
+    (``gemv.int8_vnni``) its 8 rows, which read the codes 1.35-1.5x faster than the GEMV reads the
+    dense bfloat16 copy at 5-8 rows (docs/benchmarks.md, "int8 through VNNI")."""
+    return gemv.int8_max_rows() if mode == "int8" and gemv.int8_runs() else PACKED_MAX_ROWS
 
 
 def packed_mode(mode: str, out_features: int, in_features: int) -> str:
@@ -122,7 +131,7 @@ class QuantizedLinear(nn.Module):
                              f"(it would be {packed_mode(mode, n, k)!r}; see packed_mode)")
         self.mode = mode
         self.in_features, self.out_features = k, n
-        self.packed_max_rows = PACKED_MAX_ROWS  # per module, so that a test can force either path
+        self.packed_max_rows = packed_max_rows(mode)  # per module, so that a test can force either path
         with torch.no_grad():
             if mode == "int8":
                 q, scales = quantize_int8(weight)

@@ -170,8 +170,8 @@ bool int8_kernel_runs() {
 
 // int8 codes times int16 activations (AVX512-VNNI): vpdpwssd multiplies 32 pairs of 16-bit integers
 // and adds them into 16 int32 sums, one instruction for what the kernel above does with a widening,
-// a conversion and an FMA per 16 codes; there the CPU's vector units, not memory, set the pace
-// (17-20 GB/s of codes against 25+ of copy traffic on the AMD EPYC VM). Each activation row is
+// a conversion and an FMA per 16 codes (which streamed 20-26 GB/s of codes on the AMD EPYC VM, this
+// one the read rate, 27-30: docs/benchmarks.md, "int8 through VNNI"). Each activation row is
 // scaled per chunk of I8Q_CHUNK features by a power of two that puts its largest magnitude in
 // [2^14, 2^15) (quantize_rows): a bfloat16 activation within 2^-7 of that largest is an exact
 // integer there, a smaller one is rounded at 2^-16 of it (the float32 kernel keeps every bit, so
@@ -200,7 +200,7 @@ void rows_i8_vnni(const QArgs& a, const int8_t* q, int64_t n0, int64_t n1) {
   const int64_t K = a.K;
   for (int64_t n = n0; n < n1; n += NR) {
     const int64_t nr = std::min<int64_t>(NR, n1 - n);  // the last group may be short
-    const int8_t* ahead = q + std::min(n + I8Q_PREFETCH_ROWS, a.N - NR) * K;
+    const int8_t* ahead = q + std::max<int64_t>(0, std::min(n + I8Q_PREFETCH_ROWS, a.N - NR)) * K;  // N < NR: row 0
     float sums[NR][M] = {};
     for (int64_t c = 0; c < a.chunks; ++c) {
       const int64_t c0 = c * I8Q_CHUNK, c1 = std::min(K, c0 + I8Q_CHUNK);

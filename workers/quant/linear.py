@@ -2,7 +2,7 @@
 
 int8: ``q = round(w / s)`` in [-127, 127] per output channel, ``s = max|w_row| / 127`` (bfloat16);
 the weight is ``q * s``. Kernel: ``torch._weight_int8pack_mm(x, q [N, K] int8, s [N])``, or where
-it runs (AVX-512, up to 4 rows) the compiled ``kernels.cpu_ext.gemv.linear_int8``, which computes
+it runs (AVX-512, up to 4 rows; 8 with VNNI) the compiled ``kernels.cpu_ext.gemv.linear_int8``, which computes
 the same and streams the codes 1.4-2x faster (with AVX512-VNNI from 16-bit integer activations: the
 same sums up to their last float32 bits for bfloat16 activations; docs/kernels.md).
 

@@ -132,9 +132,12 @@ class SentinelSet:
     def rejoin_old_master(self, timeout: float = 30) -> None:
         """Start the killed master again (empty, on its port) as a replica of the promoted one (what
         the sentinels would tell it, in their own time: told here, so the test does not wait on
-        them); returns once the promoted master counts it as a connected replica."""
+        them); returns once the promoted master counts it as a connected replica. It starts as a
+        replica (``--replicaof``), not as a master told afterwards: for that moment it was an empty
+        master on the old master's address, and a CI run saw the promoted master's whole dataset
+        vanish then (the job's record gone, every worker's registration "missing")."""
+        self.master.extra_args = ["--replicaof", "127.0.0.1", str(self.replica.port)]
         self.master.start()
-        redis.Redis(port=self.master.port).replicaof("127.0.0.1", self.replica.port)
 
         def rejoined() -> bool:
             info = redis.Redis(port=self.replica.port).info("replication")

@@ -133,9 +133,21 @@ class SentinelSet:
         """Start the killed master again (empty, on its port) as a replica of the promoted one (what
         the sentinels would tell it, in their own time: told here, so the test does not wait on
         them); returns once the promoted master counts it as a connected replica. It starts as a
-        replica (``--replicaof``), not as a master told afterwards: for that moment it was an empty
-        master on the old master's address, and a CI run saw the promoted master's whole dataset
-        vanish then (the job's record gone, every worker's registration "missing")."""
+        replica (``--replicaof``), not as a master told afterwards, and only once every sentinel names
+        the promoted master (a stale one is re-pointed): a CI run saw the job's record and every
+        worker's registration "missing" when clients reached the restarted, empty node at the old
+        address."""
+        # A sentinel that still names the old address (a majority was all wait_promoted asked for; one
+        # stayed stale for 30 s and more here) would send a client that asks it first to the
+        # restarted node: point it at the promoted master, as its own convergence would in time.
+        want = str(self.replica.port)
+        for port in self.sentinel_ports:
+            s = self._sentinel(port)
+            if s.sentinel_get_master_addr_by_name(SERVICE)[1] != want:
+                s.sentinel_remove(SERVICE)
+                s.sentinel_monitor(SERVICE, "127.0.0.1", self.replica.port, 2)
+                s.sentinel_set(SERVICE, "down-after-milliseconds", DOWN_AFTER_MS)
+                s.sentinel_set(SERVICE, "failover-timeout", FAILOVER_TIMEOUT_MS)
         self.master.extra_args = ["--replicaof", "127.0.0.1", str(self.replica.port)]
         self.master.start()
 

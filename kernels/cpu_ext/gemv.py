@@ -58,7 +58,7 @@ def int8_vnni() -> bool:
 
 def int8_max_rows() -> int:
     """The most activation rows ``linear_int8`` takes here: ``INT8_VNNI_MAX_ROWS`` where ``int8_vnni``
-    (from 5 to 8 rows it reads the codes 1.35-1.5x faster than the GEMV reads a dense bfloat16 copy),
+    (from 5 to 8 rows 1.14-1.22x the GEMV on a dense bfloat16 copy, `bench/engine_cpu.py --linear`),
     else ``INT8_MAX_ROWS`` (above it the float32 kernel loses to that copy)."""
     return INT8_VNNI_MAX_ROWS if _int8_built() and _int8_vnni_built() else INT8_MAX_ROWS
 
@@ -72,9 +72,9 @@ def int8_supports(x: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether ``linear_int8(x, q, ...)`` runs here now: x ``[M <= int8_max_rows(), K]`` with a
     contiguous last axis (a CPU tensor of ``decode.DTYPES``), contiguous int8 codes with ``K % LANES
     == 0``, and ``int8_runs``."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= INT8_VNNI_MAX_ROWS and x.stride(-1) == 1
-            and q.dtype == torch.int8 and q.shape[1] % LANES == 0 and q.is_contiguous() and decode.usable(x)
-            and _int8_built() and x.shape[0] <= int8_max_rows())
+    return (x.dim() == 2 and x.shape[0] > 0 and x.stride(-1) == 1 and q.dtype == torch.int8
+            and q.shape[1] % LANES == 0 and q.is_contiguous() and decode.usable(x) and _int8_built()
+            and x.shape[0] <= int8_max_rows())
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,

@@ -2,8 +2,8 @@
 
 int8: ``q = round(w / s)`` in [-127, 127] per output channel, ``s = max|w_row| / 127`` (bfloat16);
 the weight is ``q * s``. Kernel: ``torch._weight_int8pack_mm(x, q [N, K] int8, s [N])``, or where
-it runs (AVX-512, up to 4 rows; 8 with VNNI) the compiled ``kernels.cpu_ext.gemv.linear_int8``, which computes
-the same and streams the codes 1.4-2x faster (with AVX512-VNNI from 16-bit integer activations: the
+it runs (AVX-512, up to 4 rows; 8 with VNNI) the compiled ``kernels.cpu_ext.gemv.linear_int8``, which
+computes the same and streams the codes 1.4-2x faster (with AVX512-VNNI from 16-bit integer activations: the
 same sums up to their last float32 bits for bfloat16 activations; docs/kernels.md).
 
 int4: groups of ``GROUP_SIZE`` weights along the input dimension (K), asymmetric: ``q`` in [0, 15],
@@ -49,8 +49,8 @@ PACKED_MAX_ROWS = 4
 def packed_max_rows(mode: str) -> int:
     """Up to how many rows a ``mode`` layer runs its quantized kernel (more: the dense copy):
     ``PACKED_MAX_ROWS``, or for int8 where the compiled kernel takes activations as 16-bit integers
-    (``gemv.int8_vnni``) its 8 rows, which read the codes 1.35-1.5x faster than the GEMV reads the
-    dense bfloat16 copy at 5-8 rows (docs/benchmarks.md, "int8 through VNNI")."""
+    (``gemv.int8_vnni``) its 8 rows, 1.14-1.22x the GEMV on the dense bfloat16 copy at 5-8 rows
+    (docs/benchmarks.md, "int8 through VNNI")."""
     return gemv.int8_max_rows() if mode == "int8" and gemv.int8_runs() else PACKED_MAX_ROWS
 
 

@@ -3,11 +3,10 @@
 // Every sequence of the batch with exactly one query this step (a decode row) attends over its
 // context [lo, len) (lo = len - window with a sliding window, else 0), read block by block from
 // the block table: no gather copy. Per work item (a sequence's KV head by default, or a whole
-// sequence), block by block and head by head: the scores of the head's G query heads (each key row
-// read once for all of them; the per-key partial sums reduced 16 keys at a time), the online-softmax
-// update (running max m and sum l; the output accumulator rescaled by exp(m_old - m_new)), then the
-// values. The next block is prefetched meanwhile. Compute is float32 whatever the cache dtype
-// (float32, bfloat16, float16).
+// sequence) and KV head, three passes: the scores of the head's G query heads over the whole
+// context (each key row read once for all of them; per-key partial sums reduced 16 keys at a time),
+// one softmax per query head, then the values. Compute is float32 whatever the cache dtype (float32,
+// bfloat16, float16). The rows of the block two ahead are prefetched while a block is computed.
 //
 // Layout (the kernels contract): k_cache, v_cache [num_blocks, block_size, KVH, D], any strides
 // with a unit last one (so a cache stored [num_blocks, KVH, block_size, D], viewed back, is read too).
@@ -122,12 +121,6 @@ BATCHINFER_INLINE int64_t block_id(const Problem& p, int64_t seq, int64_t b) {
                     : static_cast<const int32_t*>(p.tables)[seq * p.table_stride + b];
 }
 
-// Scratch of one work item of `heads` KV heads, in vf units (see `attend`).
-int64_t scratch_size(int64_t heads, int64_t G, int64_t D, int64_t bs) {
-  const int64_t R = heads * G, NV = D / LANES, BP = (bs + LANES - 1) / LANES * LANES;
-  return 2 * R * NV + G * BP + 2 * BP * NV + G * BP / LANES + (2 * R + LANES - 1) / LANES;
-}
-
 // Rows [t0, t1) of one head of a cache block as float rows: the cache itself for float32, else
 // converted into `buf` (each element is then converted once, not once per query head).
 template <class S>
@@ -151,142 +144,160 @@ BATCHINFER_INLINE vf loadf(const float* p) {
   return v;
 }
 
-// Ask for the next block's key and value rows [0, t1) of heads [h0, h1) while this one is computed:
-// one thread reading blocks scattered over the cache cannot keep enough misses in flight otherwise.
+// Blocks ahead whose rows are prefetched: 2 read float32 K/V from memory 5-10 % faster than 1 or 4
+// (bench/engine_cpu.py --attention shapes, Xeon VM).
+constexpr int64_t kPrefetchBlocks = 2;
+
+// Ask for one key or value row (D elements) into L2 (prefetcht2: L1 keeps the block being computed).
+// The scores pass asks for one row per key it computes, so the misses go out spread over the work
+// rather than in one burst that fills the line-fill buffers.
 template <class S>
-BATCHINFER_INLINE void prefetch_block(const Problem& p, const typename S::T* k, const typename S::T* v, int64_t blk,
-                                      int64_t t1, int64_t h0, int64_t h1) {
-  const int64_t row_bytes = p.D * static_cast<int64_t>(sizeof(typename S::T));
-  for (int64_t t = 0; t < t1; ++t) {
-    for (int64_t h = h0; h < h1; ++h) {
-      const char* kr = reinterpret_cast<const char*>(k + blk * p.k_sb + t * p.k_st + h * p.k_sh);
-      const char* vr = reinterpret_cast<const char*>(v + blk * p.v_sb + t * p.v_st + h * p.v_sh);
-      for (int64_t off = 0; off < row_bytes; off += 64) {
-        __builtin_prefetch(kr + off, 0, 1);  // into L2 (prefetcht2): L1 keeps the block being computed
-        __builtin_prefetch(vr + off, 0, 1);
-      }
-    }
+BATCHINFER_INLINE void prefetch_row(const typename S::T* row, int64_t D) {
+  const char* r = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(typename S::T)); off += 64) {
+    __builtin_prefetch(r + off, 0, 1);
   }
+}
+
+// Scratch of one work item, in vf units (see `attend`): `span` = the longest context's blocks x BP.
+int64_t scratch_size(int64_t G, int64_t D, int64_t bs, int64_t span) {
+  const int64_t NV = D / LANES, BP = (bs + LANES - 1) / LANES * LANES;
+  return 2 * G * NV + BP + BP * NV + (G * span + 2 * G + LANES - 1) / LANES;
 }
 
 // One work item: KV heads [h0, h1) of one sequence, whose query is row `row` and context `len`.
-// Block by block, head by head: scores of the head's G query rows (each key row read once into
-// L1 for all of them), the online-softmax update, then the values.
-template <class S>
+// Per KV head, in three passes over its context [lo, len), the blocks of positions (lo / bs) * bs..:
+//   1. scores of its G query heads, block by block: per key a partial vector per query head, summed
+//      16 keys at a time (reduce16), into s[g, j * BP + t] (-inf where no key is);
+//   2. the softmax of each query head's scores at once (one max, one vector exp a 16 keys);
+//   3. the values, block by block: acc[g] += w[g, t] * v[t], two keys in flight (FMA latency).
+// Scores of a whole context fit in scratch (4 bytes a key and query head) and the passes read K, then
+// V, once each: no running max, no rescaling, no per-block horizontal sums (the online softmax cost
+// more than the reads at one block a step: 3-4x the time a key of this form).
+// NVT: head_dim / 16 when a compile-time constant (4, 8), else 0 (read from p.D).
+template <class S, int NVT>
 BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict q, const typename S::T* __restrict k,
                               const typename S::T* __restrict v, typename S::T* __restrict out, int64_t row,
-                              int64_t seq, int64_t len, int64_t h0, int64_t h1, vf* __restrict w) {
+                              int64_t seq, int64_t len, int64_t h0, int64_t h1, int64_t span, vf* __restrict w) {
   using T = typename S::T;
-  const int64_t G = p.G, NV = p.D / LANES, bs = p.bs, BP = (bs + LANES - 1) / LANES * LANES;
-  const int64_t R = (h1 - h0) * G;  // query heads of the item, row r = (h - h0) * G + g
-  vf* __restrict qf = w;  // [R, NV] scaled queries
-  vf* __restrict acc = qf + R * NV;  // [R, NV] unnormalized outputs
-  vf* __restrict part = acc + R * NV;  // [G, BP] per-key partial dot products of one head
-  vf* __restrict kbuf = part + G * BP;  // [BP, NV] a head's key rows as floats (non-float32 caches)
-  vf* __restrict vbuf = kbuf + BP * NV;  // [BP, NV] its value rows
-  float* __restrict s = reinterpret_cast<float*>(vbuf + BP * NV);  // [G, BP] scores, then weights
-  float* __restrict m = s + G * BP;  // [R] running max
-  float* __restrict l = m + R;  // [R] running sum
-  for (int64_t r = 0; r < R; ++r) {
-    const T* qr = q + row * p.q_sr + (h0 * G + r) * p.q_sh;
-    for (int64_t c = 0; c < NV; ++c) {
-      qf[r * NV + c] = S::load(qr + c * LANES) * p.scale;
-      acc[r * NV + c] = vf{};
-    }
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.0f;
-  }
+  const int64_t G = p.G, NV = NVT > 0 ? NVT : p.D / LANES, bs = p.bs, BP = (bs + LANES - 1) / LANES * LANES;
+  vf* __restrict qf = w;  // [G, NV] scaled queries of the head
+  vf* __restrict acc = qf + G * NV;  // [G, NV] unnormalized outputs
+  vf* __restrict part = acc + G * NV;  // [BP] per-key partial dot products of one query head
+  vf* __restrict buf = part + BP;  // [BP, NV] a block's key or value rows as floats (non-float32 caches)
+  float* __restrict s = reinterpret_cast<float*>(buf + BP * NV);  // [G, span] scores, then weights
+  float* __restrict l = s + G * span;  // [G] softmax sums
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
-  for (int64_t b = lo / bs; b * bs < len; ++b) {
-    const int64_t blk = block_id(p, seq, b);
-    const int64_t t0 = std::max<int64_t>(lo - b * bs, 0), t1 = std::min<int64_t>(len - b * bs, bs);
-    if ((b + 1) * bs < len) {
-      prefetch_block<S>(p, k, v, block_id(p, seq, b + 1), std::min<int64_t>(len - (b + 1) * bs, bs), h0, h1);
+  const int64_t b0 = lo / bs, nb = (len + bs - 1) / bs - b0, n = nb * BP;  // n <= span
+  const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vf neg_inf = vf{} - std::numeric_limits<float>::infinity();
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* qr = q + row * p.q_sr + (h * G + g) * p.q_sh;
+      for (int64_t c = 0; c < NV; ++c) qf[g * NV + c] = S::load(qr + c * LANES) * p.scale;
     }
-    for (int64_t h = h0; h < h1; ++h) {
-      int64_t kst, vst;
-      const float* kr = rows_f32<S>(k + blk * p.k_sb + h * p.k_sh, p.k_st, t0, t1, NV, kbuf, &kst);
-      // Scores: per key a partial vector per query head, summed 16 keys at a time (reduce16).
+    // 1. Scores.
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t b = b0 + j, blk = block_id(p, seq, b);
+      const int64_t t0 = std::max<int64_t>(lo - b * bs, 0), t1 = std::min<int64_t>(len - b * bs, bs);
+      const T* next =
+          j + kPrefetchBlocks < nb ? k + block_id(p, seq, b + kPrefetchBlocks) * p.k_sb + h * p.k_sh : nullptr;
+      const int64_t next_rows = next ? std::min<int64_t>(len - (b + kPrefetchBlocks) * bs, bs) : 0;
+      int64_t kst;
+      const float* kr = rows_f32<S>(k + blk * p.k_sb + h * p.k_sh, p.k_st, t0, t1, NV, buf, &kst);
       for (int64_t g = 0; g < G; ++g) {
-        const vf* __restrict qg = qf + ((h - h0) * G + g) * NV;
-        vf* __restrict pg = part + g * BP;
-        for (int64_t t = 0; t < BP; ++t) {
-          if (t < t0 || t >= t1) {
-            pg[t] = vf{};
-            continue;
-          }
+        const vf* __restrict qg = qf + g * NV;
+        for (int64_t t = 0; t < t1; ++t) {  // rows below t0 are read but masked out below
+          if (g == 0 && t < next_rows) prefetch_row<S>(next + t * p.k_st, NV * LANES);
           const float* kt = kr + t * kst;
           vf x = qg[0] * loadf(kt);
           for (int64_t c = 1; c < NV; ++c) x += qg[c] * loadf(kt + c * LANES);
-          pg[t] = x;
+          part[t] = x;
         }
+        for (int64_t t = t1; t < BP; ++t) part[t] = vf{};
         for (int64_t t = 0; t < BP; t += LANES) {
-          const vf sums = reduce16(pg + t);
-          std::memcpy(s + g * BP + t, &sums, sizeof sums);
-        }
-      }
-      // Online softmax: fold the block into each row's running max and sum; rescale its output.
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = (h - h0) * G + g;
-        float* __restrict sr = s + g * BP;
-        if (p.softcap > 0.0f) {
-          for (int64_t t = t0; t < t1; ++t) sr[t] = p.softcap * std::tanh(sr[t] / p.softcap);
-        }
-        float mx = m[r];
-        for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
-        const float alpha = std::exp(m[r] - mx);  // 0 on the first block (m = -inf)
-        if (alpha != 1.0f) {
-          for (int64_t c = 0; c < NV; ++c) acc[r * NV + c] *= alpha;
-        }
-        vf sum = vf{};
-        for (int64_t c0 = 0; c0 < BP; c0 += LANES) {
-          const vf x = loadf(sr + c0);
-          const vi pos = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + static_cast<int32_t>(c0);
-          // lanes outside [t0, t1) hold no key: weight 0
-          const vf e = (pos >= static_cast<int32_t>(t0)) & (pos < static_cast<int32_t>(t1)) ? exp_nonpositive(x - mx)
-                                                                                              : vf{};
-          std::memcpy(sr + c0, &e, sizeof e);
-          sum += e;
-        }
-        l[r] = l[r] * alpha + hsum(sum);
-        m[r] = mx;
-      }
-      // Values: acc[r] += w[r, t] * v[t], over four independent sums (FMA latency, not throughput).
-      const float* vr = rows_f32<S>(v + blk * p.v_sb + h * p.v_sh, p.v_st, t0, t1, NV, vbuf, &vst);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = (h - h0) * G + g;
-        const float* __restrict sr = s + g * BP;
-        for (int64_t c = 0; c < NV; ++c) {
-          const float* vc = vr + c * LANES;
-          vf a0 = acc[r * NV + c], a1 = vf{}, a2 = vf{}, a3 = vf{};
-          int64_t t = t0;
-          for (; t + 4 <= t1; t += 4) {
-            a0 += sr[t] * loadf(vc + t * vst);
-            a1 += sr[t + 1] * loadf(vc + (t + 1) * vst);
-            a2 += sr[t + 2] * loadf(vc + (t + 2) * vst);
-            a3 += sr[t + 3] * loadf(vc + (t + 3) * vst);
-          }
-          for (; t < t1; ++t) a0 += sr[t] * loadf(vc + t * vst);
-          acc[r * NV + c] = (a0 + a1) + (a2 + a3);
+          const vi pos = lane + static_cast<int32_t>(t);
+          const vf sums = (pos >= static_cast<int32_t>(t0)) & (pos < static_cast<int32_t>(t1)) ? reduce16(part + t)
+                                                                                                : neg_inf;
+          std::memcpy(s + g * span + j * BP + t, &sums, sizeof sums);
         }
       }
     }
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    T* orow = out + row * p.o_sr + (h0 * G + r) * p.o_sh;
-    const float inv = 1.0f / l[r];
-    for (int64_t c = 0; c < NV; ++c) {
-      const vf a = acc[r * NV + c] * inv;
-      for (int64_t j = 0; j < LANES; ++j) orow[c * LANES + j] = S::store(a[j]);
+    // 2. Softmax per query head (softcap first: tanh keeps -inf at -softcap, so masked lanes are
+    // skipped).
+    for (int64_t g = 0; g < G; ++g) {
+      float* __restrict sg = s + g * span;
+      if (p.softcap > 0.0f) {
+        for (int64_t i = 0; i < n; ++i) {
+          if (sg[i] != -std::numeric_limits<float>::infinity()) sg[i] = p.softcap * std::tanh(sg[i] / p.softcap);
+        }
+      }
+      vf mv = neg_inf;
+      for (int64_t i = 0; i < n; i += LANES) {
+        const vf x = loadf(sg + i);
+        mv = mv > x ? mv : x;
+      }
+      float mx = mv[0];
+      for (int64_t i = 1; i < LANES; ++i) mx = std::max(mx, mv[i]);
+      vf sum = vf{};
+      for (int64_t i = 0; i < n; i += LANES) {
+        const vf e = exp_nonpositive(loadf(sg + i) - mx);  // -inf (no key) gives 0
+        std::memcpy(sg + i, &e, sizeof e);
+        sum += e;
+      }
+      l[g] = hsum(sum);
+      for (int64_t c = 0; c < NV; ++c) acc[g * NV + c] = vf{};
+    }
+    // 3. Values.
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t b = b0 + j, blk = block_id(p, seq, b);
+      const int64_t t0 = std::max<int64_t>(lo - b * bs, 0), t1 = std::min<int64_t>(len - b * bs, bs);
+      const T* next =
+          j + kPrefetchBlocks < nb ? v + block_id(p, seq, b + kPrefetchBlocks) * p.v_sb + h * p.v_sh : nullptr;
+      const int64_t next_rows = next ? std::min<int64_t>(len - (b + kPrefetchBlocks) * bs, bs) : 0;
+      for (int64_t t = 0; t < next_rows; ++t) prefetch_row<S>(next + t * p.v_st, NV * LANES);
+      int64_t vst;
+      const float* vr = rows_f32<S>(v + blk * p.v_sb + h * p.v_sh, p.v_st, t0, t1, NV, buf, &vst);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* __restrict wg = s + g * span + j * BP;
+        vf* __restrict ag = acc + g * NV;
+        for (int64_t c = 0; c < NV; ++c) {  // two sums per lane group: two keys in flight
+          const float* vc = vr + c * LANES;
+          vf a0 = ag[c], a1 = vf{};
+          int64_t t = t0;
+          for (; t + 2 <= t1; t += 2) {
+            a0 += wg[t] * loadf(vc + t * vst);
+            a1 += wg[t + 1] * loadf(vc + (t + 1) * vst);
+          }
+          if (t < t1) a0 += wg[t] * loadf(vc + t * vst);
+          ag[c] = a0 + a1;
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      T* orow = out + row * p.o_sr + (h * G + g) * p.o_sh;
+      const float inv = 1.0f / l[g];
+      for (int64_t c = 0; c < NV; ++c) {
+        const vf a = acc[g * NV + c] * inv;
+        for (int64_t i = 0; i < LANES; ++i) orow[c * LANES + i] = S::store(a[i]);
+      }
     }
   }
 }
 
-// The cloned entry points (one per cache dtype): the CPU picks AVX-512, AVX2 or baseline code.
-#define BATCHINFER_ENTRY(NAME, S)                                                                          \
-  BATCHINFER_CLONES void NAME(const Problem& p, const S::T* q, const S::T* k, const S::T* v, S::T* out, \
-                              int64_t row, int64_t seq, int64_t len, int64_t h0, int64_t h1, vf* w) {     \
-    attend<S>(p, q, k, v, out, row, seq, len, h0, h1, w);                                                   \
+// The cloned entry points (one per cache dtype): the CPU picks AVX-512, AVX2 or baseline code; the
+// usual head_dims (64, 128) get their own unrolled code.
+#define BATCHINFER_ENTRY(NAME, S)                                                                              \
+  BATCHINFER_CLONES void NAME(const Problem& p, const S::T* q, const S::T* k, const S::T* v, S::T* out,     \
+                              int64_t row, int64_t seq, int64_t len, int64_t h0, int64_t h1, int64_t span, \
+                              vf* w) {                                                                        \
+    if (p.D == 64) {                                                                                           \
+      attend<S, 4>(p, q, k, v, out, row, seq, len, h0, h1, span, w);                                          \
+    } else if (p.D == 128) {                                                                                   \
+      attend<S, 8>(p, q, k, v, out, row, seq, len, h0, h1, span, w);                                          \
+    } else {                                                                                                   \
+      attend<S, 0>(p, q, k, v, out, row, seq, len, h0, h1, span, w);                                          \
+    }                                                                                                          \
   }
 BATCHINFER_ENTRY(attend_f32, F32)
 BATCHINFER_ENTRY(attend_bf16, BF16)
@@ -365,7 +376,13 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return rows[a / splits].len > rows[b / splits].len; });
-  const int64_t scratch = scratch_size(per_item, p.G, D, bs);
+  // Scores of the longest context, from its window's first block.
+  int64_t span = 0;
+  for (const Row& r : rows) {
+    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, r.len - sliding_window) : 0;
+    span = std::max(span, ((r.len + bs - 1) / bs - lo / bs) * ((bs + LANES - 1) / LANES * LANES));
+  }
+  const int64_t scratch = scratch_size(p.G, D, bs, span);
   const void* qp = q.data_ptr();
   const void* kp = k_cache.data_ptr();
   const void* vp = v_cache.data_ptr();
@@ -379,15 +396,15 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       const int64_t h0 = (order[i] % splits) * per_item, h1 = h0 + per_item;
       if (dtype == at::kFloat) {
         attend_f32(p, static_cast<const float*>(qp), static_cast<const float*>(kp), static_cast<const float*>(vp),
-                   static_cast<float*>(op), r.row, r.seq, r.len, h0, h1, w);
+                   static_cast<float*>(op), r.row, r.seq, r.len, h0, h1, span, w);
       } else if (dtype == at::kBFloat16) {
         attend_bf16(p, static_cast<const uint16_t*>(qp), static_cast<const uint16_t*>(kp),
                     static_cast<const uint16_t*>(vp), static_cast<uint16_t*>(op), r.row, r.seq, r.len, h0, h1,
-                    w);
+                    span, w);
       } else {
         attend_f16(p, static_cast<const uint16_t*>(qp), static_cast<const uint16_t*>(kp),
                    static_cast<const uint16_t*>(vp), static_cast<uint16_t*>(op), r.row, r.seq, r.len, h0, h1,
-                   w);
+                   span, w);
       }
     }
   });

@@ -165,6 +165,27 @@ int64_t scratch_size(int64_t G, int64_t D, int64_t bs, int64_t span) {
   return 2 * G * NV + BP + BP * NV + (G * span + 2 * G + LANES - 1) / LANES;
 }
 
+// acc[g, c] += sum over keys t in [t0, t1) of w[g * w_stride + t] * v[t, c] for GN query heads and
+// NVT lane groups, the GN x NVT sums held in registers.
+template <int NVT, int GN>
+BATCHINFER_INLINE void values_tile(const float* __restrict vr, int64_t vst, int64_t t0, int64_t t1,
+                                   const float* __restrict w, int64_t w_stride, vf* __restrict acc) {
+  vf a[GN][NVT];
+  for (int g = 0; g < GN; ++g) {
+    for (int c = 0; c < NVT; ++c) a[g][c] = acc[g * NVT + c];
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* vt = vr + t * vst;
+    for (int c = 0; c < NVT; ++c) {
+      const vf x = loadf(vt + c * LANES);
+      for (int g = 0; g < GN; ++g) a[g][c] += w[g * w_stride + t] * x;
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    for (int c = 0; c < NVT; ++c) acc[g * NVT + c] = a[g][c];
+  }
+}
+
 // One work item: KV heads [h0, h1) of one sequence, whose query is row `row` and context `len`.
 // Per KV head, in three passes over its context [lo, len), the blocks of positions (lo / bs) * bs..:
 //   1. scores of its G query heads, block by block: per key a partial vector per query head, summed
@@ -258,19 +279,36 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
       for (int64_t t = 0; t < next_rows; ++t) prefetch_row<S>(next + t * p.v_st, NV * LANES);
       int64_t vst;
       const float* vr = rows_f32<S>(v + blk * p.v_sb + h * p.v_sh, p.v_st, t0, t1, NV, buf, &vst);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* __restrict wg = s + g * span + j * BP;
-        vf* __restrict ag = acc + g * NV;
-        for (int64_t c = 0; c < NV; ++c) {  // two sums per lane group: two keys in flight
-          const float* vc = vr + c * LANES;
-          vf a0 = ag[c], a1 = vf{};
-          int64_t t = t0;
-          for (; t + 2 <= t1; t += 2) {
-            a0 += wg[t] * loadf(vc + t * vst);
-            a1 += wg[t + 1] * loadf(vc + (t + 1) * vst);
+      if constexpr (NVT > 0) {
+        // GT query heads at a time, their GT x NVT sums in registers: each value row is loaded once
+        // for them and the sums are independent (one running sum per lane group and key costs an
+        // FMA latency a key).
+        constexpr int64_t GT = NVT <= 4 ? 4 : 2;
+        for (int64_t g0 = 0; g0 < G; g0 += GT) {
+          const float* wg = s + g0 * span + j * BP;
+          vf* ag = acc + g0 * NV;
+          switch (std::min<int64_t>(GT, G - g0)) {
+            case 1: values_tile<NVT, 1>(vr, vst, t0, t1, wg, span, ag); break;
+            case 2: values_tile<NVT, 2>(vr, vst, t0, t1, wg, span, ag); break;
+            case 3: if constexpr (GT >= 3) values_tile<NVT, 3>(vr, vst, t0, t1, wg, span, ag); break;
+            default: if constexpr (GT >= 4) values_tile<NVT, 4>(vr, vst, t0, t1, wg, span, ag); break;
           }
-          if (t < t1) a0 += wg[t] * loadf(vc + t * vst);
-          ag[c] = a0 + a1;
+        }
+      } else {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* __restrict wg = s + g * span + j * BP;
+          vf* __restrict ag = acc + g * NV;
+          for (int64_t c = 0; c < NV; ++c) {  // two sums per lane group: two keys in flight
+            const float* vc = vr + c * LANES;
+            vf a0 = ag[c], a1 = vf{};
+            int64_t t = t0;
+            for (; t + 2 <= t1; t += 2) {
+              a0 += wg[t] * loadf(vc + t * vst);
+              a1 += wg[t + 1] * loadf(vc + (t + 1) * vst);
+            }
+            if (t < t1) a0 += wg[t] * loadf(vc + t * vst);
+            ag[c] = a0 + a1;
+          }
         }
       }
     }

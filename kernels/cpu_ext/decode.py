@@ -53,8 +53,8 @@ CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG", "-Wno-psabi")
 LDFLAGS = ("-fopenmp",)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LANES = 16  # the kernel handles head_dim in 16-float vectors: head dims must be multiples of it
-# Work items: one per sequence (all its KV heads: each cache block read front to back) or one per
-# (sequence, KV head), the default: as fast or faster in every micro-bench case, and more items.
+# Work items: one per sequence (all its KV heads in turn) or one per (sequence, KV head), the default:
+# within ~10 % of per-sequence items in every micro-bench case, and more items for the threads.
 WORK_SEQUENCE, WORK_HEAD = 0, 1
 
 
@@ -250,8 +250,8 @@ def paged_decode(
     written into ``out``; sequences with 0 or several queries are skipped.
 
     q, k_cache, v_cache and out share one of ``DTYPES``; CPU tensors with a contiguous head_dim.
-    ``work``: ``WORK_SEQUENCE`` / ``WORK_HEAD`` items (None: ``WORK_HEAD``, as fast or faster in
-    every case of ``bench/engine_cpu.py --attention``). Raises ``RuntimeError`` when the kernel is
+    ``work``: ``WORK_SEQUENCE`` / ``WORK_HEAD`` items (None: ``WORK_HEAD``, within ~10 % of the
+    other in every case of ``bench/engine_cpu.py --attention``, and more items). Raises ``RuntimeError`` when the kernel is
     unavailable, ``IndexError`` for a block id outside the cache.
     """
     op = _default.op()

@@ -404,8 +404,8 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
             block_tables.data_ptr(), block_tables.scalar_type() == at::kLong, max_blocks,
             static_cast<float>(scale), static_cast<float>(softcap), sliding_window};
   const int64_t threads = at::get_num_threads(), n = static_cast<int64_t>(rows.size());
-  // Per (sequence, KV head) by default: as fast or faster than per sequence in every case of the
-  // micro-bench (1.3-1.5x once K/V outgrow the caches: a smaller next-block prefetch), and more items.
+  // Per (sequence, KV head) by default: more items for the threads, and within 10 % of per-sequence
+  // items in every case of the micro-bench (bench/engine_cpu.py --attention).
   if (work < 0) work = 1;
   const int64_t per_item = work == 1 ? 1 : KVH;  // KV heads per work item
   const int64_t splits = KVH / per_item, items = n * splits;

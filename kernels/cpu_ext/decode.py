@@ -251,8 +251,8 @@ def paged_decode(
 
     q, k_cache, v_cache and out share one of ``DTYPES``; CPU tensors with a contiguous head_dim.
     ``work``: ``WORK_SEQUENCE`` / ``WORK_HEAD`` items (None: ``WORK_HEAD``, within ~10 % of the
-    other in every case of ``bench/engine_cpu.py --attention``, and more items). Raises ``RuntimeError`` when the kernel is
-    unavailable, ``IndexError`` for a block id outside the cache.
+    other in every case of ``bench/engine_cpu.py --attention``, and more items). Raises
+    ``RuntimeError`` when the kernel is unavailable, ``IndexError`` for a block id outside the cache.
     """
     op = _default.op()
     if op is None:

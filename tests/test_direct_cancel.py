@@ -49,21 +49,38 @@ def replies(r) -> dict[str, ResultRow]:
     return {row.custom_id or "": row for row in found}
 
 
-def echo_worker(r, settings_: Settings, **engine) -> ThreadedWorker:
-    engine_ = EchoEngine(requests_per_step=1, **engine)
-    daemon = worker_daemon(r, settings_, engine_, name="w1", cancel_poll_seconds=0.05, block_ms=50)
-    return ThreadedWorker(daemon)
+class HoldingEcho(EchoEngine):
+    """An echo engine that never finishes the requests ``hold(engine_id)`` picks: only an abort (the
+    worker ending a cancelled request) takes them out. Without it the cancelled request could finish
+    first: a CI run saw "last" completed by the 0.3 s step already under way when its cancel landed."""
+
+    def __init__(self, hold, **kwargs):
+        super().__init__(**kwargs)
+        self.hold = hold
+
+    def step(self):
+        held = {rid: req for rid, req in self._waiting.items() if self.hold(rid)}
+        for rid in held:
+            del self._waiting[rid]
+        try:
+            return super().step()
+        finally:
+            self._waiting.update(held)  # still last in arrival order
 
 
 def test_a_direct_request_a_worker_holds_ends_cancelled(redis_server):
     r = redis_server.client()
-    worker = echo_worker(r, settings(redis_server), step_delay=0.3, max_num_seqs=8)
+    ids: dict[str, str] = {}
+    engine = HoldingEcho(lambda engine_id: worker.daemon.book.engine_ids.get(engine_id) == ids.get("last"),
+                         requests_per_step=1, step_delay=0.05, max_num_seqs=8)
+    worker = ThreadedWorker(worker_daemon(r, settings(redis_server), engine, name="w1",
+                                          cancel_poll_seconds=0.05, block_ms=50))
     try:
         sched = scheduler(r)
-        ids = {name: send(r, name) for name in ("a", "b", "c", "d", "e", "last")}
-        # one request finishes per 0.3 s step, in arrival order: "last" is held for a while
-        wait_until(lambda: ids["last"] in worker.daemon.book.running, tick=sched.run_once,
-                   what="the last request running in the worker")
+        ids.update({name: send(r, name) for name in ("a", "b", "c", "d", "e", "last")})
+        # one request finishes per step, in arrival order; "last" never does on its own
+        wait_until(lambda: ids["last"] in worker.daemon.book.running and len(replies(r)) == 5,
+                   tick=sched.run_once, what="the others answered and the last request running in the worker")
         assert "last" not in replies(r)
         Client(settings=settings(redis_server)).cancel_request(ids["last"])
         wait_until(lambda: len(replies(r)) == 6, tick=sched.run_once, what="a row for every request")

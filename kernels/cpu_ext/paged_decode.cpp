@@ -191,10 +191,10 @@ BATCHINFER_INLINE void values_tile(const float* __restrict vr, int64_t vst, int6
 //   1. scores of its G query heads, block by block: per key a partial vector per query head, summed
 //      16 keys at a time (reduce16), into s[g, j * BP + t] (-inf where no key is);
 //   2. the softmax of each query head's scores at once (one max, one vector exp a 16 keys);
-//   3. the values, block by block: acc[g] += w[g, t] * v[t], two keys in flight (FMA latency).
+//   3. the values, block by block: acc[g] += w[g, t] * v[t] (values_tile: sums in registers).
 // Scores of a whole context fit in scratch (4 bytes a key and query head) and the passes read K, then
-// V, once each: no running max, no rescaling, no per-block horizontal sums (the online softmax cost
-// more than the reads at one block a step: 3-4x the time a key of this form).
+// V, once each: no running max, no rescaling, no per-block horizontal sums, the online-softmax
+// bookkeeping that cost more than the keys' arithmetic in the form this replaced (docs/kernels.md).
 // NVT: head_dim / 16 when a compile-time constant (4, 8), else 0 (read from p.D).
 template <class S, int NVT>
 BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict q, const typename S::T* __restrict k,

@@ -165,6 +165,24 @@ int64_t scratch_size(int64_t G, int64_t D, int64_t bs, int64_t span) {
   return 2 * G * NV + BP + BP * NV + (G * span + 2 * G + LANES - 1) / LANES;
 }
 
+// Block j of an item's context (positions from (lo / bs) * bs, nb blocks): its id, its rows [t0, t1)
+// inside the context, and head h's rows of the block kPrefetchBlocks ahead (none past the end).
+template <class T>
+struct BlockRows {
+  int64_t blk, t0, t1;
+  const T* next;
+  int64_t next_rows;
+};
+template <class T>
+BATCHINFER_INLINE BlockRows<T> block_rows(const Problem& p, const T* cache, int64_t sb, int64_t sh, int64_t h,
+                                          int64_t seq, int64_t len, int64_t lo, int64_t j, int64_t nb) {
+  const int64_t b = lo / p.bs + j;
+  const bool ahead = j + kPrefetchBlocks < nb;
+  return {block_id(p, seq, b), std::max<int64_t>(lo - b * p.bs, 0), std::min<int64_t>(len - b * p.bs, p.bs),
+          ahead ? cache + block_id(p, seq, b + kPrefetchBlocks) * sb + h * sh : nullptr,
+          ahead ? std::min<int64_t>(len - (b + kPrefetchBlocks) * p.bs, p.bs) : 0};
+}
+
 // acc[g, c] += sum over keys t in [t0, t1) of w[g * w_stride + t] * v[t, c] for GN query heads and
 // NVT lane groups, the GN x NVT sums held in registers.
 template <int NVT, int GN>
@@ -219,11 +237,7 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
     }
     // 1. Scores.
     for (int64_t j = 0; j < nb; ++j) {
-      const int64_t b = b0 + j, blk = block_id(p, seq, b);
-      const int64_t t0 = std::max<int64_t>(lo - b * bs, 0), t1 = std::min<int64_t>(len - b * bs, bs);
-      const T* next =
-          j + kPrefetchBlocks < nb ? k + block_id(p, seq, b + kPrefetchBlocks) * p.k_sb + h * p.k_sh : nullptr;
-      const int64_t next_rows = next ? std::min<int64_t>(len - (b + kPrefetchBlocks) * bs, bs) : 0;
+      const auto [blk, t0, t1, next, next_rows] = block_rows(p, k, p.k_sb, p.k_sh, h, seq, len, lo, j, nb);
       int64_t kst;
       const float* kr = rows_f32<S>(k + blk * p.k_sb + h * p.k_sh, p.k_st, t0, t1, NV, buf, &kst);
       for (int64_t g = 0; g < G; ++g) {
@@ -271,11 +285,7 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
     }
     // 3. Values.
     for (int64_t j = 0; j < nb; ++j) {
-      const int64_t b = b0 + j, blk = block_id(p, seq, b);
-      const int64_t t0 = std::max<int64_t>(lo - b * bs, 0), t1 = std::min<int64_t>(len - b * bs, bs);
-      const T* next =
-          j + kPrefetchBlocks < nb ? v + block_id(p, seq, b + kPrefetchBlocks) * p.v_sb + h * p.v_sh : nullptr;
-      const int64_t next_rows = next ? std::min<int64_t>(len - (b + kPrefetchBlocks) * bs, bs) : 0;
+      const auto [blk, t0, t1, next, next_rows] = block_rows(p, v, p.v_sb, p.v_sh, h, seq, len, lo, j, nb);
       for (int64_t t = 0; t < next_rows; ++t) prefetch_row<S>(next + t * p.v_st, NV * LANES);
       int64_t vst;
       const float* vr = rows_f32<S>(v + blk * p.v_sb + h * p.v_sh, p.v_st, t0, t1, NV, buf, &vst);

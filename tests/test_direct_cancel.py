@@ -71,8 +71,12 @@ class HoldingEcho(EchoEngine):
 def test_a_direct_request_a_worker_holds_ends_cancelled(redis_server):
     r = redis_server.client()
     ids: dict[str, str] = {}
-    engine = HoldingEcho(lambda engine_id: worker.daemon.book.engine_ids.get(engine_id) == ids.get("last"),
-                         requests_per_step=1, step_delay=0.05, max_num_seqs=8)
+
+    def is_last(engine_id: str) -> bool:  # an id the book does not know is never "last"
+        rid = worker.daemon.book.engine_ids.get(engine_id)
+        return rid is not None and rid == ids.get("last")
+
+    engine = HoldingEcho(is_last, requests_per_step=1, step_delay=0.05, max_num_seqs=8)
     worker = ThreadedWorker(worker_daemon(r, settings(redis_server), engine, name="w1",
                                           cancel_poll_seconds=0.05, block_ms=50))
     try:

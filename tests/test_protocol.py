@@ -151,3 +151,23 @@ def test_result_row_with_a_lone_surrogate_is_still_sendable():
     text.encode("utf-8")  # would raise without the ASCII fallback
     assert ResultRow.from_json(text).custom_id == "a\ud800b"
     assert ResultRow.error("x", "é", job_id="j", idx=1).to_json().count("é") == 1  # UTF-8 kept otherwise
+
+
+def test_a_row_s_json_is_its_fields_in_order_and_what_orjson_refuses_still_encodes():
+    """ResultRow.to_json lets orjson read the dataclass itself: the same text as the compact JSON of
+    its fields in order; a lone surrogate is escaped and an int past 64 bits kept exact."""
+    import json as std_json
+
+    from batchinfer.protocol import compact_json
+    from batchinfer.protocol.rows import ResultRow, fields_dict
+
+    row = ResultRow(job_id="j", request_id="j:1", status="completed", idx=1, output_token_ids=[5, 6],
+                    output_text="héllo \u2028", metadata={"k": "v"}, sampling_params={"temperature": 0.5})
+    assert row.to_json() == compact_json.dumps(fields_dict(row))
+    assert list(std_json.loads(row.to_json())) == list(fields_dict(row))
+    odd = ResultRow(job_id="j", request_id="j:2", status="failed", error_message="bad \ud800",
+                    prompt_tokens=2**70)
+    back = std_json.loads(odd.to_json())
+    assert back["error_message"] == "bad \ud800" and back["prompt_tokens"] == 2**70
+    assert compact_json.dumps_fields(odd) == std_json.dumps(fields_dict(odd), separators=(",", ":"),
+                                                            ensure_ascii=False)

@@ -16,6 +16,7 @@ protocol needs the exact value or a clear error.
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from typing import Any
 
 import orjson
@@ -27,3 +28,16 @@ def dumps(value: Any) -> str:
         return orjson.dumps(value).decode("utf-8")
     except (orjson.JSONEncodeError, TypeError):
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def dumps_fields(obj: Any) -> str:
+    """A dataclass instance's fields as a compact JSON object, as ``dumps`` of its fields in order.
+
+    orjson encodes a dataclass natively (no intermediate dict); what it refuses in a field is
+    encoded by ``json`` from the fields' dict, as in ``dumps``.
+    """
+    try:
+        return orjson.dumps(obj).decode("utf-8")
+    except (orjson.JSONEncodeError, TypeError):
+        return json.dumps({f.name: getattr(obj, f.name) for f in fields(obj)}, separators=(",", ":"),
+                          ensure_ascii=False)

@@ -11,6 +11,7 @@ import time
 from array import array
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from batchinfer.protocol import compact_json
@@ -71,18 +72,31 @@ def request_id_for(job_id: str | None, idx: int | None, entry_id: str | None = N
     return entry_id
 
 
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names, in order: ``fields()`` builds its tuple anew on every call, and
+    every request and row passes here (the worker's prefetch and publisher threads)."""
+    return tuple(f.name for f in fields(cls))
+
+
+@cache
+def _field_set(cls: type) -> frozenset[str]:
+    return frozenset(_field_names(cls))
+
+
 def fields_dict(obj: Any) -> dict[str, Any]:
     """A dataclass's fields as a dict *without* ``asdict``'s deep copy: for values encoded right away.
 
     ``asdict`` recurses into every list element (each token id of a row), which made encoding a
     row cost more than publishing it.
     """
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+    kind: type = obj.__class__
+    return {name: getattr(obj, name) for name in _field_names(kind)}
 
 
 def _from_mapping(cls, d: Mapping[str, Any]):
     """Build a dataclass from a mapping, ignoring keys a newer writer may have added."""
-    names = {f.name for f in fields(cls)}
+    names = _field_set(cls)
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -190,14 +204,14 @@ class ResultRow:
         return asdict(self)
 
     def to_json(self) -> str:
-        values = fields_dict(self)
-        text = compact_json.dumps(values)
+        # orjson reads the dataclass's fields itself (in order, as fields_dict would give them)
+        text = compact_json.dumps_fields(self)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
             # A lone surrogate (from a producer that wrote one straight to a batch stream) cannot be
             # sent as UTF-8: escape it rather than leave a row that can never be published.
-            text = json.dumps(values, ensure_ascii=True, separators=(",", ":"))
+            text = json.dumps(fields_dict(self), ensure_ascii=True, separators=(",", ":"))
         return text
 
     @classmethod

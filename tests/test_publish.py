@@ -335,3 +335,25 @@ def test_publish_many_is_exactly_once_across_calls(r, batches):
     fields = job_fields(r, job)
     assert int(fields["completed"]) + int(fields["failed"]) == len(published)
     assert finalizers == (1 if len(published) == 12 else 0)
+
+
+def test_publish_rows_names_each_key_once_and_a_malformed_row_spec_fails_alone(r):
+    """A publish_rows.lua call carries every distinct key once (a job's guard, results stream and job
+    hash serve all of its rows) and two values a row; a spec the script cannot read fails its row
+    alone, with the spec in the error."""
+    from batchinfer.store import publish
+
+    make_job(r, "k", "in_progress")
+    pub = Publisher(r, KEYS)
+    items = [(row("k", i), "{t}:reply" if i == 1 else None) for i in range(3)]
+    job_keys: dict = {}
+    calls = [pub._call(x, reply_to, job_keys) for x, reply_to in items]
+    keys, args = publish._packed([0, 1, 2], calls, [1, 2, 3])
+    assert keys == [KEYS.published("k"), KEYS.results("k"), KEYS.job("k"), KEYS.redelivery("k:0", "k"),
+                    KEYS.redelivery("k:1", "k"), "{t}:reply", KEYS.redelivery("k:2", "k")]
+    assert args[3::2] == ["0 completed 1 2 3 4", "1 completed 1 2 3 5 6", "2 completed 1 2 3 7"]
+    args[5] = "1 completed one 2 3 5"  # the second row's spec, unreadable
+    codes, skipped, errors = pub._publish_rows(keys=keys, args=args)
+    assert codes == b"1e1" and skipped == []
+    assert errors[0] == 2 and b"malformed row spec: 1 completed one" in errors[1]
+    assert sorted(ResultRow.from_json(f[b"row"]).idx for _, f in r.xrange(KEYS.results("k"))) == [0, 2]

@@ -137,13 +137,20 @@ class Publisher:
     def _guard(self, job_id: str | None, request_id: str) -> str:
         return self.keys.published(job_id) if job_id else self.keys.published_direct(request_id)
 
-    def _call(self, row: Row, reply_to: str | None) -> tuple[list[str], list]:
-        """KEYS of ``publish.lua`` for ``row``, and the row's own ARGV: idx, JSON, counter."""
+    def _call(self, row: Row, reply_to: str | None,
+              job_keys: dict[str, tuple[str, str, str]] | None = None) -> tuple[list[str], list]:
+        """KEYS of ``publish.lua`` for ``row``, and the row's own ARGV: idx, JSON, counter.
+        ``job_keys``: a job's guard, results stream and job hash already named (filled here)."""
         job_id = row.job_id or None
         if job_id is not None and (row.idx is None or row.idx < 0):
             raise ValueError(f"row {row.request_id!r} of job {job_id!r} has no valid idx: {row.idx!r}")
-        keys = [self._guard(job_id, row.request_id), self.keys.results(job_id or DIRECT),
-                self.keys.job(job_id or DIRECT), self.keys.redelivery(row.request_id, job_id)]
+        shared = job_keys.get(job_id) if job_keys is not None and job_id is not None else None
+        if shared is None:
+            shared = (self._guard(job_id, row.request_id), self.keys.results(job_id or DIRECT),
+                      self.keys.job(job_id or DIRECT))
+            if job_keys is not None and job_id is not None:
+                job_keys[job_id] = shared
+        keys = [*shared, self.keys.redelivery(row.request_id, job_id)]
         if reply_to:
             keys.append(reply_to)
         counter = ROW_COUNTERS[row.status].value
@@ -217,7 +224,8 @@ class Publisher:
         replicas raise :class:`ReplicasBehind` carrying the outcomes.
         """
         items = list(items)
-        calls = [self._call(row, reply_to) for row, reply_to in items]
+        job_keys: dict[str, tuple[str, str, str]] = {}
+        calls = [self._call(row, reply_to, job_keys) for row, reply_to in items]
         outcomes: list[PublishOutcome | None] = [None] * len(calls)
         if self.replica_acks and in_cluster(self.redis):
             # WAIT counts the replicas of one master, for one connection's writes: on a Cluster each
@@ -257,8 +265,7 @@ class Publisher:
             times = self._times()
             pipe = client.pipeline(transaction=False)
             for chunk in chunks:
-                keys = [key for i in chunk for key in calls[i][0]]
-                args = [*times, *(a for i in chunk for a in (*calls[i][1], len(calls[i][0])))]
+                keys, args = _packed(chunk, calls, times)
                 pipe.evalsha(self._publish_rows.sha, len(keys), *keys, *args)
             if self.replica_acks:
                 pipe.execute_command("WAIT", self.replica_acks, self.replica_timeout_ms)
@@ -403,6 +410,29 @@ class Redelivery:
         ``job_id``: the duplicate's job (its claim's partition is the first request's)."""
         keys = [self.keys.redelivery(first_request_id, job_id), reply_to]
         return as_text(self._redeliver(keys=keys, args=[self.reply_ttl]))
+
+
+def _packed(chunk: list[int], calls: list[tuple[list[str], list]],
+            times: list[int]) -> tuple[list[str], list]:
+    """KEYS and ARGV of one ``publish_rows.lua`` call for the rows ``chunk``: each distinct key once
+    (a job's guard, results stream and job hash serve all of its rows), and per row its spec (idx,
+    counter, the KEYS positions of its keys) and its JSON: two values a row for redis-py to encode
+    where there were eight."""
+    where: dict[str, int] = {}
+    keys: list[str] = []
+    args: list = [*times]
+    for i in chunk:
+        row_keys, (idx, text, counter) = calls[i]
+        refs = []
+        for key in row_keys:
+            n = where.get(key)
+            if n is None:
+                keys.append(key)
+                n = where[key] = len(keys)
+            refs.append(n)
+        args.append(f"{idx} {counter} {' '.join(map(str, refs))}")
+        args.append(text)
+    return keys, args
 
 
 def _chunks(todo: list[int], calls: list[tuple[list[str], list]]) -> list[list[int]]:

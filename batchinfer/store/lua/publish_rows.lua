@@ -2,12 +2,14 @@
 -- call for a worker's rows of one partition, so that a row costs Redis' and the client's work for
 -- its own keys and values only, not a command's. Each row is published as publish.lua would.
 --
+-- KEYS: every key the rows name, each once (a job's guard, results stream and job hash serve all
+-- of its rows).
 -- ARGV[1] now (ms since the epoch)
 -- ARGV[2] TTL (seconds) of a direct request's guard, and of a reply stream after its last row
 -- ARGV[3] retention of results:direct: entries older than this id (ms) are trimmed (MINID ~)
--- then per row, in order, four values: idx (-1 for a direct request), the row (JSON), the counter
--- to bump, and its number of keys: 4, or 5 with a reply_to. KEYS: each row's keys, in the same
--- order: guard, results stream, job hash, redelivery hash[, reply_to] (publish.lua's KEYS[1..5]).
+-- then per row, in order, two values: its spec, "idx counter g s j d[ r]" (idx -1 for a direct
+-- request; the counter to bump; the KEYS positions of its guard, results stream, job hash,
+-- redelivery hash and reply_to: publish.lua's KEYS[1..5]), and the row (JSON).
 -- Returns {codes, skipped, errors}: codes, one character per row: '0' not published (it already
 -- was), '1' published, 'f' published and the job made final (its export is the caller's), 'd'
 -- dropped (the job has no record), 'e' failed (the error is in errors); skipped: row number (from
@@ -15,15 +17,18 @@
 -- A row that fails (e.g. WRONGTYPE on its guard) fails alone: the rows after it are published.
 local now, ttl, minid = ARGV[1], ARGV[2], ARGV[3]
 local codes, skipped, errors = {}, {}, {}
-local k = 1
-for r = 1, (#ARGV - 3) / 4 do
-  local a = 3 + 4 * (r - 1)
-  local nkeys = tonumber(ARGV[a + 4])
-  local reply_to = nkeys == 5 and KEYS[k + 4]
-  local ok, published, finalizing, skip, dropped = pcall(publish_row,
-    KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], reply_to,
-    tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3], now, ttl, minid)
-  k = k + nkeys
+for r = 1, (#ARGV - 3) / 2 do
+  local spec, row = ARGV[2 + 2 * r], ARGV[3 + 2 * r]
+  local idx, counter, g, s, j, d, rt = string.match(spec, '^(%-?%d+) (%S+) (%d+) (%d+) (%d+) (%d+) ?(%d*)$')
+  local ok, published, finalizing, skip, dropped
+  if not idx then
+    ok, published = false, 'malformed row spec: ' .. spec
+  else
+    local reply_to = rt ~= '' and KEYS[tonumber(rt)]
+    ok, published, finalizing, skip, dropped = pcall(publish_row,
+      KEYS[tonumber(g)], KEYS[tonumber(s)], KEYS[tonumber(j)], KEYS[tonumber(d)], reply_to,
+      tonumber(idx), row, counter, now, ttl, minid)
+  end
   if not ok then
     codes[r] = 'e'
     table.insert(errors, r)

@@ -184,12 +184,17 @@ class _DaemonMetrics:
         self.dead_lettered = _metric(r, "batchinfer_requests_dead_lettered_total")
         self.reply_wrong_type = _metric(r, "batchinfer_reply_to_wrong_type_total")
         self.rows_dropped = _metric(r, "batchinfer_rows_dropped_total")
+        # completed's child per model, bound once: labels() costs more than the inc of every row
+        self._completed_children: dict[str, Any] = {}
 
     def row_published(self, row: Row) -> None:
         """Count a result row this process published (call only when the publish says it wrote it)."""
         model = row.model or UNKNOWN
         if row.status == "completed":
-            self.completed.labels(model=model).inc()
+            child = self._completed_children.get(model)
+            if child is None:
+                child = self._completed_children[model] = self.completed.labels(model=model)
+            child.inc()
         else:
             self.failed.labels(model=model, code=row.error_code or row.status).inc()
 

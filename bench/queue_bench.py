@@ -13,6 +13,10 @@
   ``overhead_added_s`` the median of the seconds the queue added. Tokens are checked to be equal.
   ``--pin``: both engines get CPU 0 and one thread, the scheduler and Redis the other CPUs (a GPU
   worker's engine does not share its compute with them; on a small CPU box it otherwise does).
+  Beside the ratio: the worker's engine-thread time outside its engine per request, its publisher
+  and prefetch threads' CPU per request (the worker's heartbeat fields ``publisher_cpu_s`` /
+  ``prefetch_cpu_s`` across each job, their idle polls between jobs included: pinned, that CPU is
+  the engine's core's), and in-process ÷ the worker's seconds inside its engine.
 - replica acks (``--replica-acks N``, issue 32): echo jobs of N requests through a scheduler and one
   echo worker on a master with one replica (two redis-servers on loopback ports), with
   ``BATCHINFER_REPLICA_ACKS`` 0 and 1 alternating: result rows/s of each and their ratio (what
@@ -239,17 +243,21 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
         in_process()
         through_queue()
         before = worker_loop_overhead(r, n, daemons)
-        pairs, engine_s = [], []
+        pairs, engine_s, side_s = [], [], []
         for i in range(repeats):
             t_in, expected = in_process()
             t_q, job = through_queue()
-            # the worker's seconds in engine.step() / add_request for this job (its heartbeat, read
-            # once it counts the job's rows: outside the timed span)
+            # the worker's seconds in engine.step() / add_request for this job, and its publisher and
+            # prefetch threads' CPU seconds (its heartbeat, read once it counts the job's rows:
+            # outside the timed span; the threads' idle polls between jobs count too, ~1 ms)
             loop = worker_loop_overhead(r, (i + 2) * n, daemons)
             engine_s.append(float(loop["engine_s"]) - float(before["engine_s"]))
+            side_s.append(sum(float(loop[k]) - float(before[k])
+                              for k in ("publisher_cpu_s", "prefetch_cpu_s")))
             before = loop
             print(f"  overhead repeat {i + 1}: in-process {t_in:.2f} s, queue {t_q:.2f} s (the worker's "
-                  f"engine {engine_s[-1]:.2f} s)", flush=True)
+                  f"engine {engine_s[-1]:.2f} s, its publisher + prefetch threads {side_s[-1] * 1e3:.0f} ms "
+                  "of CPU)", flush=True)
             pairs.append((t_in, t_q))
     finally:
         for d in daemons:
@@ -269,6 +277,9 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
             "overhead_ratio_best": round(min(t for t, _ in pairs) / min(t for _, t in pairs), 3),
             "overhead_tokens_match": match,
             "engine_thread_us_per_request": round(loop["loop_overhead_s"] / loop["requests_done"] * 1e6, 1),
+            # CPU of the worker's publisher and prefetch threads per request (median job): pinned, it
+            # is taken from the engine's core, so it is part of the added time
+            "side_threads_us_per_request": round(statistics.median(side_s) / n * 1e6, 1),
             # the worker's seconds inside engine.step() / add_request per job ÷ the in-process run's
             # (median of the pairs): below 1, part of the added time is the engine running slower
             # beside the queue's threads; the rest is outside the engine
@@ -615,8 +626,9 @@ def main() -> None:
                   f"(medians) -> ratio {figures['overhead_ratio']} "
                   f"(best-of ratio {figures['overhead_ratio_best']}), added {figures['overhead_added_s']} s "
                   f"(tokens match: {figures['overhead_tokens_match']}); engine thread "
-                  f"{figures['engine_thread_us_per_request']} us per request; in-process ÷ the worker's "
-                  f"time in its engine {figures['worker_engine_ratio']}",
+                  f"{figures['engine_thread_us_per_request']} us per request, its publisher + prefetch "
+                  f"threads {figures['side_threads_us_per_request']} us of CPU per request; in-process ÷ "
+                  f"the worker's time in its engine {figures['worker_engine_ratio']}",
                   flush=True)
         if not args.skip_scale:
             small = bench_scale(server.url, workdir, 10_000)

@@ -130,3 +130,44 @@ params_strategy = st.builds(
 def test_to_dict_round_trips_through_json(p):
     d = json.loads(json.dumps(p.to_dict()))
     assert SamplingParams.from_dict(d) == p
+
+
+def test_copy_is_equal_and_shares_no_container():
+    p = SamplingParams(stop=["a"], stop_token_ids=[7], logit_bias={"3": 1.5}, allowed_token_ids=[1, 2, 3],
+                       bad_words=["x"], structured_outputs={"choice": ["yes", "no"]}, max_tokens=5)
+    q = p.copy()
+    assert q == p and q is not p and type(q) is SamplingParams
+    for name in ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words"):
+        assert getattr(q, name) is not getattr(p, name), name
+    q.stop.append("b")
+    q.logit_bias[9] = 2.0
+    q.output_kind = "final_only"
+    assert p.stop == ["a"] and 9 not in p.logit_bias and p.output_kind == "cumulative"
+    assert q.structured_outputs is p.structured_outputs  # frozen: shared
+
+
+def test_prepared_params_share_one_validation_per_distinct_raw_parameters():
+    """The worker's prefetch thread builds each batch's distinct raw parameters once: requests with
+    the same raw parameters get equal, independent objects; different ones (1 and 1.0, key order
+    aside) get their own; a bad one is None for every request that carries it."""
+    from batchinfer.protocol.rows import BatchRequest
+    from batchinfer.workers.service.reader import prepared_params
+
+    def req(i: int, sp: dict) -> BatchRequest:
+        return BatchRequest(request_id=f"j:{i}", job_id="j", idx=i, prompt_token_ids=[1], sampling_params=sp,
+                            model="m")
+
+    built: dict = {}
+    raw = {"max_tokens": 4, "stop": ["z"], "temperature": 0.5}
+    same = [prepared_params(req(i, dict(raw)), built) for i in range(3)]
+    assert len(built) == 1
+    assert all(p == same[0] for p in same) and len({id(p) for p in same}) == 3
+    assert all(p.output_kind == "final_only" for p in same)
+    same[0].stop.append("y")
+    assert same[1].stop == ["z"]
+    other = prepared_params(req(3, {"max_tokens": 4, "stop": ["z"], "temperature": 1}), built)
+    assert other.temperature == 1.0 and len(built) == 2
+    bad = [prepared_params(req(i, {"max_tokens": -1}), built) for i in (4, 5)]
+    assert bad == [None, None] and len(built) == 3
+    # what orjson cannot key (an int past 64 bits) is built alone, and still checked
+    assert prepared_params(req(6, {"seed": 2**70}), built) is None and len(built) == 3

@@ -1,8 +1,8 @@
 """The worker's prefetch thread (``workers.service.reader.Prefetcher``) against a real redis-server: a
 batch read ahead is held (its lease refreshed) and reported before the engine thread takes it, a
 drain finishes it, a hard stop leaves it pending to the worker (its restart takes it back), no batch
-is read twice by two workers reading ahead, and a slow engine never makes a worker hold more
-unstarted work than one batch."""
+is read twice by two workers reading ahead, a slow engine never makes a worker hold more
+unstarted work than one batch, and a busy worker's empty reads back off."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from batchinfer.store.jobstore import JobStore
 from batchinfer.store.publish import Publisher
 from batchinfer.store.registry import Registry
 from batchinfer.workers.service.echo_engine import EchoEngine
-from batchinfer.workers.service.reader import PREFETCH_DEPTH
+from batchinfer.workers.service.reader import PREFETCH_DEPTH, QUIET_CAP_S, QUIET_START_S, Prefetcher
 
 PREFIX = "{pf}"
 KEYS = Keys(PREFIX)
@@ -193,3 +193,83 @@ def test_a_slow_engine_never_makes_the_worker_hold_more_than_one_batch_unstarted
     assert worker.stop() == 0
     assert max(unstarted for unstarted, _ in engine.seen) <= 4  # never more than one batch unstarted
     assert max(ahead for _, ahead in engine.seen) == PREFETCH_DEPTH  # it did read ahead during steps
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_busy_worker_s_empty_reads_back_off_and_a_batch_still_arrives(redis_server):
+    """After a busy read finds nothing, busy asks within the quiet spell (QUIET_START_S, doubling up
+    to QUIET_CAP_S) read nothing; the first ask after it reads, and a batch found ends the backoff.
+    An idle ask reads at once."""
+    r = redis_server.client()
+    r.xgroup_create(STREAM, WORKERS_GROUP, id="0", mkstream=True)
+    daemon = worker_daemon(r, _settings(), EchoEngine(), "wq", block_ms=50)
+    reads: list[int] = []
+    read = daemon.reader.read
+
+    def counted(idle, block_ms):
+        got = read(idle, block_ms)
+        reads.append(len(got))
+        return got
+
+    daemon.reader.read = counted
+    clock = _Clock()
+    p = Prefetcher(daemon.reader, block_ms=50, clock=clock)
+    p.start()
+    try:
+        def ask(n_reads: int) -> None:
+            p.want(False)
+            wait_until(lambda: len(reads) == n_reads and not p._busy, what=f"{n_reads} reads")
+
+        ask(1)  # nothing there: a quiet spell of QUIET_START_S begins
+        assert reads == [0]
+        for _ in range(3):
+            p.want(False)  # inside the spell: no read (and no wake-up)
+        time.sleep(0.05)
+        assert reads == [0]
+        clock.now += QUIET_START_S * 1.01
+        ask(2)  # the spell is over: one read, empty again, so the next spell is twice as long
+        clock.now += QUIET_START_S * 1.5
+        p.want(False)
+        time.sleep(0.05)
+        assert reads == [0, 0]
+        entries = _job(r, "jq", 4, per_batch=4)
+        clock.now += QUIET_START_S * 0.6  # 2.1 x QUIET_START_S since the last read
+        ask(3)
+        assert reads == [0, 0, 1]
+        assert [f.entry for f in p.take()] == entries  # found: the backoff is over
+        ask(4)  # the next busy ask reads at once
+        assert reads == [0, 0, 1, 0]
+        p.want(True)  # idle: reads whatever the spell (and waits in Redis up to block_ms)
+        wait_until(lambda: len(reads) == 5, what="the idle read")
+        for _ in range(20):  # the spell never grows past QUIET_CAP_S
+            p._quiet_until = 0.0
+            ask(len(reads) + 1)
+        assert p._quiet_s == QUIET_CAP_S
+    finally:
+        p.stop()
+
+
+def test_the_heartbeat_reports_the_helper_threads_cpu(redis_server):
+    """publisher_cpu_s and prefetch_cpu_s: the publisher and prefetch threads' CPU seconds so far
+    (each thread reads its own clock), beside the engine thread's engine_s and loop_overhead_s."""
+    r = redis_server.client()
+    _job(r, "jc", 24, per_batch=8)
+    daemon = worker_daemon(r, _settings(), EchoEngine(max_num_seqs=8), "wc")
+    worker = ThreadedWorker(daemon)
+    wait_until(lambda: len(_rows(r, "jc")) == 24, what="24 rows")
+
+    def beat():
+        info = next((w.info for w in Registry(r, KEYS).live_workers() if w.name == "wc"), None)
+        return info if info and int(info.get("requests_done", 0)) == 24 else None
+
+    info = wait_until(beat, what="a heartbeat counting the 24 rows")
+    assert worker.stop() == 0
+    assert 0 < float(info["publisher_cpu_s"]) < 60 and 0 < float(info["prefetch_cpu_s"]) < 60
+    assert float(info["engine_s"]) > 0 and float(info["loop_overhead_s"]) >= 0

@@ -196,6 +196,18 @@ class SamplingParams:
             d["structured_outputs"] = self.structured_outputs.to_dict()
         return d
 
+    def copy(self) -> SamplingParams:
+        """An independent copy, not validated again: what one request may change (``output_kind``,
+        ``skip_special_tokens``) or the engine keeps stays its own. The lists and dicts are copied;
+        ``structured_outputs`` is frozen and shared."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        for name in _CONTAINERS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(new, name, value.copy())
+        return new
+
     @property
     def final_only(self) -> bool:
         """True when the engine hands out this request's output only once it finishes."""
@@ -208,6 +220,8 @@ class SamplingParams:
 
 
 SamplingParams.FIELDS = tuple(f.name for f in fields(SamplingParams))
+# the fields whose values are (normalised to) lists or dicts: what copy() must not share
+_CONTAINERS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
 _NULLABLE = frozenset({"max_tokens", "seed", "stop", "stop_token_ids", "logprobs", "structured_outputs",
                        "logit_bias", "allowed_token_ids", "bad_words", "prediction"})
 

@@ -321,6 +321,9 @@ class WorkerDaemon:
                 "requests_done": self.requests_done, "steps": self.steps,
                 "loop_overhead_s": round(self.loop_overhead_s, 4), "engine_s": round(self.feeder.engine_s, 4),
                 "publisher_queued": self.outbox.queued(),
+                # the helper threads' CPU seconds: on a CPU engine, time its own cores lend them
+                "publisher_cpu_s": round(self.outbox.cpu_s, 4),
+                "prefetch_cpu_s": round(self.prefetcher.cpu_s, 4),
                 "adapters": self.adapters,
                 "adapter_models": [self.streams.model_of(a) for a in self.adapters],
                 "loras_resident": self.reader.resident,

@@ -286,6 +286,7 @@ class PublisherThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = False
         self.blocked_s = 0.0  # engine-thread seconds spent waiting for room in the queue
+        self.cpu_s = 0.0  # the thread's CPU seconds so far, as of its last pass (the heartbeat reads it)
 
     # -- the engine thread's side -----------------------------------------------------------------
 
@@ -375,6 +376,7 @@ class PublisherThread:
         taken = 0  # hand-overs taken from the queue, not yet marked done
         next_poll = time.monotonic() + self.poll_seconds
         while not self._stopping():
+            self.cpu_s = time.thread_time()  # up to the last pass (only this thread can read it)
             if self.poll is not None and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + self.poll_seconds
                 try:

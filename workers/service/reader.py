@@ -24,11 +24,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import redis
 
 from batchinfer.keys import WORKERS_GROUP, Keys
@@ -51,6 +53,10 @@ StreamRead = tuple[str, list[tuple[str, replies.Fields]], bytes | None]
 
 PREFETCH_DEPTH = 1  # reads the prefetch thread may hold that the engine thread has not taken
 BACKOFF_START_S, BACKOFF_CAP_S = 0.5, 10.0  # the prefetch thread's waits after a failed read
+# After a busy worker's read finds no batch, its next busy read waits this long, doubling while the
+# reads stay empty: a fast engine (a CPU step of a few ms) asks every step, and each empty read
+# costs its CPU a round trip and two thread switches; a new batch still starts within QUIET_CAP_S.
+QUIET_START_S, QUIET_CAP_S = 0.0025, 0.02
 
 
 @dataclass
@@ -143,9 +149,10 @@ class BatchReader:
         published = self.publisher.published_mask([(q.job_id, q.idx, q.request_id) for q in requests])
         fetched = Fetched(entry, requests, published, solo=batch.solo, rows=batch.rows)
         if self.task == "generate":
+            built: dict[bytes, SamplingParams | None] = {}  # a job's requests mostly share their parameters
             for q, done in zip(requests, published, strict=True):
                 if not done and q.task == "generate":
-                    fetched.params[q.request_id] = prepared_params(q)
+                    fetched.params[q.request_id] = prepared_params(q, built)
         return fetched
 
     def admit(self, fetched: Fetched) -> None:
@@ -219,15 +226,37 @@ class _Decoded:
     rows: list[ResultRow]
 
 
-def prepared_params(request: BatchRequest) -> SamplingParams | None:
+def prepared_params(request: BatchRequest, built: dict[bytes, SamplingParams | None] | None = None
+                    ) -> SamplingParams | None:
     """The request's ``SamplingParams`` as the worker runs them (``final_only``: the worker reads only
-    finished outputs), or None when they do not parse (the engine thread's try makes the error row)."""
+    finished outputs), or None when they do not parse (the engine thread's try makes the error row).
+
+    ``built``: the parameters already built for the same raw parameters (keyed by their JSON); a
+    request whose raw parameters are there gets a copy instead of a second validation (the same
+    values, so the same outcome)."""
+    key = _params_key(request.sampling_params) if built is not None else None
+    if key is not None and built is not None and key in built:
+        known = built[key]
+        return None if known is None else known.copy()
     try:
-        params = request.params()
+        params: SamplingParams | None = request.params()
     except Exception:  # noqa: BLE001 - reported where the request is started
-        return None
-    params.output_kind = "final_only"
+        params = None
+    if params is not None:
+        params.output_kind = "final_only"
+    if key is not None and built is not None:
+        built[key] = params
+        return None if params is None else params.copy()  # the one in built stays untouched
     return params
+
+
+def _params_key(raw: Any) -> bytes | None:
+    """Raw sampling parameters as a memo key: their JSON (key order kept, so 1 and 1.0, true and 1
+    differ), or None for what orjson cannot encode (then nothing is shared)."""
+    try:
+        return orjson.dumps(raw)
+    except (orjson.JSONEncodeError, TypeError):
+        return None
 
 
 class Prefetcher:
@@ -237,15 +266,19 @@ class Prefetcher:
     idle, or nothing) and takes what is ready (:meth:`take`, which waits only when idle). Each ask
     gets one read, while fewer than ``depth`` reads wait to be taken (none past a ``solo`` batch):
     the engine thread's pull rate, done while it steps. Only an idle ask's read waits in Redis
-    (``block_ms``), returning as soon as the scheduler adds a batch. A Redis error is retried with
-    backoff; an entry read but not yet checked is checked again before anything new is read.
+    (``block_ms``), returning as soon as the scheduler adds a batch. A busy ask that comes within a
+    quiet spell after an empty busy read (``QUIET_START_S`` doubling to ``QUIET_CAP_S``, on
+    ``clock``) waits for the first ask after it. A Redis error is retried with backoff; an entry
+    read but not yet checked is checked again before anything new is read.
     """
 
     def __init__(self, reader: BatchReader, *, block_ms: int, depth: int = PREFETCH_DEPTH,
-                 name: str = "prefetch"):
+                 name: str = "prefetch", clock: Callable[[], float] = time.monotonic):
         if depth < 1:
             raise ValueError(f"Prefetcher: depth must be >= 1, got {depth}")
-        self.reader, self.block_ms, self.depth = reader, block_ms, depth
+        self.reader, self.block_ms, self.depth, self.clock = reader, block_ms, depth, clock
+        self._quiet_until, self._quiet_s = 0.0, QUIET_START_S  # after an empty busy read
+        self.cpu_s = 0.0  # the thread's CPU seconds so far, as of its last read (the heartbeat reads it)
         self._cond = threading.Condition()
         self._ready: deque[list[Fetched]] = deque()  # reads checked, not yet taken
         self._unchecked: list[tuple[str, replies.Fields]] = []  # read and held, a check failed: again
@@ -267,7 +300,8 @@ class Prefetcher:
             self._demand = idle
             if idle is not None:
                 self._asked += 1
-                self._cond.notify_all()
+                if idle or self.clock() >= self._quiet_until:  # else no read could start: let it sleep
+                    self._cond.notify_all()
 
     def take(self, idle: bool | None = None, wait_s: float = 0.0) -> list[Fetched]:
         """The batches read ahead (at most ``depth`` reads), oldest first; with nothing ready, waits
@@ -281,7 +315,8 @@ class Prefetcher:
             taken = [f for read in self._ready for f in read]
             self._ready.clear()
             self._demand = None
-            self._cond.notify_all()
+            if taken:  # room for a read again; clearing the demand alone lets no read start
+                self._cond.notify_all()
             return taken
 
     def forget(self, entries: Iterable[str]) -> list[str]:
@@ -328,6 +363,8 @@ class Prefetcher:
             return True
         if self._demand is None or self._asked == self._served or len(self._ready) >= self.depth:
             return False
+        if not self._demand and self.clock() < self._quiet_until:
+            return False  # a busy ask in the quiet spell after an empty read
         return not any(f.solo for read in self._ready for f in read)  # nothing past a solo batch
 
     def _check(self, key: str, fields: replies.Fields, fetched: list[Fetched]) -> None:
@@ -354,9 +391,11 @@ class Prefetcher:
                 if not unchecked:
                     self._served = self._asked
             fetched: list[Fetched] = []
+            found: int | None = None  # entries a read returned (None: no read, or it failed)
             try:
                 if not unchecked:  # only an idle worker waits in Redis for a batch, as the pull did
                     unchecked = self.reader.read(idle, self.block_ms if idle else None)
+                    found = len(unchecked)
                 while unchecked:
                     self._check(*unchecked[0], fetched)
                     unchecked.pop(0)
@@ -375,7 +414,13 @@ class Prefetcher:
                 if fetched:
                     self._ready.append(fetched)
                 self._busy = False
+                if found == 0 and not idle:
+                    self._quiet_until = self.clock() + self._quiet_s
+                    self._quiet_s = min(2 * self._quiet_s, QUIET_CAP_S)
+                elif found is not None:
+                    self._quiet_until, self._quiet_s = 0.0, QUIET_START_S
                 self._cond.notify_all()
+            self.cpu_s = time.thread_time()  # only this thread can read its own
             if delay:
                 self._halt.wait(delay)
 

@@ -16,28 +16,19 @@ protocol needs the exact value or a clear error.
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
 
-def dumps(value: Any) -> str:
-    """``value`` as compact JSON text (non-ASCII characters kept as they are)."""
+def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> str:
+    """``value`` as compact JSON text (non-ASCII characters kept as they are).
+
+    orjson encodes a dataclass natively, its fields in order; ``default`` is what ``json`` calls,
+    when it encodes what orjson refused, for an object it does not know (``fields_dict`` for a
+    dataclass)."""
     try:
         return orjson.dumps(value).decode("utf-8")
     except (orjson.JSONEncodeError, TypeError):
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
-def dumps_fields(obj: Any) -> str:
-    """A dataclass instance's fields as a compact JSON object, as ``dumps`` of its fields in order.
-
-    orjson encodes a dataclass natively (no intermediate dict); what it refuses in a field is
-    encoded by ``json`` from the fields' dict, as in ``dumps``.
-    """
-    try:
-        return orjson.dumps(obj).decode("utf-8")
-    except (orjson.JSONEncodeError, TypeError):
-        return json.dumps({f.name: getattr(obj, f.name) for f in fields(obj)}, separators=(",", ":"),
-                          ensure_ascii=False)
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=default)

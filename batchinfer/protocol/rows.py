@@ -205,7 +205,7 @@ class ResultRow:
 
     def to_json(self) -> str:
         # orjson reads the dataclass's fields itself (in order, as fields_dict would give them)
-        text = compact_json.dumps_fields(self)
+        text = compact_json.dumps(self, default=fields_dict)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:

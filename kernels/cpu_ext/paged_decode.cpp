@@ -6,7 +6,9 @@
 // sequence) and KV head, three passes: the scores of the head's G query heads over the whole
 // context (each key row read once for all of them; per-key partial sums reduced 16 keys at a time),
 // one softmax per query head, then the values. Compute is float32 whatever the cache dtype (float32,
-// bfloat16, float16). The rows of the block two ahead are prefetched while a block is computed.
+// bfloat16, float16). The rows of the block two ahead are prefetched while a block is computed; past a
+// pass's end, the first blocks of the next pass (values after keys, the next head's or item's keys
+// after values), so only a thread's first pass starts from memory unprefetched.
 //
 // Layout (the kernels contract): k_cache, v_cache [num_blocks, block_size, KVH, D], any strides
 // with a unit last one (so a cache stored [num_blocks, KVH, block_size, D], viewed back, is read too).
@@ -16,7 +18,8 @@
 // CPU (GCC's target_clones): no -march=native, so a cached build runs on any x86-64 machine that
 // shares it. head_dim must be a multiple of 16.
 // Threads: torch's intra-op pool (at::parallel_for, torch.set_num_threads), items handed out
-// longest first from an atomic counter, since contexts are ragged.
+// longest first from an atomic counter, since contexts are ragged; a thread claims its next item
+// before it runs the current one (to prefetch its keys).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -165,22 +168,47 @@ int64_t scratch_size(int64_t G, int64_t D, int64_t bs, int64_t span) {
   return 2 * G * NV + BP + BP * NV + (G * span + 2 * G + LANES - 1) / LANES;
 }
 
-// Block j of an item's context (positions from (lo / bs) * bs, nb blocks): its id, its rows [t0, t1)
-// inside the context, and head h's rows of the block kPrefetchBlocks ahead (none past the end).
+// The first rows of the window of a context [lo, len), in blocks from (lo / bs) * bs.
+BATCHINFER_INLINE int64_t window_lo(const Problem& p, int64_t len) {
+  return p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
+}
+
+// What a pass reads: head h's rows of a cache (strides sb / st / sh: block, token, head) over the
+// context of sequence `seq`; cache null: nothing.
+template <class T>
+struct Rows {
+  const T* cache;
+  int64_t sb, st, sh, h, seq, len;
+};
+
+// Block j of a pass over `cur` (nb blocks): its id, its rows [t0, t1) inside the context, and what to
+// prefetch meanwhile: the block kPrefetchBlocks ahead or, past the pass's end, the first blocks of the
+// pass after it (`after`: the values after the keys, the next head's or item's keys after the values),
+// so that no pass but the first starts cold.
 template <class T>
 struct BlockRows {
   int64_t blk, t0, t1;
   const T* next;
-  int64_t next_rows;
+  int64_t next_rows, next_st;
 };
 template <class T>
-BATCHINFER_INLINE BlockRows<T> block_rows(const Problem& p, const T* cache, int64_t sb, int64_t sh, int64_t h,
-                                          int64_t seq, int64_t len, int64_t lo, int64_t j, int64_t nb) {
+BATCHINFER_INLINE BlockRows<T> block_rows(const Problem& p, const Rows<T>& cur, const Rows<T>& after, int64_t lo,
+                                          int64_t j, int64_t nb) {
   const int64_t b = lo / p.bs + j;
-  const bool ahead = j + kPrefetchBlocks < nb;
-  return {block_id(p, seq, b), std::max<int64_t>(lo - b * p.bs, 0), std::min<int64_t>(len - b * p.bs, p.bs),
-          ahead ? cache + block_id(p, seq, b + kPrefetchBlocks) * sb + h * sh : nullptr,
-          ahead ? std::min<int64_t>(len - (b + kPrefetchBlocks) * p.bs, p.bs) : 0};
+  BlockRows<T> r{block_id(p, cur.seq, b), std::max<int64_t>(lo - b * p.bs, 0),
+                 std::min<int64_t>(cur.len - b * p.bs, p.bs), nullptr, 0, 0};
+  const Rows<T>* to = &cur;
+  int64_t pb = b + kPrefetchBlocks;  // the block prefetched
+  if (j + kPrefetchBlocks >= nb) {
+    if (after.cache == nullptr) return r;
+    to = &after;
+    pb = window_lo(p, after.len) / p.bs + (j + kPrefetchBlocks - nb);
+    if (pb * p.bs >= after.len) return r;
+  }
+  r.next = to->cache + block_id(p, to->seq, pb) * to->sb + to->h * to->sh;
+  r.next_rows = std::min<int64_t>(to->len - pb * p.bs, p.bs);
+  r.next_st = to->st;
+  return r;
 }
 
 // acc[g, c] += sum over keys t in [t0, t1) of w[g * w_stride + t] * v[t, c] for GN query heads and
@@ -217,7 +245,8 @@ BATCHINFER_INLINE void values_tile(const float* __restrict vr, int64_t vst, int6
 template <class S, int NVT>
 BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict q, const typename S::T* __restrict k,
                               const typename S::T* __restrict v, typename S::T* __restrict out, int64_t row,
-                              int64_t seq, int64_t len, int64_t h0, int64_t h1, int64_t span, vf* __restrict w) {
+                              int64_t seq, int64_t len, int64_t h0, int64_t h1, const Rows<typename S::T>& follow,
+                              int64_t span, vf* __restrict w) {
   using T = typename S::T;
   const int64_t G = p.G, NV = NVT > 0 ? NVT : p.D / LANES, bs = p.bs, BP = (bs + LANES - 1) / LANES * LANES;
   vf* __restrict qf = w;  // [G, NV] scaled queries of the head
@@ -226,28 +255,34 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
   vf* __restrict buf = part + BP;  // [BP, NV] a block's key or value rows as floats (non-float32 caches)
   float* __restrict s = reinterpret_cast<float*>(buf + BP * NV);  // [G, span] scores, then weights
   float* __restrict l = s + G * span;  // [G] softmax sums
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
+  const int64_t lo = window_lo(p, len);
   const int64_t b0 = lo / bs, nb = (len + bs - 1) / bs - b0, n = nb * BP;  // n <= span
   const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const vf neg_inf = vf{} - std::numeric_limits<float>::infinity();
   for (int64_t h = h0; h < h1; ++h) {
+    const Rows<T> keys{k, p.k_sb, p.k_st, p.k_sh, h, seq, len}, values{v, p.v_sb, p.v_st, p.v_sh, h, seq, len};
+    // after the values: the next head's keys, or the item this thread takes next
+    const Rows<T> then = h + 1 < h1 ? Rows<T>{k, p.k_sb, p.k_st, p.k_sh, h + 1, seq, len} : follow;
     for (int64_t g = 0; g < G; ++g) {
       const T* qr = q + row * p.q_sr + (h * G + g) * p.q_sh;
       for (int64_t c = 0; c < NV; ++c) qf[g * NV + c] = S::load(qr + c * LANES) * p.scale;
     }
     // 1. Scores.
     for (int64_t j = 0; j < nb; ++j) {
-      const auto [blk, t0, t1, next, next_rows] = block_rows(p, k, p.k_sb, p.k_sh, h, seq, len, lo, j, nb);
+      const auto [blk, t0, t1, next, next_rows, next_st] = block_rows(p, keys, values, lo, j, nb);
       int64_t kst;
       const float* kr = rows_f32<S>(k + blk * p.k_sb + h * p.k_sh, p.k_st, t0, t1, NV, buf, &kst);
       for (int64_t g = 0; g < G; ++g) {
         const vf* __restrict qg = qf + g * NV;
         for (int64_t t = 0; t < t1; ++t) {  // rows below t0 are read but masked out below
-          if (g == 0 && t < next_rows) prefetch_row<S>(next + t * p.k_st, NV * LANES);
+          if (g == 0 && t < next_rows) prefetch_row<S>(next + t * next_st, NV * LANES);
           const float* kt = kr + t * kst;
           vf x = qg[0] * loadf(kt);
           for (int64_t c = 1; c < NV; ++c) x += qg[c] * loadf(kt + c * LANES);
           part[t] = x;
+        }
+        if (g == 0) {  // a part block (the last) asks for the rest of a whole one
+          for (int64_t t = t1; t < next_rows; ++t) prefetch_row<S>(next + t * next_st, NV * LANES);
         }
         for (int64_t t = t1; t < BP; ++t) part[t] = vf{};
         for (int64_t t = 0; t < BP; t += LANES) {
@@ -285,8 +320,8 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
     }
     // 3. Values.
     for (int64_t j = 0; j < nb; ++j) {
-      const auto [blk, t0, t1, next, next_rows] = block_rows(p, v, p.v_sb, p.v_sh, h, seq, len, lo, j, nb);
-      for (int64_t t = 0; t < next_rows; ++t) prefetch_row<S>(next + t * p.v_st, NV * LANES);
+      const auto [blk, t0, t1, next, next_rows, next_st] = block_rows(p, values, then, lo, j, nb);
+      for (int64_t t = 0; t < next_rows; ++t) prefetch_row<S>(next + t * next_st, NV * LANES);
       int64_t vst;
       const float* vr = rows_f32<S>(v + blk * p.v_sb + h * p.v_sh, p.v_st, t0, t1, NV, buf, &vst);
       if constexpr (NVT > 0) {
@@ -337,14 +372,14 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
 // usual head_dims (64, 128) get their own unrolled code.
 #define BATCHINFER_ENTRY(NAME, S)                                                                              \
   BATCHINFER_CLONES void NAME(const Problem& p, const S::T* q, const S::T* k, const S::T* v, S::T* out,     \
-                              int64_t row, int64_t seq, int64_t len, int64_t h0, int64_t h1, int64_t span, \
-                              vf* w) {                                                                        \
+                              int64_t row, int64_t seq, int64_t len, int64_t h0, int64_t h1,               \
+                              const Rows<S::T>& follow, int64_t span, vf* w) {                               \
     if (p.D == 64) {                                                                                           \
-      attend<S, 4>(p, q, k, v, out, row, seq, len, h0, h1, span, w);                                          \
+      attend<S, 4>(p, q, k, v, out, row, seq, len, h0, h1, follow, span, w);                                        \
     } else if (p.D == 128) {                                                                                   \
-      attend<S, 8>(p, q, k, v, out, row, seq, len, h0, h1, span, w);                                          \
+      attend<S, 8>(p, q, k, v, out, row, seq, len, h0, h1, follow, span, w);                                        \
     } else {                                                                                                   \
-      attend<S, 0>(p, q, k, v, out, row, seq, len, h0, h1, span, w);                                          \
+      attend<S, 0>(p, q, k, v, out, row, seq, len, h0, h1, follow, span, w);                                        \
     }                                                                                                          \
   }
 BATCHINFER_ENTRY(attend_f32, F32)
@@ -439,21 +474,31 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
     std::vector<float> raw((scratch + 1) * LANES);  // aligned by hand below: vf loads/stores assume 64 bytes
     vf* w = reinterpret_cast<vf*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+    // Each thread claims its next item before it runs the current one, so the current item's last
+    // blocks prefetch the next one's first keys (the longest items go first: what a thread holds
+    // ahead at the end is a short one).
+    int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    while (i < items) {
+      const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
       const Row& r = rows[order[i] / splits];
       const int64_t h0 = (order[i] % splits) * per_item, h1 = h0 + per_item;
+      const Row* a = after < items ? &rows[order[after] / splits] : nullptr;
+      const int64_t ah = after < items ? (order[after] % splits) * per_item : 0;
       if (dtype == at::kFloat) {
-        attend_f32(p, static_cast<const float*>(qp), static_cast<const float*>(kp), static_cast<const float*>(vp),
-                   static_cast<float*>(op), r.row, r.seq, r.len, h0, h1, span, w);
-      } else if (dtype == at::kBFloat16) {
-        attend_bf16(p, static_cast<const uint16_t*>(qp), static_cast<const uint16_t*>(kp),
-                    static_cast<const uint16_t*>(vp), static_cast<uint16_t*>(op), r.row, r.seq, r.len, h0, h1,
-                    span, w);
+        using T = float;
+        const Rows<T> follow{a ? static_cast<const T*>(kp) : nullptr, p.k_sb, p.k_st, p.k_sh, ah, a ? a->seq : 0,
+                             a ? a->len : 0};
+        attend_f32(p, static_cast<const T*>(qp), static_cast<const T*>(kp), static_cast<const T*>(vp),
+                   static_cast<T*>(op), r.row, r.seq, r.len, h0, h1, follow, span, w);
       } else {
-        attend_f16(p, static_cast<const uint16_t*>(qp), static_cast<const uint16_t*>(kp),
-                   static_cast<const uint16_t*>(vp), static_cast<uint16_t*>(op), r.row, r.seq, r.len, h0, h1,
-                   span, w);
+        using T = uint16_t;
+        const Rows<T> follow{a ? static_cast<const T*>(kp) : nullptr, p.k_sb, p.k_st, p.k_sh, ah, a ? a->seq : 0,
+                             a ? a->len : 0};
+        (dtype == at::kBFloat16 ? attend_bf16 : attend_f16)(
+            p, static_cast<const T*>(qp), static_cast<const T*>(kp), static_cast<const T*>(vp), static_cast<T*>(op),
+            r.row, r.seq, r.len, h0, h1, follow, span, w);
       }
+      i = after;
     }
   });
 }

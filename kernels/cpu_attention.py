@@ -36,6 +36,7 @@ gather it has done (twice that, to absorb growth).
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
@@ -205,6 +206,12 @@ def _prefill(
     _attend(q[start:end], out[start:end], k, v, scale, sliding_window, compute_dtype, softcap, causal)
 
 
+@functools.cache
+def _ahead(n: int) -> torch.Tensor:
+    """[n, n] True where key j is after query i (j > i): a chunk's causal mask over its own keys."""
+    return torch.ones(n, n, dtype=torch.bool).triu_(1)
+
+
 def _attend(
     q: torch.Tensor,  # [Lq, H, D]: the sequence's last Lq tokens
     out: torch.Tensor,  # [Lq, H, D], written
@@ -234,20 +241,18 @@ def _attend(
             k_hi = length if sliding_window is None else min(length, first + c1 - 1 + sliding_window)
         k_lo = 0 if sliding_window is None else max(0, first + c0 - sliding_window + 1)
         hidden = None  # [n, Lk] keys inside [k_lo, k_hi) that a query still cannot see
-        q_pos = torch.arange(first + c0, first + c1)[:, None]  # [n, 1]
-        k_pos = torch.arange(k_lo, k_hi)[None, :]  # [1, Lk]
-        if causal:
-            hidden = k_pos > q_pos
         if sliding_window is not None:
-            outside = k_pos <= q_pos - sliding_window
-            if not causal:
-                outside |= k_pos >= q_pos + sliding_window
-            hidden = outside if hidden is None else hidden | outside
+            q_pos = torch.arange(first + c0, first + c1)[:, None]  # [n, 1]
+            k_pos = torch.arange(k_lo, k_hi)[None, :]  # [1, Lk]
+            hidden = k_pos <= q_pos - sliding_window
+            hidden |= k_pos > q_pos if causal else k_pos >= q_pos + sliding_window
         qc = qh[:, :, c0:c1].reshape(KVH, G * n, D)
         scores = torch.bmm(qc, k[:, k_lo:k_hi].transpose(1, 2)).mul_(scale)  # [KVH, G * n, Lk]
         _softcap_(scores, softcap)
         if hidden is not None:
             scores.view(KVH, G, n, -1).masked_fill_(hidden, float("-inf"))
+        elif causal:  # only the chunk's own keys, the last n, can be ahead of its queries: mask that corner
+            scores.view(KVH, G, n, -1)[..., -n:].masked_fill_(_ahead(n), float("-inf"))
         o = torch.bmm(scores.softmax(-1), v[:, k_lo:k_hi])  # [KVH, G * n, D]
         out[c0:c1] = o.view(H, n, D).transpose(0, 1).to(out.dtype)
 

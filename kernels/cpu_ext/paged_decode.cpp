@@ -168,7 +168,7 @@ int64_t scratch_size(int64_t G, int64_t D, int64_t bs, int64_t span) {
   return 2 * G * NV + BP + BP * NV + (G * span + 2 * G + LANES - 1) / LANES;
 }
 
-// The first rows of the window of a context [lo, len), in blocks from (lo / bs) * bs.
+// The first position a context of `len` keys attends to (0 without a sliding window).
 BATCHINFER_INLINE int64_t window_lo(const Problem& p, int64_t len) {
   return p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
 }

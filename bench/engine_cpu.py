@@ -421,12 +421,14 @@ def _timed(fn, min_seconds: float = 0.05, repeats: int = 5) -> float:
     return best
 
 
-def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: bool) -> list[dict]:
+def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: bool,
+                    ragged: bool = False) -> list[dict]:
     """Decode attention alone: the compiled kernel (per (sequence, KV head) items, its default)
     against the torch gather path and against per-sequence items, and the kernel reading our cache
     layout ``[blocks, block_size, KVH, D]`` against a copy of the cache in vLLM's CPU layout
     ``[blocks, KVH, block_size, D]`` (the same kernel, through strides; the better work items of
-    each). B sequences of L tokens each over shuffled blocks of 16; one query per sequence."""
+    each). B sequences of L tokens each (``ragged``: of lengths drawn from [L/4, L], as an engine's
+    batch holds) over shuffled blocks of 16; one query per sequence."""
     from batchinfer.kernels import cpu_attention
     from batchinfer.kernels.cpu_ext import decode
 
@@ -435,7 +437,8 @@ def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: boo
     batches, contexts = ((1, 64), (128, 1024)) if quick else ((1, 16, 64, 256), (128, 512, 2048))
     bs, rows = 16, []
     print(f"decode attention alone: {num_heads} heads, {num_kv_heads} KV heads, head_dim {head_dim}, "
-          f"block 16, {torch.get_num_threads()} threads; ms per call "
+          f"block 16, {'ragged lengths in [L/4, L], ' if ragged else ''}{torch.get_num_threads()} threads; "
+          "ms per call "
           f"({'thread CPU' if CPU_CLOCK else 'wall'} time, best of 5)")
     print(f"  {'cache':8s} {'B':>4s} {'L':>5s} {'K/V MB':>7s} {'gather':>8s} {'kernel':>8s} {'speedup':>7s} "
           f"{'GB/s':>6s} {'kernel/seq':>11s} {'vLLM layout':>11s} {'vLLM/ours':>9s}")
@@ -445,15 +448,16 @@ def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: boo
             for L in contexts:
                 nb = -(-L // bs)
                 shape = (B * nb + 8, bs, num_kv_heads, head_dim)
-                kv_bytes = 2 * B * L * num_kv_heads * head_dim * dtype.itemsize
-                if kv_bytes > (512 << 20):
+                if 2 * B * L * num_kv_heads * head_dim * dtype.itemsize > (512 << 20):
                     continue
+                lens = (torch.randint(max(1, L // 4), L + 1, (B,), generator=gen) if ragged
+                        else torch.full((B,), L)).int()
+                kv_bytes = 2 * int(lens.sum()) * num_kv_heads * head_dim * dtype.itemsize
                 k = torch.randn(shape, generator=gen).to(dtype)
                 v = torch.randn(shape, generator=gen).to(dtype)
                 tables = torch.randperm(shape[0], generator=gen)[:B * nb].view(B, nb).int()
                 q = torch.randn(B, num_heads, head_dim, generator=gen).to(dtype)
                 cu = torch.arange(B + 1, dtype=torch.int32)
-                lens = torch.full((B,), L, dtype=torch.int32)
                 out = torch.empty_like(q)
                 args = (q, k, v, tables, cu, lens)
                 scale = head_dim**-0.5
@@ -601,6 +605,9 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true",
                     help="only the decode-attention micro-bench (kernel vs gather, our layout vs vLLM's) "
                          "at the model's head shapes")
+    ap.add_argument("--ragged", action="store_true",
+                    help="with --attention: each sequence's length drawn from [L/4, L] (an engine batch's "
+                         "ragged contexts) instead of all L")
     ap.add_argument("--linear", action="store_true",
                     help="only the few-row linear micro-bench (torch's F.linear vs the GEMV, bfloat16) "
                          "at the model's shapes")
@@ -635,7 +642,7 @@ def main() -> None:
             return
         if args.attention:
             rows = attention_micro(model.config.num_attention_heads, model.num_kv_heads, model.head_dim,
-                                   args.quick)
+                                   args.quick, args.ragged)
             print(json.dumps({"attention": [{k: round(v, 4) if isinstance(v, float) else v
                                              for k, v in r.items()} for r in rows]}))
             return

@@ -168,9 +168,10 @@ int64_t scratch_size(int64_t G, int64_t D, int64_t bs, int64_t span) {
   return 2 * G * NV + BP + BP * NV + (G * span + 2 * G + LANES - 1) / LANES;
 }
 
-// The first position a context of `len` keys attends to (0 without a sliding window).
-BATCHINFER_INLINE int64_t window_lo(const Problem& p, int64_t len) {
-  return p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
+// The first position a context of `len` keys attends to (0 without a sliding window): the kernel's
+// checks, its scratch size and its passes all start there.
+BATCHINFER_INLINE int64_t window_lo(int64_t window, int64_t len) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
 }
 
 // What a pass reads: head h's rows of a cache (strides sb / st / sh: block, token, head) over the
@@ -202,7 +203,7 @@ BATCHINFER_INLINE BlockRows<T> block_rows(const Problem& p, const Rows<T>& cur, 
   if (j + kPrefetchBlocks >= nb) {
     if (after.cache == nullptr) return r;
     to = &after;
-    pb = window_lo(p, after.len) / p.bs + (j + kPrefetchBlocks - nb);
+    pb = window_lo(p.window, after.len) / p.bs + (j + kPrefetchBlocks - nb);
     if (pb * p.bs >= after.len) return r;
   }
   r.next = to->cache + block_id(p, to->seq, pb) * to->sb + to->h * to->sh;
@@ -255,7 +256,7 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
   vf* __restrict buf = part + BP;  // [BP, NV] a block's key or value rows as floats (non-float32 caches)
   float* __restrict s = reinterpret_cast<float*>(buf + BP * NV);  // [G, span] scores, then weights
   float* __restrict l = s + G * span;  // [G] softmax sums
-  const int64_t lo = window_lo(p, len);
+  const int64_t lo = window_lo(p.window, len);
   const int64_t b0 = lo / bs, nb = (len + bs - 1) / bs - b0, n = nb * BP;  // n <= span
   const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const vf neg_inf = vf{} - std::numeric_limits<float>::infinity();
@@ -430,7 +431,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     if (index_at(cu_seqlens_q, i + 1) - row != 1) continue;
     const int64_t len = index_at(seq_lens, i);
     TORCH_CHECK(len >= 1 && row >= 0 && row < q.size(0), "paged_decode: sequence ", i, ": bad length or row");
-    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    const int64_t lo = window_lo(sliding_window, len);
     TORCH_CHECK((len + bs - 1) / bs <= max_blocks, "paged_decode: sequence ", i,
                 " needs more blocks than the table has");
     for (int64_t b = lo / bs; b * bs < len; ++b) {
@@ -462,7 +463,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   // Scores of the longest context, from its window's first block.
   int64_t span = 0;
   for (const Row& r : rows) {
-    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, r.len - sliding_window) : 0;
+    const int64_t lo = window_lo(sliding_window, r.len);
     span = std::max(span, ((r.len + bs - 1) / bs - lo / bs) * ((bs + LANES - 1) / LANES * LANES));
   }
   const int64_t scratch = scratch_size(p.G, D, bs, span);

@@ -277,7 +277,7 @@ def test_a_retry_goes_back_to_its_adapters_stream(redis_server):
     for stream in streams.all():
         r.xgroup_create(stream, WORKERS_GROUP, id="0", mkstream=True)
     outbox = Outbox(r, KEYS, streams, Publisher(r, KEYS), enqueue_export=lambda job: None,
-                    on_published=lambda row: None, on_acked=lambda keys: None, max_attempts=3)
+                    on_published=lambda rows: None, on_acked=lambda keys: None, max_attempts=3)
     outbox.retry(_request("j3", 0, "a"))
     outbox.retry(_request("j3", 1))
     outbox.flush(Book())

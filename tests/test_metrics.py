@@ -202,6 +202,52 @@ def test_engine_state_is_validated_and_reported_to_the_heartbeat():
     assert m.preemptions._value.get() == 7
 
 
+def test_gauges_follow_the_engine_state_when_it_moves_and_stays():
+    m = WorkerMetrics("m")
+    states = [(3, 5, 0.5), (3, 5, 0.5), (0, 5, 0.5), (0, 0, 0.0), (0, 0, 0.0), (2, 0, 0.25)]
+    for running, waiting, kv in states:
+        m.set_engine_state(running=running, waiting=waiting, kv_usage=kv)
+        gauges = (m.running._value.get(), m.waiting._value.get(), m.kv_usage._value.get())
+        assert gauges == (running, waiting, kv)
+        assert {k: m.heartbeat_fields()[k] for k in ("running", "waiting", "kv_usage")} == \
+            {"running": running, "waiting": waiting, "kv_usage": kv}
+    m.set_engine_state(running=1, waiting=1)  # no kv figure: the gauge keeps its last value
+    assert (m.running._value.get(), m.kv_usage._value.get()) == (1, 0.25)
+
+
+def test_rows_published_at_once_count_as_one_by_one():
+    def row(i: int, model: str | None, status: str = "completed", code: str | None = None, **kw) -> ResultRow:
+        return ResultRow(job_id="j", request_id=f"j:{i}", idx=i, status=status, model=model,
+                         error_code=code, **kw)
+
+    rows = [row(0, "m", prompt_tokens=10, cached_tokens=4, created_at=1_000, finished_at=1_250),
+            row(1, "m", prompt_tokens=6, created_at=1_000, finished_at=4_000),
+            row(2, "other", prompt_tokens=3, cached_tokens=3),
+            row(3, "m", "failed", "engine_error", prompt_tokens=9, created_at=1_000, finished_at=2_000),
+            row(4, None, "failed", "engine_error"), row(5, "m", "failed", "engine_error"),
+            row(6, "m", "cancelled"), row(7, "m", embeddings=["AAAA"], prompt_tokens=5)]
+    one_by_one, at_once = WorkerMetrics("m"), WorkerMetrics("m")
+    for r in rows:
+        one_by_one.row_published(r)
+    at_once.rows_published(rows[:3])
+    at_once.rows_published(rows[3:])
+
+    def samples(m: WorkerMetrics) -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in m.registry.collect()
+                for s in fam.samples if s.name.startswith(("batchinfer_requests", "batchinfer_prefix",
+                                                           "batchinfer_e2e"))
+                and not s.name.endswith("_created")}
+
+    got = samples(at_once)
+    assert got == samples(one_by_one)
+    assert got[("batchinfer_requests_completed_total", (("model", "m"),))] == 3
+    assert got[("batchinfer_requests_failed_total", (("code", "engine_error"), ("model", "m")))] == 2
+    assert got[("batchinfer_requests_failed_total", (("code", "cancelled"), ("model", "m")))] == 1
+    assert got[("batchinfer_prefix_cache_queried_tokens_total", (("model", "m"),))] == 19
+    assert got[("batchinfer_prefix_cache_hit_tokens_total", (("model", "m"),))] == 7
+    assert got[("batchinfer_e2e_request_latency_seconds_count", (("model", "m"),))] == 2
+
+
 def test_throughput_window_forgets_old_steps():
     clock = [0.0]
     window = ThroughputWindow(window_s=10, clock=lambda: clock[0])

@@ -446,7 +446,7 @@ def test_a_worker_s_retries_go_one_multi_per_partition_and_a_failed_one_never_se
     jobs = [job_in(keys, p, "o-") for p in (0, 1)]
     streams = BatchStreams(keys, "echo")
     outbox = Outbox(r, keys, streams, Publisher(r, keys), enqueue_export=lambda job: None,
-                    on_published=lambda row: None, on_acked=lambda entries: None, max_attempts=3)
+                    on_published=lambda rows: None, on_acked=lambda entries: None, max_attempts=3)
     for job in jobs:
         outbox.retry(BatchRequest(request_id=f"{job}:0", job_id=job, idx=0, prompt_token_ids=[65],
                                   sampling_params={"max_tokens": 2}, model="echo", line=1, created_at=1))

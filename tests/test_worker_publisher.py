@@ -58,7 +58,7 @@ def _rows(r, job: str) -> list[dict]:
 def _publisher(r, **kw) -> PublisherThread:
     own = own_client(r)
     outbox = Outbox(own, KEYS, BatchStreams(KEYS, "echo"), Publisher(own, KEYS),
-                    enqueue_export=lambda job: None, on_published=lambda row: None,
+                    enqueue_export=lambda job: None, on_published=lambda rows: None,
                     on_acked=lambda keys: None, max_attempts=3)
     return PublisherThread(outbox, **kw)
 
@@ -157,7 +157,7 @@ def test_rows_of_a_job_whose_record_vanished_are_dropped_and_the_batch_is_acked(
     metrics, published = WorkerMetrics("echo"), []
     own = own_client(r)
     outbox = Outbox(own, KEYS, BatchStreams(KEYS, "echo"), Publisher(own, KEYS, metrics=metrics),
-                    enqueue_export=lambda job: None, on_published=published.append,
+                    enqueue_export=lambda job: None, on_published=published.extend,
                     on_acked=lambda keys: None, max_attempts=3)
     pub = PublisherThread(outbox)
     pub.add(_row(reqs[0]))
@@ -256,7 +256,7 @@ def test_rows_wait_in_the_outbox_until_replicas_have_them(redis_server):
     publisher = Publisher(own, KEYS, replica_acks=1, replica_timeout_ms=20)
     published, acked = [], []
     outbox = Outbox(own, KEYS, BatchStreams(KEYS, "echo"), publisher, enqueue_export=lambda job: None,
-                    on_published=published.append, on_acked=acked.extend, max_attempts=3)
+                    on_published=published.extend, on_acked=acked.extend, max_attempts=3)
     for q in reqs:
         outbox.add(_row(q))
     with pytest.raises(ReplicasBehind):

@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -189,14 +189,27 @@ class _DaemonMetrics:
 
     def row_published(self, row: Row) -> None:
         """Count a result row this process published (call only when the publish says it wrote it)."""
-        model = row.model or UNKNOWN
-        if row.status == "completed":
+        self.rows_published((row,))
+
+    def rows_published(self, rows: Sequence[Row]) -> None:
+        """Count result rows this process published: one ``inc`` per model and outcome, not per row
+        (a worker's publisher thread counts a publish call's rows at once)."""
+        completed: dict[str, int] = {}
+        failed: dict[tuple[str, str], int] = {}
+        for row in rows:
+            model = row.model or UNKNOWN
+            if row.status == "completed":
+                completed[model] = completed.get(model, 0) + 1
+            else:
+                outcome = (model, row.error_code or row.status)
+                failed[outcome] = failed.get(outcome, 0) + 1
+        for model, n in completed.items():
             child = self._completed_children.get(model)
             if child is None:
                 child = self._completed_children[model] = self.completed.labels(model=model)
-            child.inc()
-        else:
-            self.failed.labels(model=model, code=row.error_code or row.status).inc()
+            child.inc(n)
+        for (model, code), n in failed.items():
+            self.failed.labels(model=model, code=code).inc(n)
 
     def reply_skipped(self, count: int = 1) -> None:
         """``count`` reply streams were skipped by a publication: the key is not a stream."""
@@ -311,6 +324,7 @@ class WorkerMetrics(_DaemonMetrics):
         self.kv_usage = mine("batchinfer_kv_cache_usage_ratio")
         self.preemptions = mine("batchinfer_preemptions_total")
         self._preemptions_seen = 0
+        self._kv_usage_set: float | None = None  # the gauge's value (set only when it moves)
         # speculative decoding: (stats key, method or "") -> [bound counter, cumulative value seen]
         self._spec_seen: dict[tuple[str, str], list[Any]] = {}
         self.throughput = ThroughputWindow(clock=clock)
@@ -412,25 +426,35 @@ class WorkerMetrics(_DaemonMetrics):
         self.step_seconds.observe(seconds)
         self.step_tokens.observe(num_batched_tokens if num_batched_tokens is not None
                                  else computed_prompt + new_generated)
-        self.prompt_tokens.inc(new_prompt)
-        self.generation_tokens.inc(new_generated)
-        self.throughput.add(new_prompt + new_generated)
+        # every step calls this: what did not move takes no lock (a decode step has no prompt tokens)
+        if new_prompt:
+            self.prompt_tokens.inc(new_prompt)
+        if new_generated:
+            self.generation_tokens.inc(new_generated)
+        if new_prompt or new_generated:
+            self.throughput.add(new_prompt + new_generated)
 
     def set_engine_state(self, running: int, waiting: int, kv_usage: float | None = None,
                          preemptions: int | None = None) -> None:
         """The engine's running / waiting sequence counts, KV cache use (0..1) and, when it counts
         them, its cumulative number of preemptions (``Engine.num_preemptions``), now."""
-        if preemptions is not None:
-            self.preemptions.inc(max(0, preemptions - self._preemptions_seen))
-            self._preemptions_seen = max(self._preemptions_seen, preemptions)
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self._state.update(running=running, waiting=waiting)
-        if kv_usage is not None:
+        if preemptions is not None and preemptions > self._preemptions_seen:
+            self.preemptions.inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
+        # called every step: a gauge is set (a lock taken) only when its value moved
+        state = self._state
+        if state.get("running") != running:
+            self.running.set(running)
+            state["running"] = running
+        if state.get("waiting") != waiting:
+            self.waiting.set(waiting)
+            state["waiting"] = waiting
+        if kv_usage is not None and kv_usage != self._kv_usage_set:
             if not 0.0 <= kv_usage <= 1.0:
                 raise ValueError(f"kv_usage must be within 0..1, got {kv_usage}")
             self.kv_usage.set(kv_usage)
-            self._state["kv_usage"] = round(kv_usage, 4)
+            self._kv_usage_set = kv_usage
+            state["kv_usage"] = round(kv_usage, 4)
 
     def set_spec_stats(self, stats: Mapping[str, Any] | None) -> None:
         """The engine's cumulative speculative-decoding counters (``Engine.spec_stats()``), now: their
@@ -461,16 +485,22 @@ class WorkerMetrics(_DaemonMetrics):
             seen[0].inc(value - seen[1])
             seen[1] = value
 
-    def row_published(self, row: Row) -> None:
-        """Count a row this worker published, with its prefix cache use and end-to-end latency."""
-        super().row_published(row)
-        if row.status != "completed":
-            return
-        if row.prompt_tokens and row.embeddings is None:  # an embedding's prompt pass has no cache
-            self.prefix_queried.inc(row.prompt_tokens)
-            self.prefix_hits.inc(row.cached_tokens or 0)
-        if row.created_at and row.finished_at and row.finished_at >= row.created_at:
-            self.e2e.observe((row.finished_at - row.created_at) / 1000)
+    def rows_published(self, rows: Sequence[Row]) -> None:
+        """Count rows this worker published, with their prefix cache use (summed: one ``inc`` each
+        a call) and each one's end-to-end latency."""
+        super().rows_published(rows)
+        queried = hits = 0
+        for row in rows:
+            if row.status != "completed":
+                continue
+            if row.prompt_tokens and row.embeddings is None:  # an embedding's prompt pass has no cache
+                queried += row.prompt_tokens
+                hits += row.cached_tokens or 0
+            if row.created_at and row.finished_at and row.finished_at >= row.created_at:
+                self.e2e.observe((row.finished_at - row.created_at) / 1000)
+        if queried:
+            self.prefix_queried.inc(queried)
+            self.prefix_hits.inc(hits)
 
     def heartbeat_fields(self) -> dict[str, Any]:
         """Fields for ``Registry.heartbeat_worker`` info, as ``batchinfer top`` reads them."""

@@ -140,7 +140,7 @@ class WorkerDaemon:
                            metrics=self.metrics, replica_acks=settings.replica_acks,
                            replica_timeout_ms=settings.replica_ack_timeout_ms)
         outbox = Outbox(own, self.keys, self.streams, sender, enqueue_export=self._enqueue_export,
-                        on_published=self.metrics.row_published, on_acked=self.keeper.release,
+                        on_published=self.metrics.rows_published, on_acked=self.keeper.release,
                         max_attempts=settings.max_attempts)
         self.cancels = Cancellations(self.keys)
         self.outbox = PublisherThread(outbox, hard_stop=self.hard_stop, name=f"publisher-{self.name}",

@@ -114,6 +114,8 @@ class Feeder:
         self.failed_steps = self.steps = 0
         self.engine_s = 0.0  # perf_counter s inside engine.step() / add_request
         self.rank_failed = False  # a tensor-parallel rank died: the daemon exits at once
+        # an engine whose counters are {} now never speculates (WorkerEngine.spec_stats): no call a step
+        self.speculates = bool(engine.spec_stats())
 
     def room(self) -> int:
         """Sequences the engine can take now."""
@@ -214,7 +216,8 @@ class Feeder:
                                stats=engine.step_stats)
         self.metrics.set_engine_state(engine.num_running, engine.num_waiting, engine.kv_usage,
                                       engine.num_preemptions)
-        self.metrics.set_spec_stats(engine.spec_stats())
+        if self.speculates:
+            self.metrics.set_spec_stats(engine.spec_stats())
         self.failed_steps = 0
         self.steps += 1
 

@@ -103,7 +103,7 @@ class Outbox:
     """Rows, retries, acknowledgements and exports owed to Redis by one worker."""
 
     def __init__(self, r: redis.Redis, keys: Keys, streams: BatchStreams, publisher: Publisher, *,
-                 enqueue_export: Callable[[str], None], on_published: Callable[[ResultRow], None],
+                 enqueue_export: Callable[[str], None], on_published: Callable[[list[ResultRow]], None],
                  on_acked: Callable[[list[str]], None], max_attempts: int, chunk: int = FLUSH_CHUNK):
         self.redis, self.keys, self.streams, self.publisher = r, keys, streams, publisher
         self.max_attempts = max_attempts
@@ -174,14 +174,17 @@ class Outbox:
                 self.won.update(o.row.request_id for o, out in zip(chunk, partly.outcomes, strict=True)
                                 if out is not None and out.published)
                 raise
+            published: list[ResultRow] = []
             for o, outcome in zip(chunk, outcomes, strict=True):
                 self.rows.popleft()
                 if outcome.published or o.row.request_id in self.won:
                     self.won.discard(o.row.request_id)
-                    self.on_published(o.row)
+                    published.append(o.row)
                     if o.dead_letter is not None:  # only the publication that won records it
                         self.dead_letters.append(o.dead_letter)
                 self.sent.append((o.row.request_id, True))
+            if published:
+                self.on_published(published)  # counted a chunk at a time (metrics' rows_published)
         if self.dead_letters:
             home = self.keys.job_partition  # a dead letter's partition: its request's job's
             for part, letters in by_partition(self.dead_letters, lambda d: home(d.request.job_id)).items():

@@ -9,8 +9,9 @@ a row) is written as ``null``, which JSON has, rather than ``-Infinity``, which 
 orjson refuses (a lone surrogate, an int beyond 64 bits, a type it does not know) is encoded by
 ``json`` as before, so nothing that encoded before fails now.
 
-Reading stays with ``json.loads``: orjson reads an integer past 64 bits as a float, where the
-protocol needs the exact value or a clear error.
+Reading stays with ``json.loads`` here: orjson reads an integer past 64 bits as a float, where
+the protocol needs the exact value or a clear error. A worker's batch entries are read through
+orjson where that cannot happen (:func:`batchinfer.protocol.batches.loads`).
 """
 
 from __future__ import annotations

@@ -97,6 +97,8 @@ def fields_dict(obj: Any) -> dict[str, Any]:
 def _from_mapping(cls, d: Mapping[str, Any]):
     """Build a dataclass from a mapping, ignoring keys a newer writer may have added."""
     names = _field_set(cls)
+    if type(d) is dict and names.issuperset(d):  # the usual case: no key to drop, no copy to filter
+        return cls(**d)
     return cls(**{k: v for k, v in d.items() if k in names})
 
 

@@ -11,16 +11,17 @@ from hypothesis import strategies as st
 from batchinfer.scheduler.packing import Budget, Candidate, Packer
 
 
-def cand(key, job="j", priority=0, prompt=10, max_tokens=10, arrival=0, prefix=()):
+def cand(key, job="j", priority=0, prompt=10, max_tokens=10, arrival=0, prefix=(), seqs=1):
     return Candidate(key=str(key), job=job, priority=priority, prompt_tokens=prompt, max_tokens=max_tokens,
-                     arrival=arrival, prefix=tuple(prefix))
+                     arrival=arrival, prefix=tuple(prefix), seqs=seqs)
 
 
 candidates = st.lists(
     st.builds(
-        lambda job, pri, prompt, mt, arrival, pfx: (job, pri, prompt, mt, arrival, pfx),
+        lambda job, pri, prompt, mt, arrival, pfx, seqs: (job, pri, prompt, mt, arrival, pfx, seqs),
         st.sampled_from(["a", "b", "c", "d"]), st.integers(-1, 2), st.integers(1, 300), st.integers(0, 200),
         st.integers(0, 50), st.lists(st.integers(0, 3), max_size=20),
+        st.sampled_from([1, 1, 1, 2, 3]),  # n > 1: each sequence takes a slot of max_num_seqs
     ),
     max_size=60,
 ).map(lambda xs: [cand(i, *x) for i, x in enumerate(xs)])
@@ -31,7 +32,8 @@ def check_batches(batches, budget, max_batches):
     assert len(batches) <= max_batches
     for batch in batches:
         assert batch, "no empty batches"
-        assert len(batch) <= budget.max_num_seqs
+        # sequences within max_num_seqs, unless one request of n > max_num_seqs has the batch to itself
+        assert sum(c.seqs for c in batch) <= budget.max_num_seqs or len(batch) == 1
         # within the token budget, unless one oversized request has the batch to itself
         assert sum(c.cost for c in batch) <= budget.kv_tokens or len(batch) == 1
 
@@ -118,6 +120,18 @@ def test_prefix_and_length_grouping():
     lengths = [cand(i, prompt=p, max_tokens=0, arrival=i) for i, p in enumerate([1000, 3, 900, 5, 4, 800])]
     batches = Packer().pack(lengths, Budget(kv_tokens=10_000, max_num_seqs=3), 2)
     assert [sorted(c.prompt_tokens for c in b) for b in batches] == [[3, 4, 5], [800, 900, 1000]]
+
+
+def test_requests_of_n_sequences_count_n_against_max_num_seqs():
+    budget = Budget(kv_tokens=10_000, max_num_seqs=4)
+    two_each = [cand(i, job=f"j{i % 2}", arrival=i, seqs=2) for i in range(6)]
+    batches = Packer().pack(two_each, budget, 3)
+    assert [len(b) for b in batches] == [2, 2, 2]
+    mixed = [cand(0, seqs=3), cand(1, seqs=1), cand(2, seqs=2), cand(3, seqs=2)]
+    batches = Packer().pack(mixed, budget, 2)
+    assert sorted(sum(c.seqs for c in b) for b in batches) == [4, 4]
+    (one,) = Packer().pack(mixed, budget, 1)  # what one batch can hold: the first in arrival order
+    assert sorted(c.key for c in one) == ["0", "1"]
 
 
 def test_oversized_request_gets_its_own_batch():

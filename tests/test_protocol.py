@@ -67,8 +67,8 @@ def test_non_utf8_entry():
 
 
 def test_job_ids():
-    assert valid_job_id("job_01a2_ff") and valid_job_id("a.b-c")
-    for bad in ("", "-x", "a b", "a:b", "é", "x" * 129, "a/b"):
+    assert valid_job_id("job_01a2_ff") and valid_job_id("a.b-c") and valid_job_id("x" * 128)
+    for bad in ("", "-x", "a b", "a:b", "é", "x" * 129, "a/b", "job\n", "\njob", "jöb", "٣job", "job٣"):
         assert not valid_job_id(bad), bad
 
 

@@ -439,10 +439,12 @@ def parse_duration(value: str | int) -> int:
     return seconds
 
 
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
 def valid_job_id(job_id: str) -> bool:
     """Job ids appear in key names and file names: ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``."""
-    return (0 < len(job_id) <= 128 and job_id[0].isascii() and job_id[0].isalnum()
-            and all(c.isascii() and (c.isalnum() or c in "._-") for c in job_id))
+    return _JOB_ID.fullmatch(job_id) is not None
 
 
 def _int_or_none(text: str) -> int | None:

@@ -248,6 +248,14 @@ class Admission:
         return True
 
 
+def bit_ops(op: str, offsets: list[int]) -> list[str | int]:
+    """BITFIELD arguments that ``GET`` (or ``SET`` to 1) the single bits at ``offsets``."""
+    args: list[str | int] = []
+    for offset in offsets:
+        args += (op, "u1", offset, 1) if op == "SET" else (op, "u1", offset)
+    return args
+
+
 class Intake:
     """Moves entries from ``{p}:requests`` (and the holding area) to staging or to rows."""
 
@@ -382,11 +390,19 @@ class Intake:
         pairs = list(dict.fromkeys(p for p in (_job_idx(f, limit) for f in fields) if p is not None))
         if not pairs:
             return set()
-        pipe = self.redis.pipeline(transaction=False)
+        by_job: dict[str, list[int]] = {}
         for job, idx in pairs:
-            pipe.getbit(self.keys.admitted(job), idx)
-        bits = pipe.execute(raise_on_error=False)  # e.g. WRONGTYPE: that pair is not taken; admit decides
-        return {p for p, bit in zip(pairs, bits, strict=True) if bit is True or bit == 1}
+            by_job.setdefault(job, []).append(idx)
+        # one BITFIELD reads a job's bits (a GETBIT each cost the scheduler more than the read)
+        pipe = self.redis.pipeline(transaction=False)
+        for job, idxs in by_job.items():
+            pipe.execute_command("BITFIELD", self.keys.admitted(job), *bit_ops("GET", idxs))
+        answers = pipe.execute(raise_on_error=False)  # e.g. WRONGTYPE: that job's pairs are not taken
+        taken: set[tuple[str, int]] = set()
+        for (job, idxs), bits in zip(by_job.items(), answers, strict=True):
+            if isinstance(bits, list):
+                taken.update((job, idx) for idx, bit in zip(idxs, bits, strict=True) if bit == 1)
+        return taken
 
     def _read(self, start: str, block_ms: int | None, count: int | None = None) -> list[_Entry]:
         """One chunk of entries (``count``, default ``chunk``) from ``start`` (``"0"``: own pending
@@ -470,6 +486,7 @@ class Intake:
         pipe = self.fence.transaction()
         tallies: dict[str, _Tally] = {}
         held_models: Counter[str] = Counter()  # model -> requests held (+) or released (-)
+        staged: list[tuple[str, int, BatchRequest]] = []
         for entry_id, outcome, fields in decided:
             if isinstance(outcome, Hold) and room <= 0:
                 outcome.row.error_message = ((outcome.row.error_message or "")
@@ -481,7 +498,7 @@ class Intake:
             if isinstance(outcome, Reject):
                 self._publish(entry_id, outcome)
             elif isinstance(outcome, Stage):
-                self.staging.add(pipe, outcome.model, outcome.priority, outcome.request)
+                staged.append((outcome.model, outcome.priority, outcome.request))
             elif isinstance(outcome, Hold):
                 room -= 1
                 # str values as redis-py would encode them (UTF-8), so the map is all bytes
@@ -496,6 +513,7 @@ class Intake:
                 tally.held += isinstance(outcome, Hold)
                 if isinstance(outcome, Stage | Reject | Hold) and outcome.overridden:
                     tally.overridden.append(outcome.overridden)
+        self.staging.add(pipe, staged)
         self._count(pipe, tallies)
         released_jobs: Counter[str] = Counter()
         for job, model in released or ():
@@ -518,8 +536,8 @@ class Intake:
         overridden line models (their names only when a new one appears, at most 8)."""
         for job, tally in tallies.items():
             key = self.keys.job(job)
-            for idx in tally.admitted:
-                pipe.setbit(self.keys.admitted(job), idx, 1)
+            if tally.admitted:  # every bit in one BITFIELD, not a SETBIT each
+                pipe.execute_command("BITFIELD", self.keys.admitted(job), *bit_ops("SET", tally.admitted))
             pipe.hincrby(key, JobField.SUBMITTED, len(tally.admitted))
             if tally.held:
                 pipe.hincrby(key, JobField.HELD, tally.held)

@@ -96,6 +96,7 @@ class Packer:
         """Fair-share order, placed first fit into ``max_batches`` bins (so every pick fits)."""
         bins: list[list[Candidate]] = [[] for _ in range(max_batches)]
         tokens = [0] * max_batches
+        seqs = [0] * max_batches  # each bin's sequences, kept as it fills (summed per try: O(n²))
         by_level: dict[int, dict[str, deque[Candidate]]] = defaultdict(lambda: defaultdict(deque))
         for c in sorted(pending, key=lambda c: (c.arrival, c.key)):
             by_level[c.priority][c.job].append(c)
@@ -105,10 +106,11 @@ class Packer:
             while queues:
                 job = min(queues, key=lambda j: (served[j], queues[j][0].arrival, j))
                 head = queues[job][0]
-                slot = next((i for i, b in enumerate(bins) if fits(b, tokens[i], head, budget)), None)
+                slot = next((i for i, b in enumerate(bins) if fits(b, tokens[i], head, budget, seqs[i])),
+                            None)
                 if slot is None:
-                    if all(seqs_of(b) >= budget.max_num_seqs or t >= budget.kv_tokens
-                           for b, t in zip(bins, tokens, strict=True)):
+                    if all(n >= budget.max_num_seqs or t >= budget.kv_tokens
+                           for n, t in zip(seqs, tokens, strict=True)):
                         return [b for b in bins if b]  # every bin is full
                     del queues[job]  # its head does not fit this time; the others may
                     continue
@@ -117,20 +119,17 @@ class Packer:
                     del queues[job]
                 bins[slot].append(head)
                 tokens[slot] += head.cost
+                seqs[slot] += head.seqs
                 served[job] += head.cost
         return [b for b in bins if b]
 
 
-def seqs_of(batch: Sequence[Candidate]) -> int:
-    """Sequences ``batch`` runs: a request with ``n`` > 1 counts ``n`` times against ``max_num_seqs``."""
-    return sum(c.seqs for c in batch)
-
-
-def fits(batch: Sequence[Candidate], tokens: int, c: Candidate, budget: Budget) -> bool:
-    """Whether ``c`` may join ``batch`` (holding ``tokens``); an empty batch takes anything."""
+def fits(batch: Sequence[Candidate], tokens: int, c: Candidate, budget: Budget, seqs: int) -> bool:
+    """Whether ``c`` may join ``batch``, which holds ``tokens`` KV tokens and ``seqs`` sequences (a
+    request with ``n`` > 1 counts ``n`` times against ``max_num_seqs``); an empty batch takes anything."""
     if not batch:
         return True
-    return seqs_of(batch) + c.seqs <= budget.max_num_seqs and tokens + c.cost <= budget.kv_tokens
+    return seqs + c.seqs <= budget.max_num_seqs and tokens + c.cost <= budget.kv_tokens
 
 
 def group_key(c: Candidate) -> tuple:
@@ -145,14 +144,15 @@ def arrange(bins: Sequence[Sequence[Candidate]], budget: Budget) -> list[list[Ca
     own bins are kept, each sorted by :func:`group_key`: nothing selected is ever left out.
     """
     batches: list[list[Candidate]] = []
-    tokens = 0
+    tokens = seqs = 0  # the last batch's
     for c in sorted((c for b in bins for c in b), key=group_key):
-        if batches and fits(batches[-1], tokens, c, budget):
+        if batches and fits(batches[-1], tokens, c, budget, seqs):
             batches[-1].append(c)
             tokens += c.cost
+            seqs += c.seqs
         else:
             batches.append([c])
-            tokens = c.cost
+            tokens, seqs = c.cost, c.seqs
     if len(batches) <= len(bins):
         return batches
     return [sorted(b, key=group_key) for b in bins]

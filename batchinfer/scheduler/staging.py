@@ -23,6 +23,7 @@ waited too long, job ended) subtracts 1 from both, so neither ever goes negative
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -122,11 +123,17 @@ class Staging:
         self.keys = keys
         self._prune = scripts.register(redis_client, "prune_queue")
 
-    def add(self, pipe: redis.client.Pipeline, model: str, priority: int, request: BatchRequest) -> None:
-        """Queue ``request`` on ``pipe`` (the caller's MULTI, which also acks its intake entry)."""
-        member = member_for(priority, request.job_id)
-        pipe.xadd(queue_key(self.keys, model, member), {"req": encode_request(request)})
-        pipe.zadd(queues_key(self.keys, model), {member: priority})
+    def add(self, pipe: redis.client.Pipeline, staged: Iterable[tuple[str, int, BatchRequest]]) -> None:
+        """Queue each ``(model, priority, request)`` of ``staged`` on ``pipe`` (the caller's MULTI,
+        which also acks their intake entries): an XADD each, and one ZADD per model naming its
+        queues (a ZADD each was most of a request's staging cost)."""
+        members: dict[str, dict[str, int]] = {}  # model -> member -> priority
+        for model, priority, request in staged:
+            member = member_for(priority, request.job_id)
+            pipe.xadd(queue_key(self.keys, model, member), {"req": encode_request(request)})
+            members.setdefault(model, {})[member] = priority
+        for model, queues in members.items():
+            pipe.zadd(queues_key(self.keys, model), queues)
 
     def members(self, model: str, limit: int = 4096) -> list[tuple[str, int]]:
         """Active ``(member, priority)`` of ``model``, highest priority first (at most ``limit``)."""

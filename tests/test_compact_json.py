@@ -1,4 +1,5 @@
-"""compact_json.dumps: orjson where it can, the standard library where it cannot, the same values."""
+"""compact_json.dumps and loads: orjson where it can, the standard library where it cannot, the
+same values."""
 
 from __future__ import annotations
 
@@ -53,3 +54,48 @@ def test_what_orjson_refuses_is_encoded_by_json():
     text = row.to_json()
     assert "\\ud800" in text and text.encode("utf-8")
     assert ResultRow.from_json(text).output_text == "a\ud800"
+
+
+@pytest.mark.parametrize("text", [
+    b'[{"idx": 3, "prompt_token_ids": [1, 50000, 151935], "seed": 9223372036854775807, "t": 0.7}]',
+    b'[18446744073709551616, -9223372036854775809, 123456789012345678901234567890]',  # past 64 bits
+    b'[0.1234567890123456789, 1e-9, 2.5e308, -0.0]',
+    b'[NaN, Infinity, 1e400]', '["\\ud800", "caf\u00e9"]', '{"a": 1, "a": 2}',
+])
+def test_loads_reads_what_json_reads(text):
+    got, want = compact_json.loads(text), json.loads(text)
+    assert repr(got) == repr(want)  # repr: an int read as a float, or NaN, would differ
+    assert [type(v) for v in (got if isinstance(got, list) else got.values())] == \
+        [type(v) for v in (want if isinstance(want, list) else want.values())]
+
+
+@pytest.mark.parametrize("text", [b"[{", b"\xff", b"", b"[1,]", b'{"a" 1}'])
+def test_loads_refuses_what_json_refuses_with_its_message(text):
+    with pytest.raises(ValueError) as ours:
+        compact_json.loads(text)
+    with pytest.raises(ValueError) as theirs:
+        json.loads(text)
+    assert str(ours.value) == str(theirs.value)
+
+
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text()
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20))
+def test_loads_gives_json_loads_values_for_any_value(value):
+    text = json.dumps(value, ensure_ascii=False)
+    got = compact_json.loads(text.encode("utf-8", "surrogatepass"))
+    assert repr(got) == repr(json.loads(text))  # ints past 64 bits stay ints (repr tells 1 from 1.0)
+
+
+def test_loads_hands_its_options_to_json_where_it_reads():
+    def refuse(name: str) -> None:
+        raise ValueError(f"no {name}")
+
+    with pytest.raises(ValueError, match="no NaN"):
+        compact_json.loads('{"t": NaN}', parse_constant=refuse)
+    assert compact_json.loads('{"t": 1.5}', parse_constant=refuse) == {"t": 1.5}
+    deep = "[" * 1100 + "]" * 1100  # past orjson's nesting limit: json's own error
+    with pytest.raises(RecursionError):
+        compact_json.loads(deep)

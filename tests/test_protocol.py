@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from batchinfer.protocol.bodies import parse_body
 from batchinfer.protocol.entries import PROTOCOL_VERSION, IntakeEntry, RequestError, valid_job_id
 from batchinfer.protocol.rows import BatchRequest, ResultRow
 from batchinfer.workers.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -171,3 +172,19 @@ def test_a_row_s_json_is_its_fields_in_order_and_what_orjson_refuses_still_encod
     assert back["error_message"] == "bad \ud800" and back["prompt_tokens"] == 2**70
     expected = std_json.dumps(fields_dict(odd), separators=(",", ":"), ensure_ascii=False)
     assert compact_json.dumps(odd, default=fields_dict) == expected
+
+
+@pytest.mark.parametrize("depth", [995, 1020])
+def test_a_body_nested_deeper_than_json_reads_is_refused_as_such(depth):
+    """orjson reads nesting up to 1,024 levels, json fails near the recursion limit: a body that
+    deep gets the error json's path gives, not one from whichever check meets the nesting later."""
+    body = '{"prompt_token_ids": [1], "metadata": ' + "[" * depth + "]" * depth + "}"
+    with pytest.raises(RequestError, match="nested too deeply") as caught:
+        parse_body(body, line=7)
+    assert caught.value.code == "invalid_json" and caught.value.line == 7
+
+
+def test_a_body_with_many_brackets_reads_the_same_either_way():
+    messages = [{"role": "user", "content": [{"type": "text", "text": f"part {i}"}]} for i in range(300)]
+    body = json.dumps({"messages": messages, "max_tokens": 4})  # 600+ brackets: json's path whole
+    assert parse_body(body) == parse_body(json.loads(body))

@@ -8,19 +8,16 @@ and, optionally, ``solo`` = ``1``. Pure data: nothing here touches Redis.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import orjson
 
 from batchinfer.protocol import compact_json
 from batchinfer.protocol.entries import PROTOCOL_VERSION
 from batchinfer.protocol.rows import BatchRequest, fields_dict
 
 __all__ = ["REQUESTS_FIELD", "SOLO", "SOLO_FIELD", "VERSION_FIELD", "BatchEntry", "MalformedBatch",
-           "Rejected", "decode", "encode", "encode_raw", "encode_request", "loads", "retry_batches"]
+           "Rejected", "decode", "encode", "encode_raw", "encode_request", "retry_batches"]
 
 VERSION_FIELD = "v"
 REQUESTS_FIELD = "requests"
@@ -106,30 +103,6 @@ def retry_batches(requests: list[BatchRequest], max_attempts: int) -> list[dict[
     return ([encode(rest)] if rest else []) + [encode([q], solo=True) for q in last]
 
 
-# 19 digits in a row may be an integer orjson would read as a float (past 64 bits). Found as 19
-# zeros once every digit is a zero: ``bytes.translate`` and a substring search run at C speed,
-# where a regular expression cost more than orjson saves.
-_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
-_LONG_RUN = b"0" * 19
-
-
-def loads(raw: bytes | str) -> Any:
-    """JSON text as ``json.loads`` reads it, through orjson where that gives the same values.
-
-    A worker decodes every request it runs (a batch's token ids are most of the entry): orjson
-    reads them 2-3x faster. It differs from ``json`` in what it refuses (``NaN``, a number past
-    a double's range, a lone surrogate: ``json`` reads those, and reports what is no JSON with its
-    own message) and in an integer past 64 bits, which it reads as a float: text holding 19 digits
-    in a row goes to ``json`` whole (rare in a batch, and then only slower)."""
-    text = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-    if _LONG_RUN not in text.translate(_DIGITS_TO_ZERO):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(raw)
-
-
 def decode(fields: Mapping[bytes, bytes]) -> BatchEntry:
     """A batch entry as read from Redis; :class:`MalformedBatch` for an entry that is no batch.
 
@@ -139,7 +112,7 @@ def decode(fields: Mapping[bytes, bytes]) -> BatchEntry:
     if fields.get(_VERSION) != PROTOCOL_VERSION.encode():
         raise MalformedBatch(f"unsupported batch protocol version {fields.get(_VERSION)!r}")
     try:
-        items = loads(fields[_REQUESTS])
+        items = compact_json.loads(fields[_REQUESTS])
     except KeyError:
         raise MalformedBatch(f"no {REQUESTS_FIELD!r} field") from None
     except ValueError as e:  # also UnicodeDecodeError

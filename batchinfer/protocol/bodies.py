@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchinfer.protocol import anthropic_in, responses_in
+from batchinfer.protocol import anthropic_in, compact_json, responses_in
 from batchinfer.protocol.chat_messages import check_content, check_messages
 from batchinfer.protocol.embed_bodies import EmbedInputs, check_embed_fields, parse_inputs, parse_pooling
 from batchinfer.protocol.entries import (
@@ -124,8 +124,11 @@ def _parse(body: str | bytes | Mapping[str, Any], max_tokens_limit: int | None) 
             raise RequestError("invalid_json", f"body is not UTF-8: {e}") from None
     if isinstance(body, str):
         text = body
+        # orjson reads nesting that json refuses (RecursionError: "nested too deeply"); a body with
+        # fewer brackets than that cannot hold it, and others (huge chats) take json's path whole
+        read = compact_json.loads if text.count("[") + text.count("{") < FEW_BRACKETS else json.loads
         try:
-            body = json.loads(text, parse_constant=_reject_constant)
+            body = read(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as e:
             # json counts lines of the body; the row's `line` column is the file's line
             where = f"column {e.colno}" if e.lineno == 1 else f"line {e.lineno} of the body, column {e.colno}"
@@ -440,6 +443,7 @@ def _metadata(value: Any) -> dict[str, str]:
 
 
 _INT_ONLY = {int}
+FEW_BRACKETS = 512  # a body with fewer '[' and '{' nests less deep than json.loads can read
 
 
 def _is_int(value: Any) -> bool:

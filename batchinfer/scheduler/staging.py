@@ -22,7 +22,6 @@ waited too long, job ended) subtracts 1 from both, so neither ever goes negative
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
@@ -31,6 +30,7 @@ from typing import Any
 import redis
 
 from batchinfer.keys import DIRECT, Keys
+from batchinfer.protocol import compact_json
 from batchinfer.protocol.batches import encode_request
 from batchinfer.protocol.rows import BatchRequest
 from batchinfer.redis_conn import as_text
@@ -157,7 +157,7 @@ class Staging:
             for entry_id, entry in entries:
                 raw = entry[b"req"].decode()
                 eid = as_text(entry_id)
-                out.append(Staged(model, member, eid, raw, json.loads(raw), priority, max_model_len))
+                out.append(Staged(model, member, eid, raw, compact_json.loads(raw), priority, max_model_len))
         return out
 
     def remove(self, pipe: redis.client.Pipeline, staged: list[Staged]) -> None:

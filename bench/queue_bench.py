@@ -16,7 +16,10 @@
   Beside the ratio: the worker's engine-thread time outside its engine per request, its publisher
   and prefetch threads' CPU per request (the worker's heartbeat fields ``publisher_cpu_s`` /
   ``prefetch_cpu_s`` across each job, their idle polls between jobs included: pinned, that CPU is
-  the engine's core's), and in-process ÷ the worker's seconds inside its engine.
+  the engine's core's), and in-process ÷ the worker's seconds inside its engine. In CPU seconds
+  rather than wall: the in-process run's ÷ the worker process's over the same job
+  (``worker_cpu_ratio``: what the queue costs the engine's machine, steadier than the wall ratio
+  when other load stretches wall time), and the scheduler's CPU per request over the job.
 - replica acks (``--replica-acks N``, issue 32): echo jobs of N requests through a scheduler and one
   echo worker on a master with one replica (two redis-servers on loopback ports), with
   ``BATCHINFER_REPLICA_ACKS`` 0 and 1 alternating: result rows/s of each and their ratio (what
@@ -217,12 +220,15 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
                Daemon(url, workdir, "scheduler", cpus=other_cpus if pinned else None))
     llm = LLM(model_dir, device=device)  # the same engine settings as the worker's: EngineConfig's defaults
 
+    in_cpu: list[float] = []  # this process's CPU seconds for each in-process run
+
     def in_process() -> tuple[float, list[list[int]]]:
         if pinned:
             os.sched_setaffinity(0, engine_cpus)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        in_cpu.append(time.process_time() - c0)
         if pinned:
             os.sched_setaffinity(0, other_cpus)
         return elapsed, [o.outputs[0].token_ids for o in outs]
@@ -244,20 +250,25 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
         through_queue()
         before = worker_loop_overhead(r, n, daemons)
         pairs, engine_s, side_s = [], [], []
+        worker_cpu, scheduler_cpu = [], []  # each process's CPU seconds over a job (clock ticks: 10 ms)
         for i in range(repeats):
             t_in, expected = in_process()
+            cpu0 = [d.cpu_s() for d in daemons]
             t_q, job = through_queue()
             # the worker's seconds in engine.step() / add_request for this job, and its publisher and
             # prefetch threads' CPU seconds (its heartbeat, read once it counts the job's rows:
             # outside the timed span; the threads' idle polls between jobs count too, ~1 ms)
             loop = worker_loop_overhead(r, (i + 2) * n, daemons)
+            worker_cpu.append(daemons[0].cpu_s() - cpu0[0])
+            scheduler_cpu.append(daemons[1].cpu_s() - cpu0[1])
             engine_s.append(float(loop["engine_s"]) - float(before["engine_s"]))
             side_s.append(sum(float(loop[k]) - float(before[k])
                               for k in ("publisher_cpu_s", "prefetch_cpu_s")))
             before = loop
             print(f"  overhead repeat {i + 1}: in-process {t_in:.2f} s, queue {t_q:.2f} s (the worker's "
                   f"engine {engine_s[-1]:.2f} s, its publisher + prefetch threads {side_s[-1] * 1e3:.0f} ms "
-                  "of CPU)", flush=True)
+                  f"of CPU); CPU: in-process {in_cpu[-1]:.2f} s, worker {worker_cpu[-1]:.2f} s, scheduler "
+                  f"{scheduler_cpu[-1]:.2f} s", flush=True)
             pairs.append((t_in, t_q))
     finally:
         for d in daemons:
@@ -284,7 +295,13 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
             # (median of the pairs): below 1, part of the added time is the engine running slower
             # beside the queue's threads; the rest is outside the engine
             "worker_engine_ratio": round(statistics.median(t_in / e for (t_in, _), e in zip(pairs, engine_s,
-                                                                                           strict=True)), 3)}
+                                                                                           strict=True)), 3),
+            # CPU seconds, not wall: the in-process run's ÷ the worker process's over the same job
+            # (median of the pairs; every thread, the idle polls of the job's span included). Steadier
+            # than the wall ratio on a loaded host: another VM's load stretches wall time, not CPU
+            "worker_cpu_ratio": round(statistics.median(
+                c / w for c, w in zip(in_cpu[-repeats:], worker_cpu, strict=True)), 3),
+            "overhead_scheduler_cpu_us_per_request": round(statistics.median(scheduler_cpu) / n * 1e6, 1)}
 
 
 def worker_loop_overhead(r: redis.Redis, requests: int, daemons: tuple[Daemon, ...]) -> dict:
@@ -628,8 +645,9 @@ def main() -> None:
                   f"(tokens match: {figures['overhead_tokens_match']}); engine thread "
                   f"{figures['engine_thread_us_per_request']} us per request, its publisher + prefetch "
                   f"threads {figures['side_threads_us_per_request']} us of CPU per request; in-process ÷ "
-                  f"the worker's time in its engine {figures['worker_engine_ratio']}",
-                  flush=True)
+                  f"the worker's time in its engine {figures['worker_engine_ratio']}; CPU: in-process ÷ "
+                  f"worker {figures['worker_cpu_ratio']}, scheduler "
+                  f"{figures['overhead_scheduler_cpu_us_per_request']} us per request", flush=True)
         if not args.skip_scale:
             small = bench_scale(server.url, workdir, 10_000)
             print(f"scale 10k: {small}", flush=True)

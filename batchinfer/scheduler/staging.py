@@ -126,7 +126,7 @@ class Staging:
     def add(self, pipe: redis.client.Pipeline, staged: Iterable[tuple[str, int, BatchRequest]]) -> None:
         """Queue each ``(model, priority, request)`` of ``staged`` on ``pipe`` (the caller's MULTI,
         which also acks their intake entries): an XADD each, and one ZADD per model naming its
-        queues (a ZADD each was most of a request's staging cost)."""
+        queues (a ZADD a request doubled the commands the scheduler packs and Redis runs)."""
         members: dict[str, dict[str, int]] = {}  # model -> member -> priority
         for model, priority, request in staged:
             member = member_for(priority, request.job_id)

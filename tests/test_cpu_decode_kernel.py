@@ -57,23 +57,27 @@ def _check_against_reference(batch, out: torch.Tensor, **kw) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("work", [decode.WORK_SEQUENCE, decode.WORK_HEAD])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)])  # GQA G = 1, 3, 4
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2), (9, 3)])  # GQA G = 1, 3, 4, 3
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
-def test_kernel_matches_reference(built, dtype, num_heads, num_kv_heads, head_dim):
+def test_kernel_matches_reference(built, work, dtype, num_heads, num_kv_heads, head_dim):
+    """Both kinds of work item: a whole sequence reads each block for all its KV heads in one visit
+    (heads interleaved inside the block loop), a (sequence, KV head) item one head's rows."""
     batch = make_paged_batch(SEQS, num_heads, num_kv_heads, head_dim, 16, dtype)
-    out = _run_kernel(batch)
+    out = _run_kernel(batch, work=work)
     assert out.dtype == dtype
     _check_against_reference(batch, out)
 
 
 @needs_kernel
+@pytest.mark.parametrize("work", [None, decode.WORK_SEQUENCE, decode.WORK_HEAD])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 @pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (16, None), (33, None), (1000, None),
                                             (None, 1.5), (7, 20.0), (16, 0.7)])
-def test_windows_softcap_and_block_sizes(built, block_size, window, softcap):
+def test_windows_softcap_and_block_sizes(built, work, block_size, window, softcap):
     batch = make_paged_batch(SEQS, 6, 2, 64, block_size, generator=torch.Generator().manual_seed(block_size))
-    out = _run_kernel(batch, sliding_window=window, softcap=softcap)
+    out = _run_kernel(batch, work=work, sliding_window=window, softcap=softcap)
     _check_against_reference(batch, out, sliding_window=window, softcap=softcap)
 
 

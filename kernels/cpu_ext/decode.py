@@ -53,8 +53,8 @@ CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG", "-Wno-psabi")
 LDFLAGS = ("-fopenmp",)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LANES = 16  # the kernel handles head_dim in 16-float vectors: head dims must be multiples of it
-# Work items: one per sequence (all its KV heads in turn) or one per (sequence, KV head), the default:
-# within ~10 % of per-sequence items in every micro-bench case, and more items for the threads.
+# Work items: one per sequence (each block read once for all its KV heads; the default with 4 decode
+# rows or more a thread) or one per (sequence, KV head) (more items for the threads).
 WORK_SEQUENCE, WORK_HEAD = 0, 1
 
 
@@ -250,8 +250,9 @@ def paged_decode(
     written into ``out``; sequences with 0 or several queries are skipped.
 
     q, k_cache, v_cache and out share one of ``DTYPES``; CPU tensors with a contiguous head_dim.
-    ``work``: ``WORK_SEQUENCE`` / ``WORK_HEAD`` items (None: ``WORK_HEAD``, within ~10 % of the
-    other in every case of ``bench/engine_cpu.py --attention``, and more items). Raises
+    ``work``: ``WORK_SEQUENCE`` / ``WORK_HEAD`` items (None: whole sequences, which read each
+    block once for all their KV heads, when there are 4 decode rows or more a thread; else one item
+    per (sequence, KV head), so that a few sequences still share out over the threads). Raises
     ``RuntimeError`` when the kernel is unavailable, ``IndexError`` for a block id outside the cache.
     """
     op = _default.op()

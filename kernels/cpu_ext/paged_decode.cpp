@@ -151,6 +151,10 @@ BATCHINFER_INLINE vf loadf(const float* p) {
 // (bench/engine_cpu.py --attention shapes, Xeon VM).
 constexpr int64_t kPrefetchBlocks = 2;
 
+// Sequences a thread needs before the default work items are whole sequences: ragged contexts handed
+// out longest first balance over the threads with a few items each.
+constexpr int64_t kItemsPerThread = 4;
+
 // Ask for one key or value row (D elements) into L2 (prefetcht2: L1 keeps the block being computed).
 // The scores pass asks for one row per key it computes, so the misses go out spread over the work
 // rather than in one burst that fills the line-fill buffers.
@@ -162,10 +166,11 @@ BATCHINFER_INLINE void prefetch_row(const typename S::T* row, int64_t D) {
   }
 }
 
-// Scratch of one work item, in vf units (see `attend`): `span` = the longest context's blocks x BP.
-int64_t scratch_size(int64_t G, int64_t D, int64_t bs, int64_t span) {
+// Scratch of one work item of QH query heads, in vf units (see `attend`): `span` = the longest
+// context's blocks x BP.
+int64_t scratch_size(int64_t QH, int64_t D, int64_t bs, int64_t span) {
   const int64_t NV = D / LANES, BP = (bs + LANES - 1) / LANES * LANES;
-  return 2 * G * NV + BP + BP * NV + (G * span + 2 * G + LANES - 1) / LANES;
+  return 2 * QH * NV + BP + BP * NV + (QH * span + 2 * QH + LANES - 1) / LANES;
 }
 
 // The first position a context of `len` keys attends to (0 without a sliding window): the kernel's
@@ -174,12 +179,12 @@ BATCHINFER_INLINE int64_t window_lo(int64_t window, int64_t len) {
   return window > 0 ? std::max<int64_t>(0, len - window) : 0;
 }
 
-// What a pass reads: head h's rows of a cache (strides sb / st / sh: block, token, head) over the
-// context of sequence `seq`; cache null: nothing.
+// What a pass reads: heads [h, h + nh)'s rows of a cache (strides sb / st / sh: block, token, head)
+// over the context of sequence `seq`; cache null: nothing.
 template <class T>
 struct Rows {
   const T* cache;
-  int64_t sb, st, sh, h, seq, len;
+  int64_t sb, st, sh, h, nh, seq, len;
 };
 
 // Block j of a pass over `cur` (nb blocks): its id, its rows [t0, t1) inside the context, and what to
@@ -189,15 +194,18 @@ struct Rows {
 template <class T>
 struct BlockRows {
   int64_t blk, t0, t1;
-  const T* next;
-  int64_t next_rows, next_st;
+  const T* next;  // the first head's rows of the block to prefetch (null: none)
+  int64_t next_rows, next_st, next_sh, next_nh;
+
+  // Head hh's rows of that block (null past its heads: the pass after may cover fewer).
+  BATCHINFER_INLINE const T* next_head(int64_t hh) const { return hh < next_nh ? next + hh * next_sh : nullptr; }
 };
 template <class T>
 BATCHINFER_INLINE BlockRows<T> block_rows(const Problem& p, const Rows<T>& cur, const Rows<T>& after, int64_t lo,
                                           int64_t j, int64_t nb) {
   const int64_t b = lo / p.bs + j;
   BlockRows<T> r{block_id(p, cur.seq, b), std::max<int64_t>(lo - b * p.bs, 0),
-                 std::min<int64_t>(cur.len - b * p.bs, p.bs), nullptr, 0, 0};
+                 std::min<int64_t>(cur.len - b * p.bs, p.bs), nullptr, 0, 0, 0, 0};
   const Rows<T>* to = &cur;
   int64_t pb = b + kPrefetchBlocks;  // the block prefetched
   if (j + kPrefetchBlocks >= nb) {
@@ -209,19 +217,25 @@ BATCHINFER_INLINE BlockRows<T> block_rows(const Problem& p, const Rows<T>& cur, 
   r.next = to->cache + block_id(p, to->seq, pb) * to->sb + to->h * to->sh;
   r.next_rows = std::min<int64_t>(to->len - pb * p.bs, p.bs);
   r.next_st = to->st;
+  r.next_sh = to->sh;
+  r.next_nh = to->nh;
   return r;
 }
 
 // acc[g, c] += sum over keys t in [t0, t1) of w[g * w_stride + t] * v[t, c] for GN query heads and
-// NVT lane groups, the GN x NVT sums held in registers.
-template <int NVT, int GN>
+// NVT lane groups, the GN x NVT sums held in registers. Meanwhile row t of `pf` (a block to come,
+// rows below `pf_rows`) is prefetched with value row t: spread over the work, as in the scores pass,
+// rather than in one burst before it (float32 reads from memory 1.04-1.16x faster).
+template <class S, int NVT, int GN>
 BATCHINFER_INLINE void values_tile(const float* __restrict vr, int64_t vst, int64_t t0, int64_t t1,
-                                   const float* __restrict w, int64_t w_stride, vf* __restrict acc) {
+                                   const float* __restrict w, int64_t w_stride, vf* __restrict acc,
+                                   const typename S::T* pf, int64_t pf_st, int64_t pf_rows) {
   vf a[GN][NVT];
   for (int g = 0; g < GN; ++g) {
     for (int c = 0; c < NVT; ++c) a[g][c] = acc[g * NVT + c];
   }
   for (int64_t t = t0; t < t1; ++t) {
+    if (t < pf_rows) prefetch_row<S>(pf + t * pf_st, NVT * LANES);
     const float* vt = vr + t * vst;
     for (int c = 0; c < NVT; ++c) {
       const vf x = loadf(vt + c * LANES);
@@ -234,11 +248,17 @@ BATCHINFER_INLINE void values_tile(const float* __restrict vr, int64_t vst, int6
 }
 
 // One work item: KV heads [h0, h1) of one sequence, whose query is row `row` and context `len`.
-// Per KV head, in three passes over its context [lo, len), the blocks of positions (lo / bs) * bs..:
-//   1. scores of its G query heads, block by block: per key a partial vector per query head, summed
-//      16 keys at a time (reduce16), into s[g, j * BP + t] (-inf where no key is);
+// Three passes over the context [lo, len), the blocks of positions (lo / bs) * bs..:
+//   1. scores of the item's query heads (G per KV head), block by block and, inside a block, KV head
+//      by KV head: per key a partial vector per query head, summed 16 keys at a time (reduce16), into
+//      s[hh * G + g, j * BP + t] (-inf where no key is);
 //   2. the softmax of each query head's scores at once (one max, one vector exp a 16 keys);
-//   3. the values, block by block: acc[g] += w[g, t] * v[t] (values_tile: sums in registers).
+//   3. the values, block by block and head by head: acc[g] += w[g, t] * v[t] (values_tile: sums in
+//      registers).
+// Block by block, then head by head: an item of several KV heads reads each block's rows of all of
+// them in one visit (with the cache's [block, token, head, dim] layout, the block's one contiguous
+// span), where a pass per head reads every third (KVH = 3) run of a token's row: as plain reads of
+// shuffled blocks with the same prefetching, 13 GB/s per head against 22.7 whole (docs/kernels.md).
 // Scores of a whole context fit in scratch (4 bytes a key and query head) and the passes read K, then
 // V, once each: no running max, no rescaling, no per-block horizontal sums, the online-softmax
 // bookkeeping that cost more than the keys' arithmetic in the form this replaced (docs/kernels.md).
@@ -249,101 +269,119 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
                               int64_t seq, int64_t len, int64_t h0, int64_t h1, const Rows<typename S::T>& follow,
                               int64_t span, vf* __restrict w) {
   using T = typename S::T;
-  const int64_t G = p.G, NV = NVT > 0 ? NVT : p.D / LANES, bs = p.bs, BP = (bs + LANES - 1) / LANES * LANES;
-  vf* __restrict qf = w;  // [G, NV] scaled queries of the head
-  vf* __restrict acc = qf + G * NV;  // [G, NV] unnormalized outputs
-  vf* __restrict part = acc + G * NV;  // [BP] per-key partial dot products of one query head
-  vf* __restrict buf = part + BP;  // [BP, NV] a block's key or value rows as floats (non-float32 caches)
-  float* __restrict s = reinterpret_cast<float*>(buf + BP * NV);  // [G, span] scores, then weights
-  float* __restrict l = s + G * span;  // [G] softmax sums
+  const int64_t HN = h1 - h0, G = p.G, QH = HN * G;  // KV heads and query heads of the item
+  const int64_t NV = NVT > 0 ? NVT : p.D / LANES, bs = p.bs, BP = (bs + LANES - 1) / LANES * LANES;
+  vf* __restrict qf = w;  // [QH, NV] scaled queries
+  vf* __restrict acc = qf + QH * NV;  // [QH, NV] unnormalized outputs
+  vf* __restrict part = acc + QH * NV;  // [BP] per-key partial dot products of one query head
+  vf* __restrict buf = part + BP;  // [BP, NV] a block's key or value rows of one head as floats (non-float32)
+  float* __restrict s = reinterpret_cast<float*>(buf + BP * NV);  // [QH, span] scores, then weights
+  float* __restrict l = s + QH * span;  // [QH] softmax sums
   const int64_t lo = window_lo(p.window, len);
   const int64_t b0 = lo / bs, nb = (len + bs - 1) / bs - b0, n = nb * BP;  // n <= span
   const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const vf neg_inf = vf{} - std::numeric_limits<float>::infinity();
-  for (int64_t h = h0; h < h1; ++h) {
-    const Rows<T> keys{k, p.k_sb, p.k_st, p.k_sh, h, seq, len}, values{v, p.v_sb, p.v_st, p.v_sh, h, seq, len};
-    // after the values: the next head's keys, or the item this thread takes next
-    const Rows<T> then = h + 1 < h1 ? Rows<T>{k, p.k_sb, p.k_st, p.k_sh, h + 1, seq, len} : follow;
-    for (int64_t g = 0; g < G; ++g) {
-      const T* qr = q + row * p.q_sr + (h * G + g) * p.q_sh;
-      for (int64_t c = 0; c < NV; ++c) qf[g * NV + c] = S::load(qr + c * LANES) * p.scale;
-    }
-    // 1. Scores.
-    for (int64_t j = 0; j < nb; ++j) {
-      const auto [blk, t0, t1, next, next_rows, next_st] = block_rows(p, keys, values, lo, j, nb);
+  const Rows<T> keys{k, p.k_sb, p.k_st, p.k_sh, h0, HN, seq, len}, values{v, p.v_sb, p.v_st, p.v_sh, h0, HN, seq, len};
+  for (int64_t i = 0; i < QH; ++i) {  // query head i = (h0 + i / G) * G + i % G = h0 * G + i
+    const T* qr = q + row * p.q_sr + (h0 * G + i) * p.q_sh;
+    for (int64_t c = 0; c < NV; ++c) qf[i * NV + c] = S::load(qr + c * LANES) * p.scale;
+  }
+  // 1. Scores.
+  for (int64_t j = 0; j < nb; ++j) {
+    const BlockRows<T> br = block_rows(p, keys, values, lo, j, nb);
+    const int64_t t0 = br.t0, t1 = br.t1;
+    for (int64_t hh = 0; hh < HN; ++hh) {
+      const T* next = br.next == nullptr ? nullptr : br.next_head(hh);
+      const int64_t next_rows = next == nullptr ? 0 : br.next_rows;
       int64_t kst;
-      const float* kr = rows_f32<S>(k + blk * p.k_sb + h * p.k_sh, p.k_st, t0, t1, NV, buf, &kst);
+      const float* kr = rows_f32<S>(k + br.blk * p.k_sb + (h0 + hh) * p.k_sh, p.k_st, t0, t1, NV, buf, &kst);
       for (int64_t g = 0; g < G; ++g) {
-        const vf* __restrict qg = qf + g * NV;
+        const vf* __restrict qg = qf + (hh * G + g) * NV;
         for (int64_t t = 0; t < t1; ++t) {  // rows below t0 are read but masked out below
-          if (g == 0 && t < next_rows) prefetch_row<S>(next + t * next_st, NV * LANES);
+          if (g == 0 && t < next_rows) prefetch_row<S>(next + t * br.next_st, NV * LANES);
           const float* kt = kr + t * kst;
           vf x = qg[0] * loadf(kt);
           for (int64_t c = 1; c < NV; ++c) x += qg[c] * loadf(kt + c * LANES);
           part[t] = x;
         }
         if (g == 0) {  // a part block (the last) asks for the rest of a whole one
-          for (int64_t t = t1; t < next_rows; ++t) prefetch_row<S>(next + t * next_st, NV * LANES);
+          for (int64_t t = t1; t < next_rows; ++t) prefetch_row<S>(next + t * br.next_st, NV * LANES);
         }
         for (int64_t t = t1; t < BP; ++t) part[t] = vf{};
+        float* sg = s + (hh * G + g) * span + j * BP;
         for (int64_t t = 0; t < BP; t += LANES) {
           const vi pos = lane + static_cast<int32_t>(t);
           const vf sums = (pos >= static_cast<int32_t>(t0)) & (pos < static_cast<int32_t>(t1)) ? reduce16(part + t)
                                                                                                 : neg_inf;
-          std::memcpy(s + g * span + j * BP + t, &sums, sizeof sums);
+          std::memcpy(sg + t, &sums, sizeof sums);
         }
       }
     }
-    // 2. Softmax per query head (softcap first: tanh keeps -inf at -softcap, so masked lanes are
-    // skipped).
-    for (int64_t g = 0; g < G; ++g) {
-      float* __restrict sg = s + g * span;
-      if (p.softcap > 0.0f) {
-        for (int64_t i = 0; i < n; ++i) {
-          if (sg[i] != -std::numeric_limits<float>::infinity()) sg[i] = p.softcap * std::tanh(sg[i] / p.softcap);
-        }
+  }
+  // 2. Softmax per query head (softcap first: tanh keeps -inf at -softcap, so masked lanes are
+  // skipped).
+  for (int64_t i = 0; i < QH; ++i) {
+    float* __restrict sg = s + i * span;
+    if (p.softcap > 0.0f) {
+      for (int64_t x = 0; x < n; ++x) {
+        if (sg[x] != -std::numeric_limits<float>::infinity()) sg[x] = p.softcap * std::tanh(sg[x] / p.softcap);
       }
-      vf mv = neg_inf;
-      for (int64_t i = 0; i < n; i += LANES) {
-        const vf x = loadf(sg + i);
-        mv = mv > x ? mv : x;
-      }
-      float mx = mv[0];
-      for (int64_t i = 1; i < LANES; ++i) mx = std::max(mx, mv[i]);
-      vf sum = vf{};
-      for (int64_t i = 0; i < n; i += LANES) {
-        const vf e = exp_nonpositive(loadf(sg + i) - mx);  // -inf (no key) gives 0
-        std::memcpy(sg + i, &e, sizeof e);
-        sum += e;
-      }
-      l[g] = hsum(sum);
-      for (int64_t c = 0; c < NV; ++c) acc[g * NV + c] = vf{};
     }
-    // 3. Values.
-    for (int64_t j = 0; j < nb; ++j) {
-      const auto [blk, t0, t1, next, next_rows, next_st] = block_rows(p, values, then, lo, j, nb);
-      for (int64_t t = 0; t < next_rows; ++t) prefetch_row<S>(next + t * next_st, NV * LANES);
+    vf mv = neg_inf;
+    for (int64_t x = 0; x < n; x += LANES) {
+      const vf y = loadf(sg + x);
+      mv = mv > y ? mv : y;
+    }
+    float mx = mv[0];
+    for (int64_t x = 1; x < LANES; ++x) mx = std::max(mx, mv[x]);
+    vf sum = vf{};
+    for (int64_t x = 0; x < n; x += LANES) {
+      const vf e = exp_nonpositive(loadf(sg + x) - mx);  // -inf (no key) gives 0
+      std::memcpy(sg + x, &e, sizeof e);
+      sum += e;
+    }
+    l[i] = hsum(sum);
+    for (int64_t c = 0; c < NV; ++c) acc[i * NV + c] = vf{};
+  }
+  // 3. Values. GT query heads a tile (NVT > 0): with G <= GT one tile reads a head's value rows once
+  // and prefetches the rows to come as it goes; the rows it does not read (below t0, past t1), and
+  // with several tiles or the generic head_dim every row, are asked for before.
+  constexpr int64_t GT = NVT <= 4 ? 4 : 2;
+  const bool one_tile = NVT > 0 && G <= GT;
+  for (int64_t j = 0; j < nb; ++j) {
+    const BlockRows<T> br = block_rows(p, values, follow, lo, j, nb);
+    const int64_t t0 = br.t0, t1 = br.t1;
+    for (int64_t hh = 0; hh < HN; ++hh) {
+      const T* next = br.next == nullptr ? nullptr : br.next_head(hh);
+      const int64_t next_rows = next == nullptr ? 0 : br.next_rows;
+      for (int64_t t = 0; t < next_rows; ++t) {
+        if (!one_tile || t < t0 || t >= t1) prefetch_row<S>(next + t * br.next_st, NV * LANES);
+      }
       int64_t vst;
-      const float* vr = rows_f32<S>(v + blk * p.v_sb + h * p.v_sh, p.v_st, t0, t1, NV, buf, &vst);
+      const float* vr = rows_f32<S>(v + br.blk * p.v_sb + (h0 + hh) * p.v_sh, p.v_st, t0, t1, NV, buf, &vst);
       if constexpr (NVT > 0) {
         // GT query heads at a time, their GT x NVT sums in registers: each value row is loaded once
         // for them and the sums are independent (one running sum per lane group and key costs an
         // FMA latency a key).
-        constexpr int64_t GT = NVT <= 4 ? 4 : 2;
+        const int64_t pf_rows = one_tile ? next_rows : 0;
         for (int64_t g0 = 0; g0 < G; g0 += GT) {
-          const float* wg = s + g0 * span + j * BP;
-          vf* ag = acc + g0 * NV;
+          const float* wg = s + (hh * G + g0) * span + j * BP;
+          vf* ag = acc + (hh * G + g0) * NV;
           switch (std::min<int64_t>(GT, G - g0)) {
-            case 1: values_tile<NVT, 1>(vr, vst, t0, t1, wg, span, ag); break;
-            case 2: values_tile<NVT, 2>(vr, vst, t0, t1, wg, span, ag); break;
-            case 3: if constexpr (GT >= 3) values_tile<NVT, 3>(vr, vst, t0, t1, wg, span, ag); break;
-            default: if constexpr (GT >= 4) values_tile<NVT, 4>(vr, vst, t0, t1, wg, span, ag); break;
+            case 1: values_tile<S, NVT, 1>(vr, vst, t0, t1, wg, span, ag, next, br.next_st, pf_rows); break;
+            case 2: values_tile<S, NVT, 2>(vr, vst, t0, t1, wg, span, ag, next, br.next_st, pf_rows); break;
+            case 3:
+              if constexpr (GT >= 3) values_tile<S, NVT, 3>(vr, vst, t0, t1, wg, span, ag, next, br.next_st, pf_rows);
+              break;
+            default:
+              if constexpr (GT >= 4) values_tile<S, NVT, 4>(vr, vst, t0, t1, wg, span, ag, next, br.next_st, pf_rows);
+              break;
           }
         }
       } else {
         for (int64_t g = 0; g < G; ++g) {
-          const float* __restrict wg = s + g * span + j * BP;
-          vf* __restrict ag = acc + g * NV;
+          const float* __restrict wg = s + (hh * G + g) * span + j * BP;
+          vf* __restrict ag = acc + (hh * G + g) * NV;
           for (int64_t c = 0; c < NV; ++c) {  // two sums per lane group: two keys in flight
             const float* vc = vr + c * LANES;
             vf a0 = ag[c], a1 = vf{};
@@ -358,13 +396,13 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
         }
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      T* orow = out + row * p.o_sr + (h * G + g) * p.o_sh;
-      const float inv = 1.0f / l[g];
-      for (int64_t c = 0; c < NV; ++c) {
-        const vf a = acc[g * NV + c] * inv;
-        for (int64_t i = 0; i < LANES; ++i) orow[c * LANES + i] = S::store(a[i]);
-      }
+  }
+  for (int64_t i = 0; i < QH; ++i) {
+    T* orow = out + row * p.o_sr + (h0 * G + i) * p.o_sh;
+    const float inv = 1.0f / l[i];
+    for (int64_t c = 0; c < NV; ++c) {
+      const vf a = acc[i * NV + c] * inv;
+      for (int64_t x = 0; x < LANES; ++x) orow[c * LANES + x] = S::store(a[x]);
     }
   }
 }
@@ -393,7 +431,8 @@ namespace batchinfer_ops {
 
 using namespace batchinfer_vec;
 
-// work: 0 = one item per sequence (all its KV heads), 1 = one per (sequence, KV head), -1 = default (1).
+// work: 0 = one item per sequence (all its KV heads), 1 = one per (sequence, KV head), -1 = the default:
+// per sequence once there are kItemsPerThread sequences a thread, else per KV head.
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                   double scale, int64_t sliding_window, double softcap, int64_t work, const at::Tensor& out) {
@@ -450,9 +489,10 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
             block_tables.data_ptr(), block_tables.scalar_type() == at::kLong, max_blocks,
             static_cast<float>(scale), static_cast<float>(softcap), sliding_window};
   const int64_t threads = at::get_num_threads(), n = static_cast<int64_t>(rows.size());
-  // Per (sequence, KV head) by default: more items for the threads, and within 10 % of per-sequence
-  // items in every case of the micro-bench (bench/engine_cpu.py --attention).
-  if (work < 0) work = 1;
+  // Per sequence by default: a sequence's blocks are read in one visit each for all its KV heads
+  // (1.1-1.4x per-head items at 128-2,048 keys in float32, bench/engine_cpu.py --attention --ragged);
+  // per (sequence, KV head) when sequences are too few to share out over the threads.
+  if (work < 0) work = n >= kItemsPerThread * threads ? 0 : 1;
   const int64_t per_item = work == 1 ? 1 : KVH;  // KV heads per work item
   const int64_t splits = KVH / per_item, items = n * splits;
   // Longest context first: ragged work handed out greedily balances over the threads.
@@ -466,7 +506,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     const int64_t lo = window_lo(sliding_window, r.len);
     span = std::max(span, ((r.len + bs - 1) / bs - lo / bs) * ((bs + LANES - 1) / LANES * LANES));
   }
-  const int64_t scratch = scratch_size(p.G, D, bs, span);
+  const int64_t scratch = scratch_size(p.G * per_item, D, bs, span);
   const void* qp = q.data_ptr();
   const void* kp = k_cache.data_ptr();
   const void* vp = v_cache.data_ptr();
@@ -487,14 +527,14 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       const int64_t ah = after < items ? (order[after] % splits) * per_item : 0;
       if (dtype == at::kFloat) {
         using T = float;
-        const Rows<T> follow{a ? static_cast<const T*>(kp) : nullptr, p.k_sb, p.k_st, p.k_sh, ah, a ? a->seq : 0,
-                             a ? a->len : 0};
+        const Rows<T> follow{a ? static_cast<const T*>(kp) : nullptr, p.k_sb, p.k_st, p.k_sh, ah, per_item,
+                             a ? a->seq : 0, a ? a->len : 0};
         attend_f32(p, static_cast<const T*>(qp), static_cast<const T*>(kp), static_cast<const T*>(vp),
                    static_cast<T*>(op), r.row, r.seq, r.len, h0, h1, follow, span, w);
       } else {
         using T = uint16_t;
-        const Rows<T> follow{a ? static_cast<const T*>(kp) : nullptr, p.k_sb, p.k_st, p.k_sh, ah, a ? a->seq : 0,
-                             a ? a->len : 0};
+        const Rows<T> follow{a ? static_cast<const T*>(kp) : nullptr, p.k_sb, p.k_st, p.k_sh, ah, per_item,
+                             a ? a->seq : 0, a ? a->len : 0};
         (dtype == at::kBFloat16 ? attend_bf16 : attend_f16)(
             p, static_cast<const T*>(qp), static_cast<const T*>(kp), static_cast<const T*>(vp), static_cast<T*>(op),
             r.row, r.seq, r.len, h0, h1, follow, span, w);

@@ -423,8 +423,9 @@ def _timed(fn, min_seconds: float = 0.05, repeats: int = 5) -> float:
 
 def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: bool,
                     ragged: bool = False) -> list[dict]:
-    """Decode attention alone: the compiled kernel (per (sequence, KV head) items, its default)
-    against the torch gather path and against per-sequence items, and the kernel reading our cache
+    """Decode attention alone: the compiled kernel (its default work items: whole sequences from 4
+    decode rows a thread) against the torch gather path and against per-(sequence, KV head) items
+    (each pass reads one KV head's rows of a block), and the kernel reading our cache
     layout ``[blocks, block_size, KVH, D]`` against a copy of the cache in vLLM's CPU layout
     ``[blocks, KVH, block_size, D]`` (the same kernel, through strides; the better work items of
     each). B sequences of L tokens each (``ragged``: of lengths drawn from [L/4, L], as an engine's
@@ -441,7 +442,7 @@ def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: boo
           "ms per call "
           f"({'thread CPU' if CPU_CLOCK else 'wall'} time, best of 5)")
     print(f"  {'cache':8s} {'B':>4s} {'L':>5s} {'K/V MB':>7s} {'gather':>8s} {'kernel':>8s} {'speedup':>7s} "
-          f"{'GB/s':>6s} {'kernel/seq':>11s} {'vLLM layout':>11s} {'vLLM/ours':>9s}")
+          f"{'GB/s':>6s} {'kernel/head':>11s} {'vLLM layout':>11s} {'vLLM/ours':>9s}")
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for B in batches:
@@ -464,24 +465,24 @@ def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: boo
                 os.environ[decode.ENV] = "0"
                 gather = _timed(partial(cpu_attention.paged_attention, *args))
                 os.environ[decode.ENV] = "1"
-                kernel = _timed(partial(decode.paged_decode, *args, scale, out))  # per (sequence, KV head)
-                per_seq = _timed(partial(decode.paged_decode, *args, scale, out, work=decode.WORK_SEQUENCE))
+                kernel = _timed(partial(decode.paged_decode, *args, scale, out))  # the default items
+                per_head = _timed(partial(decode.paged_decode, *args, scale, out, work=decode.WORK_HEAD))
                 # the same bytes stored head-major per block, viewed back as [blocks, bs, KVH, D]
                 k_alt = k.transpose(1, 2).contiguous().transpose(1, 2)
                 v_alt = v.transpose(1, 2).contiguous().transpose(1, 2)
                 alt_args = (q, k_alt, v_alt, tables, cu, lens)
                 alt = min(_timed(partial(decode.paged_decode, *alt_args, scale, out, work=work))
                           for work in (decode.WORK_SEQUENCE, decode.WORK_HEAD))
-                ours = min(kernel, per_seq)
+                ours = min(kernel, per_head)
                 row = {"dtype": str(dtype).removeprefix("torch."), "batch": B, "context": L,
                        "kv_mb": kv_bytes / 2**20, "gather_ms": gather * 1e3, "kernel_ms": kernel * 1e3,
-                       "kernel_per_sequence_ms": per_seq * 1e3, "vllm_layout_ms": alt * 1e3,
+                       "kernel_per_head_ms": per_head * 1e3, "vllm_layout_ms": alt * 1e3,
                        "speedup": gather / kernel, "kernel_gb_per_s": kv_bytes / kernel / 1e9,
                        "vllm_over_ours": alt / ours}
                 rows.append(row)
                 print(f"  {row['dtype']:8s} {B:4d} {L:5d} {row['kv_mb']:7.1f} {row['gather_ms']:8.3f} "
                       f"{row['kernel_ms']:8.3f} {row['speedup']:6.2f}x {row['kernel_gb_per_s']:6.1f} "
-                      f"{row['kernel_per_sequence_ms']:11.3f} {row['vllm_layout_ms']:11.3f} "
+                      f"{row['kernel_per_head_ms']:11.3f} {row['vllm_layout_ms']:11.3f} "
                       f"{row['vllm_over_ours']:9.2f}")
                 del k, v, k_alt, v_alt
     os.environ.pop(decode.ENV, None)

@@ -5,8 +5,9 @@
   entries through the ``add_requests`` Lua script, ``SUBMIT_CHUNK`` a call, so it can beat the
   pipelined XADDs; ``raw_lua_rps`` is that script fed the prepared entries alone, and
   ``intake_ratio_lua`` (submit ÷ it) what reading, checking and chunking the file cost on top.
-- overhead: one job through Redis + scheduler + one worker (subprocesses, the tiny model on CPU)
-  ÷ the same requests through the in-process ``LLM``, same engine settings; time from submit to
+- overhead: one job through Redis + scheduler + one worker (subprocesses, the tiny model on CPU;
+  ``--overhead-model demo`` or a model folder / .gguf file for a real one) ÷ the same requests
+  through the in-process ``LLM``, same engine settings; time from submit to
   the job's ``finalizing_at`` (stamped when its last row is published). Both are timed warm
   (after one untimed run of the same requests: an engine's first steps pay one-off costs),
   interleaved, ``--overhead-repeats`` pairs; the ratio is the median of the pairs' ratios, and
@@ -188,13 +189,17 @@ def pin_process(pid: int, cpus: set[int]) -> None:
 
 
 def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: int, device: str,
-                   pin_redis_pid: int | None = None) -> dict:
+                   pin_redis_pid: int | None = None, model: str | None = None) -> dict:
     """``pin_redis_pid`` set: the engines (worker and in-process, one thread each) run on CPU 0 and
     everything else (scheduler, Redis, this process between its engine runs) on the other CPUs, as
-    on a GPU worker whose engine does not share its compute with the queue's processes."""
+    on a GPU worker whose engine does not share its compute with the queue's processes.
+    ``model``: a model folder, a .gguf file or a name ``batchinfer run --model`` takes (``demo``);
+    None: the tiny random model (hidden 64, 2 layers), whose ~1 ms of engine a request makes the
+    queue's own costs weigh most."""
     import torch
 
     from batchinfer import LLM, SamplingParams
+    from batchinfer.workers.models.demo import resolve_model
     from batchinfer.workers.models.tiny import make_tiny_model
 
     pinned = pin_redis_pid is not None
@@ -206,7 +211,11 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
         os.sched_setaffinity(0, other_cpus)
         torch.set_num_threads(1)
 
-    model_dir = make_tiny_model(workdir / "tiny-llama")
+    if model is None:
+        model_dir = make_tiny_model(workdir / "tiny-llama")
+        served = model_dir.name
+    else:
+        model_dir, served = resolve_model(model)
     rnd = random.Random(0)
     prompts = [[rnd.randrange(3, 300) for _ in range(rnd.randrange(16, 64))] for _ in range(n)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -215,7 +224,8 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
     r = redis.Redis.from_url(url)
     r.flushdb()
     keys = Keys(PREFIX)
-    daemons = (Daemon(url, workdir, "worker", "--model", str(model_dir), "--device", device, "--name", "w0",
+    daemons = (Daemon(url, workdir, "worker", "--model", str(model_dir), "--served-model-name", served,
+                      "--device", device, "--name", "w0",
                       cpus=engine_cpus if pinned else None, env={"OMP_NUM_THREADS": "1"} if pinned else None),
                Daemon(url, workdir, "scheduler", cpus=other_cpus if pinned else None))
     llm = LLM(model_dir, device=device)  # the same engine settings as the worker's: EngineConfig's defaults
@@ -237,12 +247,12 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
         # The end is the job's `finalizing_at` (ms, stamped by the publish of its last row), not the
         # moment this loop notices it: a tighter poll would steal CPU from the daemons being timed.
         t0 = time.time()
-        job = client(url, workdir).submit(records, model=model_dir.name)
+        job = client(url, workdir).submit(records, model=served)
         wait_for(lambda: job_done(r, job), 1800, "the overhead job", daemons)
         return int(r.hget(keys.job(job), "finalizing_at")) / 1000 - t0, job
 
     try:
-        wait_for(lambda: r.exists(keys.model(model_dir.name)) and r.exists(keys.worker("w0")), 300,
+        wait_for(lambda: r.exists(keys.model(served)) and r.exists(keys.worker("w0")), 300,
                  "the worker to register", daemons)
         # Timed warm, interleaved pairs: an engine's first steps pay one-off costs, and
         # a shared machine's load comes and goes.
@@ -279,7 +289,8 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
     r.flushdb()
     # The ratio is the median of the per-repeat ratios: each pair ran back to back under the same load,
     # and a median is not moved by one lucky (or unlucky) run the way a best-of is.
-    return {"overhead_requests": n, "overhead_max_tokens": max_tokens, "overhead_device": device,
+    return {"overhead_model": model or "tiny random (hidden 64, 2 layers)", "overhead_requests": n,
+            "overhead_max_tokens": max_tokens, "overhead_device": device,
             "overhead_pinned": pinned,
             "inprocess_s": round(statistics.median(t for t, _ in pairs), 2),
             "queue_s": round(statistics.median(t for _, t in pairs), 2),
@@ -617,6 +628,9 @@ def main() -> None:
     ap.add_argument("--overhead-requests", type=int, default=1024)
     ap.add_argument("--overhead-max-tokens", type=int, default=64)
     ap.add_argument("--overhead-repeats", type=int, default=5)
+    ap.add_argument("--overhead-model", default=None, metavar="MODEL",
+                    help="overhead bench: a model folder, .gguf file or name (demo) instead of the tiny "
+                         "random model")
     ap.add_argument("--device", default="cpu", help="engine device of the overhead bench (cpu, cuda:0)")
     ap.add_argument("--pin", action="store_true",
                     help="overhead bench: engines on CPU 0 (one thread), scheduler and Redis on the others")
@@ -638,7 +652,8 @@ def main() -> None:
         if not args.skip_overhead:
             figures.update(bench_overhead(server.url, workdir, args.overhead_requests,
                                           args.overhead_max_tokens, args.overhead_repeats, args.device,
-                                          pin_redis_pid=server.proc.pid if args.pin else None))
+                                          pin_redis_pid=server.proc.pid if args.pin else None,
+                                          model=args.overhead_model))
             print(f"overhead: in-process {figures['inprocess_s']} s vs queue {figures['queue_s']} s "
                   f"(medians) -> ratio {figures['overhead_ratio']} "
                   f"(best-of ratio {figures['overhead_ratio_best']}), added {figures['overhead_added_s']} s "

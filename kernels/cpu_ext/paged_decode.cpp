@@ -2,13 +2,14 @@
 //
 // Every sequence of the batch with exactly one query this step (a decode row) attends over its
 // context [lo, len) (lo = len - window with a sliding window, else 0), read block by block from
-// the block table: no gather copy. Per work item (a sequence's KV head by default, or a whole
-// sequence) and KV head, three passes: the scores of the head's G query heads over the whole
-// context (each key row read once for all of them; per-key partial sums reduced 16 keys at a time),
-// one softmax per query head, then the values. Compute is float32 whatever the cache dtype (float32,
-// bfloat16, float16). The rows of the block two ahead are prefetched while a block is computed; past a
-// pass's end, the first blocks of the next pass (values after keys, the next head's or item's keys
-// after values), so only a thread's first pass starts from memory unprefetched.
+// the block table: no gather copy. Per work item (a whole sequence by default, or one of its KV
+// heads when sequences are too few for the threads), three passes: the scores of the item's query
+// heads over the whole context (each block read once for all its heads, each key row once for its G
+// query heads; per-key partial sums reduced 16 keys at a time), one softmax per query head, then the
+// values. Compute is float32 whatever the cache dtype (float32, bfloat16, float16). The rows of the
+// block two ahead are prefetched while a block is computed; past a pass's end, the first blocks of the
+// next pass (values after keys, the next item's keys after values), so only a thread's first pass
+// starts from memory unprefetched.
 //
 // Layout (the kernels contract): k_cache, v_cache [num_blocks, block_size, KVH, D], any strides
 // with a unit last one (so a cache stored [num_blocks, KVH, block_size, D], viewed back, is read too).
@@ -170,7 +171,7 @@ BATCHINFER_INLINE void prefetch_row(const typename S::T* row, int64_t D) {
 // context's blocks x BP.
 int64_t scratch_size(int64_t QH, int64_t D, int64_t bs, int64_t span) {
   const int64_t NV = D / LANES, BP = (bs + LANES - 1) / LANES * LANES;
-  return 2 * QH * NV + BP + BP * NV + (QH * span + 2 * QH + LANES - 1) / LANES;
+  return 2 * QH * NV + QH * BP + BP * NV + (QH * span + 2 * QH + LANES - 1) / LANES;
 }
 
 // The first position a context of `len` keys attends to (0 without a sliding window): the kernel's
@@ -249,16 +250,17 @@ BATCHINFER_INLINE void values_tile(const float* __restrict vr, int64_t vst, int6
 
 // One work item: KV heads [h0, h1) of one sequence, whose query is row `row` and context `len`.
 // Three passes over the context [lo, len), the blocks of positions (lo / bs) * bs..:
-//   1. scores of the item's query heads (G per KV head), block by block and, inside a block, KV head
-//      by KV head: per key a partial vector per query head, summed 16 keys at a time (reduce16), into
-//      s[hh * G + g, j * BP + t] (-inf where no key is);
+//   1. scores of the item's query heads (G per KV head), block by block and, inside a block, token by
+//      token over the item's heads: per key a partial vector per query head, summed 16 keys at a time
+//      (reduce16), into s[hh * G + g, j * BP + t] (-inf where no key is);
 //   2. the softmax of each query head's scores at once (one max, one vector exp a 16 keys);
-//   3. the values, block by block and head by head: acc[g] += w[g, t] * v[t] (values_tile: sums in
-//      registers).
-// Block by block, then head by head: an item of several KV heads reads each block's rows of all of
-// them in one visit (with the cache's [block, token, head, dim] layout, the block's one contiguous
-// span), where a pass per head reads every third (KVH = 3) run of a token's row: as plain reads of
-// shuffled blocks with the same prefetching, 13 GB/s per head against 22.7 whole (docs/kernels.md).
+//   3. the values, block by block and, inside a block, head by head: acc[g] += w[g, t] * v[t]
+//      (values_tile: sums in registers).
+// An item of several KV heads reads each block's rows of all of them in one visit (with the cache's
+// [block, token, head, dim] layout, the block's one contiguous span), where a pass per head read one
+// head's run of every token's row and came back for the next head later: as plain reads of shuffled
+// blocks with the same prefetching, 0.65-0.88 of a contiguous read whole against 0.55-0.70 a head at a
+// time (bench/kv_read.c, docs/benchmarks.md "Whole blocks per visit").
 // Scores of a whole context fit in scratch (4 bytes a key and query head) and the passes read K, then
 // V, once each: no running max, no rescaling, no per-block horizontal sums, the online-softmax
 // bookkeeping that cost more than the keys' arithmetic in the form this replaced (docs/kernels.md).
@@ -273,8 +275,8 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
   const int64_t NV = NVT > 0 ? NVT : p.D / LANES, bs = p.bs, BP = (bs + LANES - 1) / LANES * LANES;
   vf* __restrict qf = w;  // [QH, NV] scaled queries
   vf* __restrict acc = qf + QH * NV;  // [QH, NV] unnormalized outputs
-  vf* __restrict part = acc + QH * NV;  // [BP] per-key partial dot products of one query head
-  vf* __restrict buf = part + BP;  // [BP, NV] a block's key or value rows of one head as floats (non-float32)
+  vf* __restrict part = acc + QH * NV;  // [QH, BP] per-key partial dot products of a block
+  vf* __restrict buf = part + QH * BP;  // [BP, NV] a block's value rows of one head as floats (non-float32)
   float* __restrict s = reinterpret_cast<float*>(buf + BP * NV);  // [QH, span] scores, then weights
   float* __restrict l = s + QH * span;  // [QH] softmax sums
   const int64_t lo = window_lo(p.window, len);
@@ -286,35 +288,43 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
     const T* qr = q + row * p.q_sr + (h0 * G + i) * p.q_sh;
     for (int64_t c = 0; c < NV; ++c) qf[i * NV + c] = S::load(qr + c * LANES) * p.scale;
   }
-  // 1. Scores.
+  // 1. Scores, a block's keys token by token: a token's rows of the item's heads (one contiguous
+  // span in the [block, token, head, dim] layout), each converted to floats once for its G query heads
+  // (registers for head_dim 64 / 128, else `buf`), the partial vectors into part[i, t].
   for (int64_t j = 0; j < nb; ++j) {
     const BlockRows<T> br = block_rows(p, keys, values, lo, j, nb);
     const int64_t t0 = br.t0, t1 = br.t1;
-    for (int64_t hh = 0; hh < HN; ++hh) {
-      const T* next = br.next == nullptr ? nullptr : br.next_head(hh);
-      const int64_t next_rows = next == nullptr ? 0 : br.next_rows;
-      int64_t kst;
-      const float* kr = rows_f32<S>(k + br.blk * p.k_sb + (h0 + hh) * p.k_sh, p.k_st, t0, t1, NV, buf, &kst);
-      for (int64_t g = 0; g < G; ++g) {
-        const vf* __restrict qg = qf + (hh * G + g) * NV;
-        for (int64_t t = 0; t < t1; ++t) {  // rows below t0 are read but masked out below
-          if (g == 0 && t < next_rows) prefetch_row<S>(next + t * br.next_st, NV * LANES);
-          const float* kt = kr + t * kst;
-          vf x = qg[0] * loadf(kt);
-          for (int64_t c = 1; c < NV; ++c) x += qg[c] * loadf(kt + c * LANES);
-          part[t] = x;
+    const int64_t next_rows = br.next == nullptr ? 0 : br.next_rows;
+    const T* kb = k + br.blk * p.k_sb + h0 * p.k_sh;
+    for (int64_t t = 0; t < std::max(t1, next_rows); ++t) {  // rows below t0 are read but masked out below
+      if (t < next_rows) {  // the block to come, a row per key (a part block asks for a whole one)
+        for (int64_t hh = 0; hh < HN; ++hh) {
+          if (const T* nh = br.next_head(hh)) prefetch_row<S>(nh + t * br.next_st, NV * LANES);
         }
-        if (g == 0) {  // a part block (the last) asks for the rest of a whole one
-          for (int64_t t = t1; t < next_rows; ++t) prefetch_row<S>(next + t * br.next_st, NV * LANES);
+      }
+      if (t >= t1) continue;
+      for (int64_t hh = 0; hh < HN; ++hh) {
+        const T* kt = kb + t * p.k_st + hh * p.k_sh;
+        vf regs[NVT > 0 ? NVT : 1];
+        vf* __restrict kv = NVT > 0 ? regs : buf;
+        for (int64_t c = 0; c < NV; ++c) kv[c] = S::load(kt + c * LANES);
+        for (int64_t g = 0; g < G; ++g) {
+          const vf* __restrict qg = qf + (hh * G + g) * NV;
+          vf x = qg[0] * kv[0];
+          for (int64_t c = 1; c < NV; ++c) x += qg[c] * kv[c];
+          part[(hh * G + g) * BP + t] = x;
         }
-        for (int64_t t = t1; t < BP; ++t) part[t] = vf{};
-        float* sg = s + (hh * G + g) * span + j * BP;
-        for (int64_t t = 0; t < BP; t += LANES) {
-          const vi pos = lane + static_cast<int32_t>(t);
-          const vf sums = (pos >= static_cast<int32_t>(t0)) & (pos < static_cast<int32_t>(t1)) ? reduce16(part + t)
-                                                                                                : neg_inf;
-          std::memcpy(sg + t, &sums, sizeof sums);
-        }
+      }
+    }
+    for (int64_t i = 0; i < QH; ++i) {
+      vf* __restrict pi = part + i * BP;
+      for (int64_t t = t1; t < BP; ++t) pi[t] = vf{};
+      float* sg = s + i * span + j * BP;
+      for (int64_t t = 0; t < BP; t += LANES) {
+        const vi pos = lane + static_cast<int32_t>(t);
+        const vf sums = (pos >= static_cast<int32_t>(t0)) & (pos < static_cast<int32_t>(t1)) ? reduce16(pi + t)
+                                                                                              : neg_inf;
+        std::memcpy(sg + t, &sums, sizeof sums);
       }
     }
   }

@@ -62,7 +62,7 @@ from batchinfer.scheduler.entry_checks import (
     unknown_adapter,
     unknown_line_model,
 )
-from batchinfer.scheduler.jobops import JobOps
+from batchinfer.scheduler.jobops import JobOps, bit_ops
 from batchinfer.scheduler.lookups import JobCache, JobView, ModelCache, RowSink, ServedModel
 from batchinfer.scheduler.staging import Staging, held_key
 from batchinfer.scheduler.structured_check import StructuredCheck
@@ -246,14 +246,6 @@ class Admission:
                 request_id, client_request_id, first, reply_to,
                 "not a stream: not written" if delivery == "wrongtype" else delivery)
         return True
-
-
-def bit_ops(op: str, offsets: list[int]) -> list[str | int]:
-    """BITFIELD arguments that ``GET`` (or ``SET`` to 1) the single bits at ``offsets``."""
-    args: list[str | int] = []
-    for offset in offsets:
-        args += (op, "u1", offset, 1) if op == "SET" else (op, "u1", offset)
-    return args
 
 
 class Intake:

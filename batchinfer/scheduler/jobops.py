@@ -42,6 +42,14 @@ GAPS_NAMED = 10  # idx a close's job error names
 GAP_CHUNK = 1000  # gap rows published (and their bits set) per round trip
 
 
+def bit_ops(op: str, offsets: list[int]) -> list[str | int]:
+    """BITFIELD arguments that ``GET`` (or ``SET`` to 1) the single bits at ``offsets``."""
+    args: list[str | int] = []
+    for offset in offsets:
+        args += (op, "u1", offset, 1) if op == "SET" else (op, "u1", offset)
+    return args
+
+
 class JobOps:
     """Applies job control entries."""
 
@@ -165,10 +173,7 @@ class JobOps:
                 row.finished_at = now
                 rows.append((row, None))
             self.sink.publish_many(rows)
-            pipe = self.redis.pipeline(transaction=False)
-            for i in chunk:
-                pipe.setbit(self.keys.admitted(job_id), i, 1)
-            pipe.execute()
+            self.redis.execute_command("BITFIELD", self.keys.admitted(job_id), *bit_ops("SET", chunk))
             count += len(chunk)
             named += chunk[:GAPS_NAMED - len(named)]
         if count:

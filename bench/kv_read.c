@@ -123,7 +123,8 @@ int main(int argc, char** argv) {
     for (int p = 0; p < 5; ++p) {
       const double t0 = now();
       const vf acc = patterns[p](&c, args[p]);
-      best[p] = best[p] < now() - t0 ? best[p] : now() - t0;
+      const double took = now() - t0;
+      best[p] = best[p] < took ? best[p] : took;
       for (int i = 0; i < 16; ++i) sink += acc[i];
     }
   }

@@ -195,7 +195,7 @@ struct Rows {
 template <class T>
 struct BlockRows {
   int64_t blk, t0, t1;
-  const T* next;  // the first head's rows of the block to prefetch (null: none)
+  const T* next;  // the first head's rows of the block to prefetch (null: none, and the counts 0)
   int64_t next_rows, next_st, next_sh, next_nh;
 
   // Head hh's rows of that block (null past its heads: the pass after may cover fewer).
@@ -294,7 +294,7 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
   for (int64_t j = 0; j < nb; ++j) {
     const BlockRows<T> br = block_rows(p, keys, values, lo, j, nb);
     const int64_t t0 = br.t0, t1 = br.t1;
-    const int64_t next_rows = br.next == nullptr ? 0 : br.next_rows;
+    const int64_t next_rows = br.next_rows;  // 0 when there is no block to prefetch
     const T* kb = k + br.blk * p.k_sb + h0 * p.k_sh;
     for (int64_t t = 0; t < std::max(t1, next_rows); ++t) {  // rows below t0 are read but masked out below
       if (t < next_rows) {  // the block to come, a row per key (a part block asks for a whole one)
@@ -362,7 +362,7 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
     const BlockRows<T> br = block_rows(p, values, follow, lo, j, nb);
     const int64_t t0 = br.t0, t1 = br.t1;
     for (int64_t hh = 0; hh < HN; ++hh) {
-      const T* next = br.next == nullptr ? nullptr : br.next_head(hh);
+      const T* next = br.next_head(hh);
       const int64_t next_rows = next == nullptr ? 0 : br.next_rows;
       for (int64_t t = 0; t < next_rows; ++t) {
         if (!one_tile || t < t0 || t >= t1) prefetch_row<S>(next + t * br.next_st, NV * LANES);

@@ -33,6 +33,9 @@ of the two and each one's weight bytes read per second, the copy bandwidth measu
 printed beside them; first each shape alone in bfloat16 (a small layer's weights stay in cache
 between calls), then all of the model's weights streamed one after the other, as a decode step
 reads them, in float32, bfloat16 and float16, and as int8 codes (torch's packed kernel against the int8 GEMV).
+``--elementwise`` runs only SiLU-and-mul at the model's intermediate size: torch's two ops against
+the extension's one (``kernels/cpu_ext/fused_ops.cpp``) at 1-2,048 rows, and their ratio.
+``--block-size`` sets the engine's (and ``--attention``'s) tokens per KV block.
 
 On a machine shared with other work, ``--threads 1`` gives steadier figures: OpenMP threads that
 wait at barriers for a descheduled sibling make multi-threaded timings swing by 10x.
@@ -46,6 +49,7 @@ wait at barriers for a descheduled sibling make multi-threaded timings swing by 
     python bench/engine_cpu.py --workload small --threads 1 --cpu-clock --no-transformers
     python bench/engine_cpu.py --attention --threads 1 --cpu-clock   # decode attention alone
     python bench/engine_cpu.py --linear --model demo --threads 1     # few-row matmuls alone
+    python bench/engine_cpu.py --elementwise --threads 1 --cpu-clock # SiLU-and-mul alone
 
 With ``--model``, both sides load that checkpoint in float32 (transformers a GGUF file through
 ``from_pretrained(folder, gguf_file=...)``, which dequantizes it); the workload stays token ids
@@ -231,8 +235,8 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / best
 
 
-def run_engine(model_dir: Path, prompts, outputs, replay_every: int,
-               profile: bool = False) -> tuple[float, int, float | None, dict, FlopModel]:
+def run_engine(model_dir: Path, prompts, outputs, replay_every: int, profile: bool = False,
+               block_size: int = 16) -> tuple[float, int, float | None, dict, FlopModel]:
     """Wall time and tokens of ``LLM.generate``, the engine efficiency, stats and the FLOP counts.
 
     Every ``replay_every``-th step is replayed through the bare model right after it ran (same
@@ -244,7 +248,8 @@ def run_engine(model_dir: Path, prompts, outputs, replay_every: int,
     the profiler's overhead.
     """
     max_tokens = 2048
-    llm = LLM(model_dir, max_num_seqs=256, max_num_batched_tokens=max_tokens, num_kv_blocks=8192)
+    llm = LLM(model_dir, max_num_seqs=256, max_num_batched_tokens=max_tokens, block_size=block_size,
+              num_kv_blocks=8192 * 16 // block_size)  # 131,072 cached tokens at any block size
     engine, runner = llm.engine, llm.engine.runner
     flops = FlopModel(runner.model, max_tokens, runner.kv_caches[0][0].dtype)
     # Warm up (first-call allocations) with a small request.
@@ -364,8 +369,11 @@ def print_profile(ops: dict[str, list[float]]) -> None:
         linear = name in ("aten::mm", "aten::addmm")
         cat = "linear" if linear else next((c for c, names in CATEGORIES.items() if name in names),
                                            "other ops")
-        if name.startswith("batchinfer_cpu_decode"):  # the compiled kernel's op: <namespace>::paged_decode
-            cat = "attention: compiled decode kernel (kernels/cpu_ext)"
+        if name.startswith("batchinfer_cpu_decode"):  # the compiled library's ops: <namespace>::<op>
+            cat = ("RMSNorm / rotary / SiLU / residual (elementwise)"
+                   if name.rpartition("::")[2] in ("rms_norm", "rotary_cache", "silu_and_mul")
+                   # decode_layers' self time: the decode kernel and the fused ops it calls directly
+                   else "attention: compiled decode kernel + layer loop (kernels/cpu_ext)")
         spent[cat] = spent.get(cat, 0.0) + self_s
     spent["LM head (linear, under the lm_head label)"] = lm_head
     spent["projections + MLP (linear)"] = spent.pop("linear", 0.0) - lm_head
@@ -422,23 +430,23 @@ def _timed(fn, min_seconds: float = 0.05, repeats: int = 5) -> float:
 
 
 def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: bool,
-                    ragged: bool = False) -> list[dict]:
+                    ragged: bool = False, block_size: int = 16) -> list[dict]:
     """Decode attention alone: the compiled kernel (its default work items: whole sequences from 4
     decode rows a thread) against the torch gather path and against per-(sequence, KV head) items
     (each pass reads one KV head's rows of a block), and the kernel reading our cache
     layout ``[blocks, block_size, KVH, D]`` against a copy of the cache in vLLM's CPU layout
     ``[blocks, KVH, block_size, D]`` (the same kernel, through strides; the better work items of
     each). B sequences of L tokens each (``ragged``: of lengths drawn from [L/4, L], as an engine's
-    batch holds) over shuffled blocks of 16; one query per sequence."""
+    batch holds) over shuffled blocks of ``block_size`` tokens; one query per sequence."""
     from batchinfer.kernels import cpu_attention
     from batchinfer.kernels.cpu_ext import decode
 
     if not decode.available():
         raise SystemExit(f"the CPU decode kernel is unavailable: {decode.unavailable_reason()}")
     batches, contexts = ((1, 64), (128, 1024)) if quick else ((1, 16, 64, 256), (128, 512, 2048))
-    bs, rows = 16, []
+    bs, rows = block_size, []
     print(f"decode attention alone: {num_heads} heads, {num_kv_heads} KV heads, head_dim {head_dim}, "
-          f"block 16, {'ragged lengths in [L/4, L], ' if ragged else ''}{torch.get_num_threads()} threads; "
+          f"block {bs}, {'ragged lengths in [L/4, L], ' if ragged else ''}{torch.get_num_threads()} threads; "
           "ms per call "
           f"({'thread CPU' if CPU_CLOCK else 'wall'} time, best of 5)")
     print(f"  {'cache':8s} {'B':>4s} {'L':>5s} {'K/V MB':>7s} {'gather':>8s} {'kernel':>8s} {'speedup':>7s} "
@@ -486,6 +494,35 @@ def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: boo
                       f"{row['vllm_over_ours']:9.2f}")
                 del k, v, k_alt, v_alt
     os.environ.pop(decode.ENV, None)
+    return rows
+
+
+def elementwise_micro(intermediate: int, quick: bool) -> list[dict]:
+    """SiLU-and-mul alone at the model's intermediate size: torch's ``silu(gate).mul_(up)`` on the
+    halves of ``gate_up`` (what ``kernels.fused.silu_and_mul`` ran before) against the library's
+    one-pass op, T rows of ``[gate | up]``, and their ratio."""
+    from batchinfer.kernels.cpu_ext import decode, elementwise
+
+    if decode.library() is None:
+        raise SystemExit(f"the CPU extension is unavailable: {decode.unavailable_reason()}")
+    print(f"SiLU-and-mul alone, [T, 2 x {intermediate}] -> [T, {intermediate}], {torch.get_num_threads()} "
+          f"threads; us per call ({'thread CPU' if CPU_CLOCK else 'wall'} time, best of 5)")
+    print(f"  {'dtype':8s} {'T':>5s} {'torch':>9s} {'fused':>9s} {'ratio':>6s}")
+    gen, rows = torch.Generator().manual_seed(0), []
+    for dtype in (torch.float32, torch.bfloat16):
+        for T in ((1, 256) if quick else (1, 8, 64, 256, 2048)):
+            x = torch.randn(T, 2 * intermediate, generator=gen).to(dtype)
+            gate, up = x.chunk(2, dim=-1)
+            want = torch.nn.functional.silu(gate).mul_(up)
+            # the same op (float32 differs in last bits: tests/test_cpu_fused_ops.py bounds them)
+            assert (elementwise.silu_and_mul(x) != want).float().mean() < 0.3
+            torch_s = _timed(lambda: torch.nn.functional.silu(gate).mul_(up))  # noqa: B023 - timed at once
+            fused_s = _timed(partial(elementwise.silu_and_mul, x))
+            row = {"dtype": str(dtype).removeprefix("torch."), "rows": T, "torch_us": torch_s * 1e6,
+                   "fused_us": fused_s * 1e6, "ratio": torch_s / fused_s}
+            rows.append(row)
+            print(f"  {row['dtype']:8s} {T:5d} {row['torch_us']:9.1f} {row['fused_us']:9.1f} "
+                  f"{row['ratio']:5.2f}x")
     return rows
 
 
@@ -612,6 +649,12 @@ def main() -> None:
     ap.add_argument("--linear", action="store_true",
                     help="only the few-row linear micro-bench (torch's F.linear vs the GEMV, bfloat16) "
                          "at the model's shapes")
+    ap.add_argument("--elementwise", action="store_true",
+                    help="only the SiLU-and-mul micro-bench (torch's two ops vs the library's one) at the "
+                         "model's intermediate size")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="tokens per KV block of the engine run and of --attention's caches (default 16, "
+                         "the engine's default)")
     ap.add_argument("--cpu-clock", action="store_true",
                     help="time with the main thread's CPU time instead of wall time (use with --threads 1 "
                          "on a shared machine: other processes' load then barely shows)")
@@ -641,9 +684,14 @@ def main() -> None:
                               "streamed": [{k: round(v, 4) if isinstance(v, float) else v
                                             for k, v in r.items()} for r in streamed]}))
             return
+        if args.elementwise:
+            rows = elementwise_micro(model.config.intermediate_size, args.quick)
+            print(json.dumps({"elementwise": [{k: round(v, 4) if isinstance(v, float) else v
+                                               for k, v in r.items()} for r in rows]}))
+            return
         if args.attention:
             rows = attention_micro(model.config.num_attention_heads, model.num_kv_heads, model.head_dim,
-                                   args.quick, args.ragged)
+                                   args.quick, args.ragged, args.block_size)
             print(json.dumps({"attention": [{k: round(v, 4) if isinstance(v, float) else v
                                              for k, v in r.items()} for r in rows]}))
             return
@@ -657,7 +705,8 @@ def main() -> None:
             # Profiled: no replays, so the profile is the engine's own time (and no efficiencies).
             replay_every = 0 if args.profile else 4
             wall, tokens, efficiency, stats, flops = run_engine(model_dir, prompts, outputs, replay_every,
-                                                                profile=args.profile)
+                                                                profile=args.profile,
+                                                                block_size=args.block_size)
             runs[mode] = (wall, tokens, efficiency, flops)
             print(f"batchinfer LLM, decode kernel {mode:3s}: {wall:8.1f} s  {tokens / wall:8.1f} output "
                   f"tokens/s  ({stats['steps']} steps, {stats['tokens_per_step']:.0f} tokens/step, "

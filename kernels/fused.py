@@ -60,6 +60,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         from batchinfer.kernels import triton_fused
 
         return triton_fused.silu_and_mul(x)
+    if elementwise.silu_and_mul_supported(x):
+        return elementwise.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate).mul_(up)  # silu's output is new: multiply in place
 

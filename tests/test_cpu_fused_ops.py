@@ -167,6 +167,83 @@ def test_rotary_embedding_into_cache_either_way(mode, monkeypatch):
     assert torch.equal(caches[1].view(-1, 2, 32)[slots], v)
 
 
+# -- silu_and_mul ----------------------------------------------------------------------------------
+
+def _silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate).mul_(up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 777])  # 777: past the 16 / 32-value vectors, a tail
+def test_silu_and_mul_matches_the_torch_code(dtype, inter):
+    """16-bit dtypes: torch's roundings (silu rounded, then the product), so equal but where the
+    float32 silu's last bits straddle a rounding tie; float32: within 2 ulp of float64, as torch is."""
+    x = (torch.randn(37, 2 * inter, generator=_gen(11)) * 6).to(dtype)
+    got, want = elementwise.silu_and_mul(x), _silu_mul_torch(x)
+    assert got.dtype == dtype and got.shape == (37, inter) and got.is_contiguous()
+    if dtype == torch.float32:
+        exact = torch.nn.functional.silu(x[:, :inter].double()) * x[:, inter:].double()
+        err = ((got.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max().item()
+        assert err < 2.5e-7, err  # measured 2.1e-7 over [-87, 100]; torch's own 1.7e-7
+    else:
+        assert (got != want).float().mean() < 1e-3
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_silu_and_mul_edge_values():
+    """Zeros, saturation both ways (e^-|g| underflows below -87: 0 where torch gives ~1e-36), infinities and
+    NaN as torch has them."""
+    gate = torch.tensor([0.0, -0.0, 30.0, -30.0, 100.0, -100.0, float("inf"), float("-inf"), float("nan"),
+                         1e-30, -1e-30, 88.5, -88.5, 1.0, -1.0, 2.0, 0.5])
+    x = torch.cat([gate, torch.full_like(gate, 3.0)])[None]
+    got, want = elementwise.silu_and_mul(x)[0], _silu_mul_torch(x)[0]
+    torch.testing.assert_close(got, want, rtol=3e-7, atol=1e-30, equal_nan=True)
+    assert got[6] == float("inf") and got[8].isnan() and got[7].isnan()
+    for dtype in (torch.bfloat16, torch.float16):
+        y = x.to(dtype)
+        # bit for bit but below -87, where bfloat16 still holds torch's ~1e-36 and ours is 0
+        torch.testing.assert_close(elementwise.silu_and_mul(y), _silu_mul_torch(y), rtol=0, atol=1e-30,
+                                   equal_nan=True)
+
+
+def test_silu_and_mul_reads_a_strided_row_view_and_no_rows():
+    """Rows of a wider tensor (a unit last stride) in place; an empty batch gives an empty result."""
+    wide = torch.randn(5, 300, generator=_gen(12)).to(torch.bfloat16)
+    x = wide[:, :256]
+    assert torch.equal(elementwise.silu_and_mul(x), _silu_mul_torch(x.contiguous()))
+    assert elementwise.silu_and_mul(torch.empty(0, 64)).shape == (0, 32)
+
+
+def test_silu_and_mul_refuses_what_it_cannot_take():
+    with pytest.raises(RuntimeError, match=r"must be a CPU \[T, 2 I\] tensor"):
+        elementwise.silu_and_mul(torch.randn(64))
+    with pytest.raises(RuntimeError, match=r"must be a CPU \[T, 2 I\] tensor"):
+        elementwise.silu_and_mul(torch.randn(2, 63))
+    with pytest.raises(RuntimeError, match=r"must be a CPU \[T, 2 I\] tensor"):
+        elementwise.silu_and_mul(torch.randn(64, 2).t())
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 only"):
+        elementwise.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
+    assert not elementwise.silu_and_mul_supported(torch.randn(2, 63))
+    assert not elementwise.silu_and_mul_supported(torch.randn(2, 3, 8))
+    assert elementwise.silu_and_mul_supported(torch.randn(2, 8, dtype=torch.bfloat16))
+
+
+def test_kernels_silu_and_mul_routes_cpu_tensors_to_the_extension(monkeypatch):
+    """``kernels.fused.silu_and_mul`` answers from the extension by default and from torch with the
+    switch off (or a tensor outside the op's contract); the answers agree."""
+    x = torch.randn(3, 128, generator=_gen(13)).to(torch.bfloat16)
+    calls = []
+    real = elementwise.silu_and_mul
+    monkeypatch.setattr(elementwise, "silu_and_mul", lambda *a: calls.append(1) or real(*a))
+    on = fused.silu_and_mul(x)
+    fused.silu_and_mul(x[None])  # [1, T, 2I]: not the op's shape, the torch path
+    monkeypatch.setenv(decode.ENV, "0")
+    off = fused.silu_and_mul(x)
+    assert calls == [1]
+    assert torch.equal(on, off)
+
+
 # -- gemv ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -1,9 +1,10 @@
-"""The fused norm and rotary ops of the compiled CPU extension (``fused_ops.cpp``).
+"""The fused norm, rotary and SiLU-and-mul ops of the compiled CPU extension (``fused_ops.cpp``).
 
 ``kernels/fused.py`` sends CPU tensors here when ``usable`` (``decode.usable``): one call where the
 torch code runs 7-25 ops, which at a decode step's one token a sequence cost their dispatch (~150 us a layer)
 rather than their arithmetic. Same numerics as the torch code (see the source's header): the
-rotary op is bit for bit, the norm differs only in the order its sum of squares is added.
+rotary op is bit for bit, the norm differs only in the order its sum of squares is added, SiLU-and-mul
+in its exponential's last float32 bits (a vector polynomial where torch calls Sleef).
 
 The library is the decode kernel's (``decode.Build``): one build, one switch,
 ``BATCHINFER_CPU_DECODE_KERNEL`` (``0``: torch paths only; ``1``: a failed build raises).
@@ -17,7 +18,7 @@ from batchinfer.kernels.cpu_ext import decode
 from batchinfer.kernels.cpu_ext.decode import usable
 
 DTYPES = decode.DTYPES
-__all__ = ["rms_norm", "rotary_cache", "rotary_supported", "usable"]
+__all__ = ["rms_norm", "rotary_cache", "rotary_supported", "silu_and_mul", "silu_and_mul_supported", "usable"]
 MAX_ROTARY_DIM = 1024  # the op keeps a row of cos | sin on its stack
 
 
@@ -61,3 +62,15 @@ def rotary_supported(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
     if ok and caches is not None:
         ok = all(c.dtype == q.dtype and c.stride(-1) == 1 for c in caches)
     return ok and usable(q)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """``kernels.fused.silu_and_mul`` in one pass: ``silu(gate) * up`` of ``x = [gate | up]``, rounded
+    as torch's ``silu(gate).mul_(up)`` rounds. Raises ``RuntimeError`` outside the op's contract."""
+    return decode.library().silu_and_mul(x)
+
+
+def silu_and_mul_supported(x: torch.Tensor) -> bool:
+    """Whether ``silu_and_mul`` takes ``x``: a [T, 2I] tensor of one of ``DTYPES`` with a contiguous
+    last axis, while the library is ``usable``."""
+    return x.dim() == 2 and x.shape[-1] % 2 == 0 and x.stride(-1) == 1 and usable(x)

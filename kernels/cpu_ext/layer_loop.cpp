@@ -5,7 +5,7 @@
 // wrappers' checks), ~200 us a layer. This runs what workers/models/decoder.py runs for a plain
 // pre-norm block (Llama, Qwen2, SmolLM2: RMSNorm, fused qkv, RoPE, paged attention, SwiGLU), layer
 // after layer, calling the same ops in the same order: the library's own entry points directly
-// (ops.h) and torch's (at::linear, the packed int8 / int4 matmuls, silu) through the dispatcher. So
+// (ops.h) and torch's (at::linear, the packed int8 / int4 matmuls) through the dispatcher. So
 // its output is the Python path's bit for bit; only the Python is gone.
 //
 // Per layer, ``weights`` holds PER_LAYER optional tensors: the input norm's weight, the post-
@@ -20,7 +20,6 @@
 #include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/silu.h>
 #include <ATen/core/List.h>
 #include <torch/library.h>
 
@@ -143,8 +142,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& positions, const
     h = linear(o.view({T, q_size}), w, base + 2 + PER_LINEAR, kinds[lin + 1], packed_max_rows[lin + 1]);
     std::tie(h, residual) = rms_norm(h, need(w, base + 1, "post_attention_layernorm"), eps, residual);
     const at::Tensor gate_up = linear(h, w, base + 2 + 2 * PER_LINEAR, kinds[lin + 2], packed_max_rows[lin + 2]);
-    const int64_t inter = gate_up.size(1) / 2;  // [T, 2 I] -> silu(gate) * up [T, I]
-    h = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+    // [T, 2 I] -> silu(gate) * up [T, I]
+    h = silu_and_mul(gate_up);
     h = linear(h, w, base + 2 + 3 * PER_LINEAR, kinds[lin + 3], packed_max_rows[lin + 3]);
   }
   return std::get<0>(rms_norm(h, need(w, L * PER_LAYER, "the final norm"), eps, residual));

@@ -25,6 +25,9 @@ void rotary_cache(const at::Tensor& positions, const at::Tensor& q, const at::Te
                   bool is_neox, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_cache,
                   const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping);
 
+// fused_ops.cpp: silu(gate) * up [T, I] of x [T, 2 I] = [gate | up].
+at::Tensor silu_and_mul(const at::Tensor& x);
+
 // gemv.cpp: x [M <= GEMV_MAX_ROWS, K] @ w [N, K].T (+ bias) in x's dtype.
 constexpr int64_t GEMV_MAX_ROWS = 8;
 at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);

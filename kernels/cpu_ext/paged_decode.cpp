@@ -93,22 +93,6 @@ BATCHINFER_INLINE vf reduce16(const vf* __restrict p) {
   return fold1(fold2(b[0], b[1]), fold2(b[2], b[3]));
 }
 
-BATCHINFER_INLINE vf exp_nonpositive(vf x) {  // e^x for x <= 0 (Cephes' expf polynomial); 0 below -87
-  const vf xc = x < -87.0f ? vf{} - 87.0f : x;
-  const vf magic = vf{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const vf n = (xc * 1.44269504088896341f + magic) - magic;
-  const vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2 in two parts
-  vf y = vf{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
-  return x < -87.0f ? vf{} : y * (vf)e;
-}
-
 struct Problem {
   int64_t G, D, bs;
   int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;  // cache strides (elements): block, token, head

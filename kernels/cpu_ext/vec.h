@@ -1,5 +1,5 @@
 // Shared by the CPU library's sources (paged_decode.cpp, fused_ops.cpp, gemv.cpp): the op
-// namespace's default, the per-CPU cloning of hot functions, and 16-float vectors.
+// namespace's default, the per-CPU cloning of hot functions, 16-float vectors and their exp.
 //
 // Vectors are GCC/Clang vector extensions of 16 floats (one AVX-512 register, two AVX2 or four SSE
 // ones), so each target clone lowers the same code to its own instructions; hot functions are
@@ -73,6 +73,24 @@ BATCHINFER_INLINE vf load_f16(const uint16_t* p) {
   const vu special = (vu)(em >= (0x7c00u << 13));  // all ones where the half is an infinity or NaN
   const vu finite = (vu)((vf)em * 0x1p112f);
   return (vf)((finite & ~special) | ((em | 0x7f800000u) & special) | ((u & 0x8000u) << 16));
+}
+
+// e^x for x <= 0, in vectors (Cephes' expf polynomial); 0 below -87. The decode
+// kernel's softmax and the SiLU of fused_ops.cpp (as e^-|x|) both call it.
+BATCHINFER_INLINE vf exp_nonpositive(vf x) {
+  const vf xc = x < -87.0f ? vf{} - 87.0f : x;
+  const vf magic = vf{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vf n = (xc * 1.44269504088896341f + magic) - magic;
+  const vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2 in two parts
+  vf y = vf{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
+  return x < -87.0f ? vf{} : y * (vf)e;
 }
 
 }  // namespace batchinfer_vec

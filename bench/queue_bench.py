@@ -12,6 +12,8 @@
   (after one untimed run of the same requests: an engine's first steps pay one-off costs),
   interleaved, ``--overhead-repeats`` pairs; the ratio is the median of the pairs' ratios, and
   ``overhead_added_s`` the median of the seconds the queue added. Tokens are checked to be equal.
+  Every request asks for ``--overhead-max-tokens`` (64), so they finish in waves; ``--overhead-varied``
+  draws each one's from [max / 4, max] (seeded), so rows finish step after step, as in real jobs.
   ``--pin``: both engines get CPU 0 and one thread, the scheduler and Redis the other CPUs (a GPU
   worker's engine does not share its compute with them; on a small CPU box it otherwise does).
   Beside the ratio: the worker's engine-thread time outside its engine per request, its publisher
@@ -189,13 +191,15 @@ def pin_process(pid: int, cpus: set[int]) -> None:
 
 
 def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: int, device: str,
-                   pin_redis_pid: int | None = None, model: str | None = None) -> dict:
+                   pin_redis_pid: int | None = None, model: str | None = None, varied: bool = False) -> dict:
     """``pin_redis_pid`` set: the engines (worker and in-process, one thread each) run on CPU 0 and
     everything else (scheduler, Redis, this process between its engine runs) on the other CPUs, as
     on a GPU worker whose engine does not share its compute with the queue's processes.
     ``model``: a model folder, a .gguf file or a name ``batchinfer run --model`` takes (``demo``);
     None: the tiny random model (hidden 64, 2 layers), whose ~1 ms of engine a request makes the
-    queue's own costs weigh most."""
+    queue's own costs weigh most. ``varied``: each request's ``max_tokens`` drawn from
+    [max_tokens / 4, max_tokens] (seeded), so requests finish step after step as in real jobs, where
+    equal lengths finish them in waves."""
     import torch
 
     from batchinfer import LLM, SamplingParams
@@ -218,9 +222,12 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
         model_dir, served = resolve_model(model)
     rnd = random.Random(0)
     prompts = [[rnd.randrange(3, 300) for _ in range(rnd.randrange(16, 64))] for _ in range(n)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    records = [{"custom_id": str(i), "prompt_token_ids": p, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True} for i, p in enumerate(prompts)]
+    lengths_rnd = random.Random(1)  # its own stream: the prompts stay those of the equal-length runs
+    lengths = [lengths_rnd.randint(max(1, max_tokens // 4), max_tokens) if varied else max_tokens
+               for _ in prompts]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lengths]
+    records = [{"custom_id": str(i), "prompt_token_ids": p, "max_tokens": m, "temperature": 0.0,
+                "ignore_eos": True} for i, (p, m) in enumerate(zip(prompts, lengths, strict=True))]
     r = redis.Redis.from_url(url)
     r.flushdb()
     keys = Keys(PREFIX)
@@ -290,7 +297,7 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
     # The ratio is the median of the per-repeat ratios: each pair ran back to back under the same load,
     # and a median is not moved by one lucky (or unlucky) run the way a best-of is.
     return {"overhead_model": model or "tiny random (hidden 64, 2 layers)", "overhead_requests": n,
-            "overhead_max_tokens": max_tokens, "overhead_device": device,
+            "overhead_max_tokens": max_tokens, "overhead_varied_lengths": varied, "overhead_device": device,
             "overhead_pinned": pinned,
             "inprocess_s": round(statistics.median(t for t, _ in pairs), 2),
             "queue_s": round(statistics.median(t for _, t in pairs), 2),
@@ -627,6 +634,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--overhead-requests", type=int, default=1024)
     ap.add_argument("--overhead-max-tokens", type=int, default=64)
+    ap.add_argument("--overhead-varied", action="store_true",
+                    help="each overhead request's max_tokens drawn from [max/4, max] (default: all max)")
     ap.add_argument("--overhead-repeats", type=int, default=5)
     ap.add_argument("--overhead-model", default=None, metavar="MODEL",
                     help="overhead bench: a model folder, .gguf file or name (demo) instead of the tiny "
@@ -653,7 +662,7 @@ def main() -> None:
             figures.update(bench_overhead(server.url, workdir, args.overhead_requests,
                                           args.overhead_max_tokens, args.overhead_repeats, args.device,
                                           pin_redis_pid=server.proc.pid if args.pin else None,
-                                          model=args.overhead_model))
+                                          model=args.overhead_model, varied=args.overhead_varied))
             print(f"overhead: in-process {figures['inprocess_s']} s vs queue {figures['queue_s']} s "
                   f"(medians) -> ratio {figures['overhead_ratio']} "
                   f"(best-of ratio {figures['overhead_ratio_best']}), added {figures['overhead_added_s']} s "

@@ -92,7 +92,7 @@ def test_hand_overs_wait_for_a_paused_redis_only_once_the_queue_is_full(redis_se
     entry = _dispatch(r, reqs)
     book = Book()
     book.add_batch(entry, reqs, [False] * 6)
-    pub = _publisher(r, maxsize=4)
+    pub = _publisher(r, maxsize=4, linger_s=0)  # no gathering: the thread blocks on Redis at once
     with paused(redis_server):
         pub.add(_row(reqs[0]))
         assert pub.flush(book) == 0  # one hand-over per flush (a loop iteration)
@@ -179,7 +179,7 @@ def test_rows_of_a_job_whose_record_vanished_are_dropped_and_the_batch_is_acked(
 def test_a_hard_stop_gives_up_a_blocked_hand_over(redis_server):
     r = redis_server.client()
     hard = threading.Event()
-    pub = _publisher(r, maxsize=1, hard_stop=hard)
+    pub = _publisher(r, maxsize=1, hard_stop=hard, linger_s=0)
     reqs = [_request(None, i) for i in range(3)]
     with paused(redis_server):
         pub.add(_row(reqs[0]))
@@ -193,6 +193,78 @@ def test_a_hard_stop_gives_up_a_blocked_hand_over(redis_server):
             pub.flush(Book())
     pub.stop()
     assert not pub._thread.is_alive()  # what it had not sent is left to the leases
+
+
+def _counting_sends(monkeypatch) -> list[int]:
+    """Rows per row-publishing call of the publisher thread's outbox, as they happen."""
+    from batchinfer.workers.service import outbox as outbox_module
+
+    sizes: list[int] = []
+    real = outbox_module.publish_then_export
+
+    def counted(publisher, rows, *args, **kwargs):
+        sizes.append(len(rows))
+        return real(publisher, rows, *args, **kwargs)
+
+    monkeypatch.setattr(outbox_module, "publish_then_export", counted)
+    return sizes
+
+
+def test_hand_overs_within_the_linger_go_out_in_one_send(redis_server, monkeypatch):
+    """A busy engine hands rows over every step: the thread gathers them for ``linger_s`` and sends
+    them together, where it sent each step's few rows on their own."""
+    r = redis_server.client()
+    sizes = _counting_sends(monkeypatch)
+    reqs = [_request(None, i) for i in range(6)]
+    book = Book()
+    book.add_batch("1-0", reqs, [False] * 6)
+    pub = _publisher(r, linger_s=0.5)
+    for q in reqs:  # six loop iterations, a row each
+        pub.add(_row(q))
+        pub.flush(book)
+    _settle(pub, book, 6)
+    wait_until(pub.empty, what="the ack sent")
+    pub.stop()
+    assert sizes == [6]
+    assert sorted(x["request_id"] for x in _rows(r, DIRECT)) == [f"d{i}" for i in range(6)]
+
+    sizes.clear()  # without a linger, the same hand-overs as they come
+    pub = _publisher(r, linger_s=0, maxsize=1)
+    more = [_request(None, i) for i in range(6, 9)]
+    book.add_batch("2-0", more, [False] * 3)
+    for q in more:
+        pub.add(_row(q))
+        pub.flush(book)
+        _settle(pub, book, 1)  # each send done before the next hand-over
+    wait_until(pub.empty, what="the ack sent")
+    pub.stop()
+    assert sizes == [1, 1, 1]
+
+
+def test_an_urgent_flush_ends_the_linger(redis_server, monkeypatch):
+    """Nothing left running in the engine (``urgent``): the rows go out at once, not after the
+    linger, so a job's last rows are not held back."""
+    r = redis_server.client()
+    sizes = _counting_sends(monkeypatch)
+    reqs = [_request(None, i) for i in range(2)]
+    book = Book()
+    book.add_batch("1-0", reqs, [False] * 2)
+    pub = _publisher(r, linger_s=60.0)
+    pub.add(_row(reqs[0]))
+    pub.flush(book)
+    time.sleep(0.3)
+    assert sizes == [] and pub.flush(book) == 0  # lingering: nothing sent yet
+    began = time.monotonic()
+    pub.add(_row(reqs[1]))
+    pub.flush(book, urgent=True)
+    _settle(pub, book, 2)
+    assert time.monotonic() - began < 30  # long before the minute's linger
+    assert sizes == [2]
+    pub.flush(book, urgent=True)  # the acks the confirmations handed over go out at once too
+    wait_until(pub.empty, timeout=30, what="the ack sent")
+    began = time.monotonic()
+    pub.stop()  # ``stop`` ends a linger too
+    assert time.monotonic() - began < 5 and not pub._thread.is_alive()
 
 
 def _worker(r, engine: EchoEngine) -> ThreadedWorker:

@@ -290,7 +290,8 @@ class WorkerDaemon:
     def _flush(self) -> None:
         """Take the publisher thread's confirmations: batches they complete go back to it to ack
         (it publishes rows exactly once, re-dispatches failed requests, enqueues exports)."""
-        self.requests_done += self.outbox.flush(self.book)
+        # urgent with nothing running: the last rows of a wave go out now, not after a linger
+        self.requests_done += self.outbox.flush(self.book, urgent=not self.engine.has_unfinished())
 
     def _enqueue_export(self, job_id: str) -> None:
         """Called on the publisher thread: its own connection."""

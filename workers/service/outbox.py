@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 
 FLUSH_CHUNK = 256  # rows per publish pipeline
 QUEUE_SIZE = 64  # hand-overs (one per loop iteration) the engine thread may be ahead of the publisher
+# How long the publisher thread gathers hand-overs before a send of fewer than FLUSH_CHUNK rows, while
+# the engine is busy: it hands rows over every step (1-30 ms), and a send per step paid a round trip,
+# a wake-up and the GIL's hand-overs for a few rows each time (docs/benchmarks.md, "Coalesced sends").
+LINGER_S = 0.01
 BACKOFF_START_S, BACKOFF_CAP_S = 0.5, 10.0  # the publisher thread's waits after a failed send
 
 
@@ -134,7 +138,7 @@ class Outbox:
         return not (self.rows or self.retries or self.acks or self.exports or self.dead_letters
                     or self.sent or self.confirmed)
 
-    def flush(self, book: Book) -> int:
+    def flush(self, book: Book, urgent: bool = False) -> int:  # noqa: ARG002 - it always sends at once
         """Send everything owed; returns the number of rows sent (published or found already there).
 
         Raises on a Redis error with everything not yet confirmed still queued.
@@ -267,7 +271,9 @@ class PublisherThread:
 
     ``add`` / ``retry`` / ``ack`` collect; ``flush`` (once per loop iteration) hands what was
     collected over as one queue item, so a step's rows cost one queue operation. The thread takes
-    what is queued, sends it (:meth:`Outbox.send`, then the acks), and hands the
+    what is queued, gathers more for up to ``linger_s`` while it holds fewer than a chunk of rows
+    (unless the engine thread said ``urgent``: nothing left running, so nothing more is coming soon),
+    sends it (:meth:`Outbox.send`, then the acks), and hands the
     confirmed request ids back; ``flush`` (engine thread) tells the book, which names the batches
     now complete, and hands their acks over. A Redis outage leaves everything in the thread's outbox,
     sent again with backoff (every send is idempotent). ``hard_stop`` set: a blocked hand-over
@@ -276,7 +282,7 @@ class PublisherThread:
 
     def __init__(self, outbox: Outbox, *, maxsize: int = QUEUE_SIZE, hard_stop: threading.Event | None = None,
                  name: str = "publisher", poll: Callable[[redis.Redis], None] | None = None,
-                 poll_seconds: float = 0.5):
+                 poll_seconds: float = 0.5, linger_s: float = LINGER_S):
         if maxsize < 1:
             raise ValueError(f"PublisherThread: maxsize must be >= 1, got {maxsize}")
         self.outbox = outbox
@@ -286,6 +292,8 @@ class PublisherThread:
         self._pending: list[Handover] = []  # collected on the engine thread, handed over by ``flush``
         self._done: deque[tuple[str, bool]] = deque()  # confirmed (request id, a row), for ``flush``
         self._halt = threading.Event()  # stop now (``stop``); ``hard_stop`` stops the thread too
+        self.linger_s = linger_s
+        self._wake = threading.Event()  # ends a linger: an urgent flush, or ``stop``
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = False
         self.blocked_s = 0.0  # engine-thread seconds spent waiting for room in the queue
@@ -304,10 +312,11 @@ class PublisherThread:
         entries = list(entries)
         self._pending.append(lambda o: o.ack(entries))
 
-    def flush(self, book: Book) -> int:
+    def flush(self, book: Book, urgent: bool = False) -> int:
         """Tell ``book`` the requests confirmed since the last call, collect the acks of the
         batches they complete, and hand everything collected over (blocks while the queue is
-        full). Returns the number of rows confirmed. Never touches Redis."""
+        full). ``urgent``: send without lingering (the engine has nothing left running). Returns
+        the number of rows confirmed. Never touches Redis."""
         rows, acks = 0, []
         while self._done:
             request_id, is_row = self._done.popleft()
@@ -323,6 +332,8 @@ class PublisherThread:
                     handover(outbox)
 
             self._put(apply_all)
+        if urgent:
+            self._wake.set()
         return rows
 
     def empty(self) -> bool:
@@ -338,6 +349,7 @@ class PublisherThread:
     def stop(self, timeout: float = 5.0) -> None:
         """End the thread now; what it has not sent stays unsent (call when ``empty`` to drain)."""
         self._halt.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive():
@@ -390,6 +402,10 @@ class PublisherThread:
             if self.outbox.empty():
                 taken = self._mark_done(taken)
                 continue
+            if self.linger_s > 0 and len(self.outbox.rows) < self.outbox.chunk:
+                self._wake.wait(self.linger_s)  # more rows come with the next steps: one send for them all
+            self._wake.clear()
+            taken += self._take(wait=False)
             try:
                 self.outbox.send()
                 self._hand_back()

@@ -210,15 +210,21 @@ def _counting_sends(monkeypatch) -> list[int]:
     return sizes
 
 
+def _held(book: Book, entry: str, idxs: range) -> list[BatchRequest]:
+    """Direct requests of one batch entry, held in ``book`` as the worker holds what it read."""
+    reqs = [_request(None, i) for i in idxs]
+    book.add_batch(entry, reqs, [False] * len(reqs))
+    return reqs
+
+
 def test_hand_overs_within_the_linger_go_out_in_one_send(redis_server, monkeypatch):
     """A busy engine hands rows over every step: the thread gathers them for ``linger_s`` and sends
     them together, where it sent each step's few rows on their own."""
     r = redis_server.client()
     sizes = _counting_sends(monkeypatch)
-    reqs = [_request(None, i) for i in range(6)]
     book = Book()
-    book.add_batch("1-0", reqs, [False] * 6)
-    pub = _publisher(r, linger_s=0.5)
+    reqs = _held(book, "1-0", range(6))
+    pub = _publisher(r, linger_s=1.0)  # the six hand-overs take microseconds: all inside it
     for q in reqs:  # six loop iterations, a row each
         pub.add(_row(q))
         pub.flush(book)
@@ -230,9 +236,7 @@ def test_hand_overs_within_the_linger_go_out_in_one_send(redis_server, monkeypat
 
     sizes.clear()  # without a linger, the same hand-overs as they come
     pub = _publisher(r, linger_s=0, maxsize=1)
-    more = [_request(None, i) for i in range(6, 9)]
-    book.add_batch("2-0", more, [False] * 3)
-    for q in more:
+    for q in _held(book, "2-0", range(6, 9)):
         pub.add(_row(q))
         pub.flush(book)
         _settle(pub, book, 1)  # each send done before the next hand-over
@@ -246,9 +250,8 @@ def test_an_urgent_flush_ends_the_linger(redis_server, monkeypatch):
     linger, so a job's last rows are not held back."""
     r = redis_server.client()
     sizes = _counting_sends(monkeypatch)
-    reqs = [_request(None, i) for i in range(2)]
     book = Book()
-    book.add_batch("1-0", reqs, [False] * 2)
+    reqs = _held(book, "1-0", range(2))
     pub = _publisher(r, linger_s=60.0)
     pub.add(_row(reqs[0]))
     pub.flush(book)

@@ -498,9 +498,10 @@ def attention_micro(num_heads: int, num_kv_heads: int, head_dim: int, quick: boo
 
 
 def elementwise_micro(intermediate: int, quick: bool) -> list[dict]:
-    """SiLU-and-mul alone at the model's intermediate size: torch's ``silu(gate).mul_(up)`` on the
-    halves of ``gate_up`` (what ``kernels.fused.silu_and_mul`` ran before) against the library's
-    one-pass op, T rows of ``[gate | up]``, and their ratio."""
+    """SiLU-and-mul alone at the model's intermediate size: ``kernels.fused``'s torch code (``silu(gate)
+    .mul_(up)`` on the halves of ``gate_up``, what ran before) against the library's one-pass op, T rows
+    of ``[gate | up]``, and their ratio."""
+    from batchinfer.kernels import fused
     from batchinfer.kernels.cpu_ext import decode, elementwise
 
     if decode.library() is None:
@@ -512,11 +513,9 @@ def elementwise_micro(intermediate: int, quick: bool) -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         for T in ((1, 256) if quick else (1, 8, 64, 256, 2048)):
             x = torch.randn(T, 2 * intermediate, generator=gen).to(dtype)
-            gate, up = x.chunk(2, dim=-1)
-            want = torch.nn.functional.silu(gate).mul_(up)
             # the same op (float32 differs in last bits: tests/test_cpu_fused_ops.py bounds them)
-            assert (elementwise.silu_and_mul(x) != want).float().mean() < 0.3
-            torch_s = _timed(lambda: torch.nn.functional.silu(gate).mul_(up))  # noqa: B023 - timed at once
+            assert (elementwise.silu_and_mul(x) != fused._silu_and_mul_torch(x)).float().mean() < 0.3
+            torch_s = _timed(partial(fused._silu_and_mul_torch, x))
             fused_s = _timed(partial(elementwise.silu_and_mul, x))
             row = {"dtype": str(dtype).removeprefix("torch."), "rows": T, "torch_us": torch_s * 1e6,
                    "fused_us": fused_s * 1e6, "ratio": torch_s / fused_s}

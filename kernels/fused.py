@@ -62,6 +62,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         return triton_fused.silu_and_mul(x)
     if elementwise.silu_and_mul_supported(x):
         return elementwise.silu_and_mul(x)
+    return _silu_and_mul_torch(x)
+
+
+def _silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate).mul_(up)  # silu's output is new: multiply in place
 

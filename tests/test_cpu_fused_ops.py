@@ -169,18 +169,13 @@ def test_rotary_embedding_into_cache_either_way(mode, monkeypatch):
 
 # -- silu_and_mul ----------------------------------------------------------------------------------
 
-def _silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate).mul_(up)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [64, 777])  # 777: past the 16 / 32-value vectors, a tail
 def test_silu_and_mul_matches_the_torch_code(dtype, inter):
     """16-bit dtypes: torch's roundings (silu rounded, then the product), so equal but where the
     float32 silu's last bits straddle a rounding tie; float32: within 2 ulp of float64, as torch is."""
     x = (torch.randn(37, 2 * inter, generator=_gen(11)) * 6).to(dtype)
-    got, want = elementwise.silu_and_mul(x), _silu_mul_torch(x)
+    got, want = elementwise.silu_and_mul(x), fused._silu_and_mul_torch(x)
     assert got.dtype == dtype and got.shape == (37, inter) and got.is_contiguous()
     if dtype == torch.float32:
         exact = torch.nn.functional.silu(x[:, :inter].double()) * x[:, inter:].double()
@@ -197,21 +192,21 @@ def test_silu_and_mul_edge_values():
     gate = torch.tensor([0.0, -0.0, 30.0, -30.0, 100.0, -100.0, float("inf"), float("-inf"), float("nan"),
                          1e-30, -1e-30, 88.5, -88.5, 1.0, -1.0, 2.0, 0.5])
     x = torch.cat([gate, torch.full_like(gate, 3.0)])[None]
-    got, want = elementwise.silu_and_mul(x)[0], _silu_mul_torch(x)[0]
+    got, want = elementwise.silu_and_mul(x)[0], fused._silu_and_mul_torch(x)[0]
     torch.testing.assert_close(got, want, rtol=3e-7, atol=1e-30, equal_nan=True)
     assert got[6] == float("inf") and got[8].isnan() and got[7].isnan()
     for dtype in (torch.bfloat16, torch.float16):
         y = x.to(dtype)
         # bit for bit but below -87, where bfloat16 still holds torch's ~1e-36 and ours is 0
-        torch.testing.assert_close(elementwise.silu_and_mul(y), _silu_mul_torch(y), rtol=0, atol=1e-30,
-                                   equal_nan=True)
+        torch.testing.assert_close(elementwise.silu_and_mul(y), fused._silu_and_mul_torch(y), rtol=0,
+                                   atol=1e-30, equal_nan=True)
 
 
 def test_silu_and_mul_reads_a_strided_row_view_and_no_rows():
     """Rows of a wider tensor (a unit last stride) in place; an empty batch gives an empty result."""
     wide = torch.randn(5, 300, generator=_gen(12)).to(torch.bfloat16)
     x = wide[:, :256]
-    assert torch.equal(elementwise.silu_and_mul(x), _silu_mul_torch(x.contiguous()))
+    assert torch.equal(elementwise.silu_and_mul(x), fused._silu_and_mul_torch(x.contiguous()))
     assert elementwise.silu_and_mul(torch.empty(0, 64)).shape == (0, 32)
 
 

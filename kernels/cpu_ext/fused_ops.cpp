@@ -336,17 +336,16 @@ BATCHINFER_INLINE void silu_mul_row(const T* g, const T* u, T* out, int64_t n) {
   }
 }
 
-BATCHINFER_CLONES void silu_mul_rows_f32(const float* x, int64_t xs, float* out, int64_t I, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) silu_mul_row(x + r * xs, x + r * xs + I, out + r * I, I);
-}
-BATCHINFER_CLONES void silu_mul_rows_bf16(const c10::BFloat16* x, int64_t xs, c10::BFloat16* out, int64_t I,
-                                          int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) silu_mul_row(x + r * xs, x + r * xs + I, out + r * I, I);
-}
-BATCHINFER_CLONES void silu_mul_rows_f16(const c10::Half* x, int64_t xs, c10::Half* out, int64_t I, int64_t r0,
-                                         int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) silu_mul_row(x + r * xs, x + r * xs + I, out + r * I, I);
-}
+// Rows [r0, r1) of x [T, 2 I] (row stride xs) into out [T, I]: one cloned entry point per dtype
+// (target_clones takes no templates).
+#define BATCHINFER_SILU_ROWS(NAME, T)                                                                 \
+  BATCHINFER_CLONES void NAME(const T* x, int64_t xs, T* out, int64_t I, int64_t r0, int64_t r1) {    \
+    for (int64_t r = r0; r < r1; ++r) silu_mul_row(x + r * xs, x + r * xs + I, out + r * I, I);     \
+  }
+BATCHINFER_SILU_ROWS(silu_mul_rows_f32, float)
+BATCHINFER_SILU_ROWS(silu_mul_rows_bf16, c10::BFloat16)
+BATCHINFER_SILU_ROWS(silu_mul_rows_f16, c10::Half)
+#undef BATCHINFER_SILU_ROWS
 
 }  // namespace
 

@@ -50,7 +50,9 @@ def test_cut_longer_than_the_lease_moves_the_batch_and_late_results_are_dropped(
     assert {rows[i]["worker"] for i in stranded} == {"b"}  # a's late copies were dropped
     assert {i: n for i, n in attempts(stack, job).items() if i in stranded} == {i: 1 for i in stranded}
     assert dead_letters(stack) == []
-    # "a" came back: it noticed the lost lease and kept serving (it is still alive and registered).
-    stack.until(lambda: "lost the lease" in (stack.tmp / "a.log").read_text(), 30, "a to see its lost lease")
-    stack.wait_for_worker("a", timeout=30)
+    # "a" came back and kept serving: alive, registered, holding nothing. Whether it logs "lost the
+    # lease" is a race, not a contract: a lease refresh after the restore reports the entries lost,
+    # but if a's publisher first sends its late rows (dropped by the guard) and acks, the entries
+    # are released as acked and nothing is lost to report.
+    stack.wait_for_worker("a", timeout=30)  # fails at once if a daemon died
     assert pending_of(stack, "echo", "a") == []

@@ -67,9 +67,10 @@ struct F16 {
 #define BATCHINFER_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
 #endif
 
-// Sums of 16 vectors at once: lane i of the result = the sum of p[i]'s lanes. Four rounds of
-// "shuffle two vectors' halves apart, add": 30 shuffles and 15 adds for 16 dot products, where
-// reducing each alone costs ~8 instructions.
+// Sums of 16 vectors at once, lane i of the result = the sum of vector i's lanes: four rounds of
+// "shuffle two vectors' halves apart, add", 30 shuffles and 15 adds for 16 dot products, where
+// reducing each alone costs ~8 instructions. Round r folds the results of 2^r keys into half as many
+// lanes each: fold8 for pairs of keys, fold4 for fours, fold2 for eights, fold1 for all 16.
 BATCHINFER_INLINE vf fold8(vf a, vf b) {
   return BATCHINFER_SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
          BATCHINFER_SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -85,12 +86,6 @@ BATCHINFER_INLINE vf fold2(vf a, vf b) {
 BATCHINFER_INLINE vf fold1(vf a, vf b) {
   return BATCHINFER_SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          BATCHINFER_SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-BATCHINFER_INLINE vf reduce16(const vf* __restrict p) {
-  vf a[8], b[4];
-  for (int i = 0; i < 8; ++i) a[i] = fold8(p[2 * i], p[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) b[i] = fold4(a[2 * i], a[2 * i + 1]);
-  return fold1(fold2(b[0], b[1]), fold2(b[2], b[3]));
 }
 
 struct Problem {
@@ -155,7 +150,7 @@ BATCHINFER_INLINE void prefetch_row(const typename S::T* row, int64_t D) {
 // context's blocks x BP.
 int64_t scratch_size(int64_t QH, int64_t D, int64_t bs, int64_t span) {
   const int64_t NV = D / LANES, BP = (bs + LANES - 1) / LANES * LANES;
-  return 2 * QH * NV + QH * BP + BP * NV + (QH * span + 2 * QH + LANES - 1) / LANES;
+  return 2 * QH * NV + BP * NV + (QH * span + 2 * QH + LANES - 1) / LANES;
 }
 
 // The first position a context of `len` keys attends to (0 without a sliding window): the kernel's
@@ -207,12 +202,64 @@ BATCHINFER_INLINE BlockRows<T> block_rows(const Problem& p, const Rows<T>& cur, 
   return r;
 }
 
+// One KV head's key rows of a block, read for GC query heads at a time (scores pass).
+template <class S>
+struct KeyRows {
+  const typename S::T* rows;  // row t at rows + t * st
+  int64_t st, t1;  // rows [t1, ...) are no keys: their sums are 0, their rows not read
+  const vf* q;  // [GC, NV] the query heads' scaled rows
+  int64_t NV;
+  const typename S::T* pf;  // the block to come's rows of this head (prefetched below pf_rows)
+  int64_t pf_st, pf_rows;
+};
+
+// x[g] = per-lane partial dot products of key row t with query head g (lane l: the sum over the lane
+// groups c of q[g, c * 16 + l] * k[t, c * 16 + l]); the row is loaded once for the GC heads.
+template <class S, int NVT, int GC>
+BATCHINFER_INLINE void key_dots(const KeyRows<S>& kr, int64_t t, vf* __restrict x) {
+  if (t < kr.pf_rows) prefetch_row<S>(kr.pf + t * kr.pf_st, kr.NV * LANES);
+  if (t >= kr.t1) {
+    for (int g = 0; g < GC; ++g) x[g] = vf{};
+    return;
+  }
+  const int64_t NV = NVT > 0 ? NVT : kr.NV;
+  const typename S::T* kt = kr.rows + t * kr.st;
+  const vf k0 = S::load(kt);
+  for (int g = 0; g < GC; ++g) x[g] = kr.q[g * NV] * k0;
+  for (int64_t c = 1; c < NV; ++c) {
+    const vf kc = S::load(kt + c * LANES);
+    for (int g = 0; g < GC; ++g) x[g] += kr.q[g * NV + c] * kc;
+  }
+}
+
+// The scores of keys [t, t + N) folded as they are computed (the fold tree's state, a vector per
+// level, stays in registers; storing the 16 partial vectors and reading them back cost two memory
+// operations per key and head): after N = 16, lane i of out[g] is query head g's score of key t + i.
+template <class S, int NVT, int GC, int N>
+BATCHINFER_INLINE void key_sums(const KeyRows<S>& kr, int64_t t, vf* __restrict out) {
+  if constexpr (N == 1) {
+    key_dots<S, NVT, GC>(kr, t, out);
+  } else {
+    vf a[GC], b[GC];
+    key_sums<S, NVT, GC, N / 2>(kr, t, a);
+    key_sums<S, NVT, GC, N / 2>(kr, t + N / 2, b);
+    for (int g = 0; g < GC; ++g) {
+      if constexpr (N == 2) out[g] = fold8(a[g], b[g]);
+      else if constexpr (N == 4) out[g] = fold4(a[g], b[g]);
+      else if constexpr (N == 8) out[g] = fold2(a[g], b[g]);
+      else out[g] = fold1(a[g], b[g]);
+    }
+  }
+}
+
 // acc[g, c] += sum over keys t in [t0, t1) of w[g * w_stride + t] * v[t, c] for GN query heads and
-// NVT lane groups, the GN x NVT sums held in registers. Meanwhile row t of `pf` (a block to come,
-// rows below `pf_rows`) is prefetched with value row t: spread over the work, as in the scores pass,
-// rather than in one burst before it (float32 reads from memory 1.04-1.16x faster).
-template <class S, int NVT, int GN>
-BATCHINFER_INLINE void values_tile(const float* __restrict vr, int64_t vst, int64_t t0, int64_t t1,
+// NVT lane groups, the GN x NVT sums held in registers; value rows of element type R (the cache's own,
+// converted as they are loaded, or floats converted before). Meanwhile row t of `pf` (a block to come
+// of the cache, element type S, rows below `pf_rows`) is prefetched with value row t: spread over the
+// work, as in the scores pass, rather than in one burst before it (float32 reads from memory
+// 1.04-1.16x faster).
+template <class S, class R, int NVT, int GN>
+BATCHINFER_INLINE void values_tile(const typename R::T* __restrict vr, int64_t vst, int64_t t0, int64_t t1,
                                    const float* __restrict w, int64_t w_stride, vf* __restrict acc,
                                    const typename S::T* pf, int64_t pf_st, int64_t pf_rows) {
   vf a[GN][NVT];
@@ -221,9 +268,9 @@ BATCHINFER_INLINE void values_tile(const float* __restrict vr, int64_t vst, int6
   }
   for (int64_t t = t0; t < t1; ++t) {
     if (t < pf_rows) prefetch_row<S>(pf + t * pf_st, NVT * LANES);
-    const float* vt = vr + t * vst;
+    const typename R::T* vt = vr + t * vst;
     for (int c = 0; c < NVT; ++c) {
-      const vf x = loadf(vt + c * LANES);
+      const vf x = R::load(vt + c * LANES);
       for (int g = 0; g < GN; ++g) a[g][c] += w[g * w_stride + t] * x;
     }
   }
@@ -232,11 +279,32 @@ BATCHINFER_INLINE void values_tile(const float* __restrict vr, int64_t vst, int6
   }
 }
 
+// The value pass over one head's rows of a block for its G query heads, GT at a time (values_tile).
+template <class S, class R, int NVT, int GT>
+BATCHINFER_INLINE void values_tiles(const typename R::T* __restrict vr, int64_t vst, int64_t t0, int64_t t1, int64_t G,
+                                    const float* __restrict w, int64_t w_stride, vf* __restrict acc,
+                                    const typename S::T* pf, int64_t pf_st, int64_t pf_rows) {
+  for (int64_t g0 = 0; g0 < G; g0 += GT) {
+    const float* wg = w + g0 * w_stride;
+    vf* ag = acc + g0 * NVT;
+    switch (std::min<int64_t>(GT, G - g0)) {
+      case 1: values_tile<S, R, NVT, 1>(vr, vst, t0, t1, wg, w_stride, ag, pf, pf_st, pf_rows); break;
+      case 2: values_tile<S, R, NVT, 2>(vr, vst, t0, t1, wg, w_stride, ag, pf, pf_st, pf_rows); break;
+      case 3:
+        if constexpr (GT >= 3) values_tile<S, R, NVT, 3>(vr, vst, t0, t1, wg, w_stride, ag, pf, pf_st, pf_rows);
+        break;
+      default:
+        if constexpr (GT >= 4) values_tile<S, R, NVT, 4>(vr, vst, t0, t1, wg, w_stride, ag, pf, pf_st, pf_rows);
+        break;
+    }
+  }
+}
+
 // One work item: KV heads [h0, h1) of one sequence, whose query is row `row` and context `len`.
 // Three passes over the context [lo, len), the blocks of positions (lo / bs) * bs..:
-//   1. scores of the item's query heads (G per KV head), block by block and, inside a block, token by
-//      token over the item's heads: per key a partial vector per query head, summed 16 keys at a time
-//      (reduce16), into s[hh * G + g, j * BP + t] (-inf where no key is);
+//   1. scores of the item's query heads (G per KV head), block by block and, inside a block, head by
+//      head: per key a partial vector per query head, folded 16 keys at a time as they come
+//      (key_sums), into s[hh * G + g, j * BP + t] (-inf where no key is);
 //   2. the softmax of each query head's scores at once (one max, one vector exp a 16 keys);
 //   3. the values, block by block and, inside a block, head by head: acc[g] += w[g, t] * v[t]
 //      (values_tile: sums in registers).
@@ -259,8 +327,7 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
   const int64_t NV = NVT > 0 ? NVT : p.D / LANES, bs = p.bs, BP = (bs + LANES - 1) / LANES * LANES;
   vf* __restrict qf = w;  // [QH, NV] scaled queries
   vf* __restrict acc = qf + QH * NV;  // [QH, NV] unnormalized outputs
-  vf* __restrict part = acc + QH * NV;  // [QH, BP] per-key partial dot products of a block
-  vf* __restrict buf = part + QH * BP;  // [BP, NV] a block's value rows of one head as floats (non-float32)
+  vf* __restrict buf = acc + QH * NV;  // [BP, NV] a block's value rows of one head as floats (non-float32)
   float* __restrict s = reinterpret_cast<float*>(buf + BP * NV);  // [QH, span] scores, then weights
   float* __restrict l = s + QH * span;  // [QH] softmax sums
   const int64_t lo = window_lo(p.window, len);
@@ -272,43 +339,35 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
     const T* qr = q + row * p.q_sr + (h0 * G + i) * p.q_sh;
     for (int64_t c = 0; c < NV; ++c) qf[i * NV + c] = S::load(qr + c * LANES) * p.scale;
   }
-  // 1. Scores, a block's keys token by token: a token's rows of the item's heads (one contiguous
-  // span in the [block, token, head, dim] layout), each converted to floats once for its G query heads
-  // (registers for head_dim 64 / 128, else `buf`), the partial vectors into part[i, t].
+  // 1. Scores, block by block and, inside a block, head by head: 16 keys at a time for two or three
+  // of the head's query heads (each key row loaded once for them), the fold tree in registers (key_sums);
+  // the first such pass over a head also prefetches its rows of the block to come, a row per key.
   for (int64_t j = 0; j < nb; ++j) {
     const BlockRows<T> br = block_rows(p, keys, values, lo, j, nb);
     const int64_t t0 = br.t0, t1 = br.t1;
-    const int64_t next_rows = br.next_rows;  // 0 when there is no block to prefetch
-    const T* kb = k + br.blk * p.k_sb + h0 * p.k_sh;
-    for (int64_t t = 0; t < std::max(t1, next_rows); ++t) {  // rows below t0 are read but masked out below
-      if (t < next_rows) {  // the block to come, a row per key (a part block asks for a whole one)
-        for (int64_t hh = 0; hh < HN; ++hh) {
-          if (const T* nh = br.next_head(hh)) prefetch_row<S>(nh + t * br.next_st, NV * LANES);
+    for (int64_t hh = 0; hh < HN; ++hh) {
+      const T* next = br.next_head(hh);
+      KeyRows<S> kr{k + br.blk * p.k_sb + (h0 + hh) * p.k_sh, p.k_st, t1, nullptr, NV,
+                    next, br.next_st, next == nullptr ? 0 : br.next_rows};
+      // two query heads a pass, three for the last three (G = 3: SmolLM2's 9 heads over 3)
+      for (int64_t g0 = 0, gc; g0 < G; g0 += gc) {
+        gc = G - g0 == 3 ? 3 : std::min<int64_t>(2, G - g0);
+        kr.q = qf + (hh * G + g0) * NV;
+        for (int64_t t = 0; t < BP; t += LANES) {  // rows below t0 are read but masked out below
+          vf sums[3];
+          switch (gc) {
+            case 3: key_sums<S, NVT, 3, 16>(kr, t, sums); break;
+            case 2: key_sums<S, NVT, 2, 16>(kr, t, sums); break;
+            default: key_sums<S, NVT, 1, 16>(kr, t, sums); break;
+          }
+          const vi pos = lane + static_cast<int32_t>(t);
+          const auto keep = (pos >= static_cast<int32_t>(t0)) & (pos < static_cast<int32_t>(t1));
+          for (int64_t g = 0; g < gc; ++g) {
+            const vf x = keep ? sums[g] : neg_inf;
+            std::memcpy(s + (hh * G + g0 + g) * span + j * BP + t, &x, sizeof x);
+          }
         }
-      }
-      if (t >= t1) continue;
-      for (int64_t hh = 0; hh < HN; ++hh) {
-        const T* kt = kb + t * p.k_st + hh * p.k_sh;
-        vf regs[NVT > 0 ? NVT : 1];
-        vf* __restrict kv = NVT > 0 ? regs : buf;
-        for (int64_t c = 0; c < NV; ++c) kv[c] = S::load(kt + c * LANES);
-        for (int64_t g = 0; g < G; ++g) {
-          const vf* __restrict qg = qf + (hh * G + g) * NV;
-          vf x = qg[0] * kv[0];
-          for (int64_t c = 1; c < NV; ++c) x += qg[c] * kv[c];
-          part[(hh * G + g) * BP + t] = x;
-        }
-      }
-    }
-    for (int64_t i = 0; i < QH; ++i) {
-      vf* __restrict pi = part + i * BP;
-      for (int64_t t = t1; t < BP; ++t) pi[t] = vf{};
-      float* sg = s + i * span + j * BP;
-      for (int64_t t = 0; t < BP; t += LANES) {
-        const vi pos = lane + static_cast<int32_t>(t);
-        const vf sums = (pos >= static_cast<int32_t>(t0)) & (pos < static_cast<int32_t>(t1)) ? reduce16(pi + t)
-                                                                                              : neg_inf;
-        std::memcpy(sg + t, &sums, sizeof sums);
+        kr.pf_rows = 0;  // asked for once
       }
     }
   }
@@ -351,28 +410,23 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
       for (int64_t t = 0; t < next_rows; ++t) {
         if (!one_tile || t < t0 || t >= t1) prefetch_row<S>(next + t * br.next_st, NV * LANES);
       }
+      const T* vh = v + br.blk * p.v_sb + (h0 + hh) * p.v_sh;
+      const float* wh = s + hh * G * span + j * BP;
       int64_t vst;
-      const float* vr = rows_f32<S>(v + br.blk * p.v_sb + (h0 + hh) * p.v_sh, p.v_st, t0, t1, NV, buf, &vst);
       if constexpr (NVT > 0) {
         // GT query heads at a time, their GT x NVT sums in registers: each value row is loaded once
         // for them and the sums are independent (one running sum per lane group and key costs an
-        // FMA latency a key).
-        const int64_t pf_rows = one_tile ? next_rows : 0;
-        for (int64_t g0 = 0; g0 < G; g0 += GT) {
-          const float* wg = s + (hh * G + g0) * span + j * BP;
-          vf* ag = acc + (hh * G + g0) * NV;
-          switch (std::min<int64_t>(GT, G - g0)) {
-            case 1: values_tile<S, NVT, 1>(vr, vst, t0, t1, wg, span, ag, next, br.next_st, pf_rows); break;
-            case 2: values_tile<S, NVT, 2>(vr, vst, t0, t1, wg, span, ag, next, br.next_st, pf_rows); break;
-            case 3:
-              if constexpr (GT >= 3) values_tile<S, NVT, 3>(vr, vst, t0, t1, wg, span, ag, next, br.next_st, pf_rows);
-              break;
-            default:
-              if constexpr (GT >= 4) values_tile<S, NVT, 4>(vr, vst, t0, t1, wg, span, ag, next, br.next_st, pf_rows);
-              break;
-          }
+        // FMA latency a key). One tile converts a 16-bit cache's rows as it loads them; several
+        // convert them into `buf` once, first.
+        if (one_tile) {
+          values_tiles<S, S, NVT, GT>(vh, p.v_st, t0, t1, G, wh, span, acc + hh * G * NV, next, br.next_st,
+                                      next_rows);
+        } else {
+          const float* vr = rows_f32<S>(vh, p.v_st, t0, t1, NV, buf, &vst);
+          values_tiles<S, F32, NVT, GT>(vr, vst, t0, t1, G, wh, span, acc + hh * G * NV, next, br.next_st, 0);
         }
       } else {
+        const float* vr = rows_f32<S>(vh, p.v_st, t0, t1, NV, buf, &vst);
         for (int64_t g = 0; g < G; ++g) {
           const float* __restrict wg = s + (hh * G + g) * span + j * BP;
           vf* __restrict ag = acc + (hh * G + g) * NV;

@@ -4,8 +4,8 @@
 // context [lo, len) (lo = len - window with a sliding window, else 0), read block by block from
 // the block table: no gather copy. Per work item (a whole sequence by default, or one of its KV
 // heads when sequences are too few for the threads), three passes: the scores of the item's query
-// heads over the whole context (each block read once for all its heads, each key row once for its G
-// query heads; per-key partial sums reduced 16 keys at a time), one softmax per query head, then the
+// heads over the whole context (each block read once for all its heads, each key row once for two or
+// three query heads; per-key partial sums folded 16 keys at a time), one softmax per query head, then the
 // values. Compute is float32 whatever the cache dtype (float32, bfloat16, float16). The rows of the
 // block two ahead are prefetched while a block is computed; past a pass's end, the first blocks of the
 // next pass (values after keys, the next item's keys after values), so only a thread's first pass

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -26,20 +26,12 @@ import torch
 
 from batchinfer.kernels.cpu_ext import decode
 
+# bench/ for engine_cpu's timer: put here, since `python -P` leaves the script's folder off sys.path
+sys.path[:0] = [str(Path(__file__).resolve().parent)]
+import engine_cpu  # noqa: E402
+
 CASES = ((1, 512), (16, 512), (64, 512), (256, 128), (256, 512), (64, 2048))
 QUICK = ((1, 512), (16, 512))
-
-
-def timed(fn: Callable[[], None], min_seconds: float = 0.05, repeats: int = 5) -> float:
-    """Best of ``repeats``: seconds per call of ``fn`` in thread CPU time."""
-    best = float("inf")
-    for _ in range(repeats):
-        n, t0 = 0, time.thread_time()
-        while (elapsed := time.thread_time() - t0) < min_seconds or n == 0:
-            fn()
-            n += 1
-        best = min(best, elapsed / n)
-    return best
 
 
 def earlier_build(folder: Path) -> decode.Build:
@@ -72,7 +64,7 @@ def run_case(ops: dict[str, Callable[..., None]], dtype: torch.dtype, B: int, L:
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(rounds):
         for name, call in calls.items():
-            times[name].append(timed(call))
+            times[name].append(engine_cpu._timed(call))
     kv = 2 * int(lens.sum()) * KVH * D * dtype.itemsize
     before, this = min(times["before"]), min(times["this"])
     return {"dtype": str(dtype).removeprefix("torch."), "batch": B, "context": L,
@@ -92,6 +84,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two small cases only")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    engine_cpu.CPU_CLOCK = True  # its _timed on this thread's CPU time, as its --cpu-clock
     H, KVH = (int(x) for x in args.heads.split(","))
     D, bs = args.head_dim, args.block_size
     builds = {"before": earlier_build(args.before), "this": decode.Build()}

@@ -23,6 +23,14 @@
   rather than wall: the in-process run's ÷ the worker process's over the same job
   (``worker_cpu_ratio``: what the queue costs the engine's machine, steadier than the wall ratio
   when other load stretches wall time), and the scheduler's CPU per request over the job.
+  Then the queue's own cost, measured in the same run: the model's worker is stopped and an echo
+  worker (no model: ~25 µs of engine a request) takes its place, pinned alike, and runs the same requests
+  (``--overhead-repeats`` jobs after a warm one, each row carrying as many tokens); its process's
+  CPU less its time inside the echo engine, per request, is what the queue's reads, bookkeeping
+  and publication cost the worker (``queue_cpu_us_per_request``). Pinned, that CPU shares CPU 0
+  with the engine, so the queue's time is at least the in-process time plus it:
+  ``overhead_ceiling`` = in-process ÷ (in-process + that cost a job), and the bench prints the
+  measured ratio against it.
 - replica acks (``--replica-acks N``, issue 32): echo jobs of N requests through a scheduler and one
   echo worker on a master with one replica (two redis-servers on loopback ports), with
   ``BATCHINFER_REPLICA_ACKS`` 0 and 1 alternating: result rows/s of each and their ratio (what
@@ -287,21 +295,29 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
                   f"of CPU); CPU: in-process {in_cpu[-1]:.2f} s, worker {worker_cpu[-1]:.2f} s, scheduler "
                   f"{scheduler_cpu[-1]:.2f} s", flush=True)
             pairs.append((t_in, t_q))
+        rows = [json.loads(f[b"row"]) for _, f in r.xrange(keys.results(job))]
+        daemons[0].stop()  # CPU 0 for the echo worker alone
+        cost = queue_cost(url, workdir, records, repeats, daemons[1], engine_cpus if pinned else None)
     finally:
         for d in daemons:
             d.stop()
-    rows = [json.loads(f[b"row"]) for _, f in r.xrange(keys.results(job))]
     got = {int(row["custom_id"]): row["output_token_ids"] for row in rows}
     match = got == dict(enumerate(expected))
     r.flushdb()
+    inprocess_s = statistics.median(t for t, _ in pairs)
+    ratio = statistics.median(t_in / t_q for t_in, t_q in pairs)
+    # pinned, one core runs the engine and the queue's CPU one after the other: the ratio this allows
+    # while the worker's engine runs as fast as the in-process one (a run's noise can put it above)
+    ceiling = inprocess_s / (inprocess_s + cost["queue_cpu_us_per_request"] * 1e-6 * n)
     # The ratio is the median of the per-repeat ratios: each pair ran back to back under the same load,
     # and a median is not moved by one lucky (or unlucky) run the way a best-of is.
     return {"overhead_model": model or "tiny random (hidden 64, 2 layers)", "overhead_requests": n,
             "overhead_max_tokens": max_tokens, "overhead_varied_lengths": varied, "overhead_device": device,
             "overhead_pinned": pinned,
-            "inprocess_s": round(statistics.median(t for t, _ in pairs), 2),
+            "inprocess_s": round(inprocess_s, 2),
             "queue_s": round(statistics.median(t for _, t in pairs), 2),
-            "overhead_ratio": round(statistics.median(t_in / t_q for t_in, t_q in pairs), 3),
+            "overhead_ratio": round(ratio, 3),
+            **cost, "overhead_ceiling": round(ceiling, 3), "overhead_vs_ceiling": round(ratio / ceiling, 3),
             "overhead_added_s": round(statistics.median(t_q - t_in for t_in, t_q in pairs), 3),
             "overhead_ratio_best": round(min(t for t, _ in pairs) / min(t for _, t in pairs), 3),
             "overhead_tokens_match": match,
@@ -322,18 +338,58 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
             "overhead_scheduler_cpu_us_per_request": round(statistics.median(scheduler_cpu) / n * 1e6, 1)}
 
 
-def worker_loop_overhead(r: redis.Redis, requests: int, daemons: tuple[Daemon, ...]) -> dict:
-    """Worker ``w0``'s heartbeat once it counts ``requests`` rows: ``loop_overhead_s`` is the engine
+def worker_loop_overhead(r: redis.Redis, requests: int, daemons: tuple[Daemon, ...],
+                         name: str = "w0") -> dict:
+    """Worker ``name``'s heartbeat once it counts ``requests`` rows: ``loop_overhead_s`` is the engine
     thread's time outside ``engine.step()`` / ``add_request`` and idle waits, over every job it ran."""
     from batchinfer.store.registry import Registry
 
     def info() -> dict | None:
         for w in Registry(r, Keys(PREFIX)).live_workers():
-            if w.name == "w0" and int(w.info.get("requests_done", 0)) >= requests:
+            if w.name == name and int(w.info.get("requests_done", 0)) >= requests:
                 return w.info
         return None
 
-    return wait_for(info, 60, f"a heartbeat of w0 with {requests} requests done", daemons)
+    return wait_for(info, 60, f"a heartbeat of {name} with {requests} requests done", daemons)
+
+
+def queue_cost(url: str, workdir: Path, records: list[dict], repeats: int, scheduler: Daemon,
+               engine_cpus: set[int] | None) -> dict:
+    """The queue's own CPU per request on the worker: ``records`` (their prompts folded into the echo
+    tokenizer's byte vocabulary, ``min_tokens`` = ``max_tokens`` so each row carries as many tokens
+    as the model's did) as ``repeats`` jobs of an echo worker (after a warm one), pinned to
+    ``engine_cpus``; the worker process's CPU less its seconds inside the echo engine."""
+    r = redis.Redis.from_url(url)
+    echo = [{**rec, "prompt_token_ids": [t % 256 for t in rec["prompt_token_ids"]],
+             "min_tokens": rec["max_tokens"]} for rec in records]
+    worker = Daemon(url, workdir, "worker", "--echo", "--device", "cpu", "--name", "e0", cpus=engine_cpus,
+                    env={"OMP_NUM_THREADS": "1"} if engine_cpus else None)
+    daemons = (worker, scheduler)
+    n, wall = len(records), []
+    try:
+        wait_for(lambda: r.exists(Keys(PREFIX).worker("e0")), 300, "the echo worker to register", daemons)
+        for i in range(repeats + 1):
+            if i == 1:  # the warm job's done: count from here
+                before, cpu0 = worker_loop_overhead(r, n, daemons, "e0"), worker.cpu_s()
+            t0 = time.time()
+            job = client(url, workdir).submit(echo, model="echo")
+            wait_for(lambda j=job: job_done(r, j), 600, "an echo job", daemons)
+            wall.append(int(r.hget(Keys(PREFIX).job(job), "finalizing_at")) / 1000 - t0)
+        after, cpu1 = worker_loop_overhead(r, (repeats + 1) * n, daemons, "e0"), worker.cpu_s()
+    finally:
+        worker.stop()
+
+    def per_request(seconds: float) -> float:
+        return round(seconds / (repeats * n) * 1e6, 1)
+
+    def moved(field: str) -> float:
+        return float(after[field]) - float(before[field])
+
+    # of it, the publisher's and the prefetch thread's CPU; the rest is the engine thread's
+    return {"echo_job_s": round(statistics.median(wall[1:]), 3),
+            "queue_cpu_us_per_request": per_request(cpu1 - cpu0 - moved("engine_s")),
+            "queue_publisher_us_per_request": per_request(moved("publisher_cpu_s")),
+            "queue_prefetch_us_per_request": per_request(moved("prefetch_cpu_s"))}
 
 
 # -- scale ----------------------------------------------------------------------------------------------
@@ -672,6 +728,13 @@ def main() -> None:
                   f"the worker's time in its engine {figures['worker_engine_ratio']}; CPU: in-process ÷ "
                   f"worker {figures['worker_cpu_ratio']}, scheduler "
                   f"{figures['overhead_scheduler_cpu_us_per_request']} us per request", flush=True)
+            print(f"queue's own cost: {figures['queue_cpu_us_per_request']} us of the worker's CPU a request "
+                  f"(publisher thread {figures['queue_publisher_us_per_request']}, prefetch thread "
+                  f"{figures['queue_prefetch_us_per_request']}, the rest the engine thread's; an echo "
+                  f"worker, same requests: jobs of {figures['echo_job_s']} s) -> ceiling "
+                  f"{figures['overhead_ceiling']} at the in-process speed"
+                  f"{' (a bound: pinned, it shares the engine core)' if figures['overhead_pinned'] else ''}; "
+                  f"ratio ÷ ceiling {figures['overhead_vs_ceiling']}", flush=True)
         if not args.skip_scale:
             small = bench_scale(server.url, workdir, 10_000)
             print(f"scale 10k: {small}", flush=True)

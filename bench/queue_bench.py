@@ -146,6 +146,18 @@ def job_done(r: redis.Redis, job: str) -> bool:
     return r.hget(Keys(PREFIX).job(job), "status") in (b"finalizing", b"completed")
 
 
+def timed_job(r: redis.Redis, url: str, workdir: Path, records: list[dict], model: str,
+              daemons: tuple[Daemon, ...]) -> tuple[float, str]:
+    """Submit ``records`` as one job of ``model`` and wait for it: (seconds from the submit to its
+    ``finalizing_at``, the job id)."""
+    # The end is the job's `finalizing_at` (ms, stamped by the publish of its last row), not the
+    # moment this loop notices it: a tighter poll would steal CPU from the daemons being timed.
+    t0 = time.time()
+    job = client(url, workdir).submit(records, model=model)
+    wait_for(lambda: job_done(r, job), 1800, f"a job of {model}", daemons)
+    return int(r.hget(Keys(PREFIX).job(job), "finalizing_at")) / 1000 - t0, job
+
+
 def client(url: str, workdir: Path) -> Client:
     return Client(settings=Settings(redis_url=url, prefix=PREFIX, results_root=str(workdir)))
 
@@ -259,12 +271,7 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
         return elapsed, [o.outputs[0].token_ids for o in outs]
 
     def through_queue() -> tuple[float, str]:
-        # The end is the job's `finalizing_at` (ms, stamped by the publish of its last row), not the
-        # moment this loop notices it: a tighter poll would steal CPU from the daemons being timed.
-        t0 = time.time()
-        job = client(url, workdir).submit(records, model=served)
-        wait_for(lambda: job_done(r, job), 1800, "the overhead job", daemons)
-        return int(r.hget(keys.job(job), "finalizing_at")) / 1000 - t0, job
+        return timed_job(r, url, workdir, records, served, daemons)
 
     try:
         wait_for(lambda: r.exists(keys.model(served)) and r.exists(keys.worker("w0")), 300,
@@ -297,7 +304,7 @@ def bench_overhead(url: str, workdir: Path, n: int, max_tokens: int, repeats: in
             pairs.append((t_in, t_q))
         rows = [json.loads(f[b"row"]) for _, f in r.xrange(keys.results(job))]
         daemons[0].stop()  # CPU 0 for the echo worker alone
-        cost = queue_cost(url, workdir, records, repeats, daemons[1], engine_cpus if pinned else None)
+        cost = queue_cost(r, url, workdir, records, repeats, daemons[1], engine_cpus if pinned else None)
     finally:
         for d in daemons:
             d.stop()
@@ -353,13 +360,12 @@ def worker_loop_overhead(r: redis.Redis, requests: int, daemons: tuple[Daemon, .
     return wait_for(info, 60, f"a heartbeat of {name} with {requests} requests done", daemons)
 
 
-def queue_cost(url: str, workdir: Path, records: list[dict], repeats: int, scheduler: Daemon,
-               engine_cpus: set[int] | None) -> dict:
+def queue_cost(r: redis.Redis, url: str, workdir: Path, records: list[dict], repeats: int,
+               scheduler: Daemon, engine_cpus: set[int] | None) -> dict:
     """The queue's own CPU per request on the worker: ``records`` (their prompts folded into the echo
     tokenizer's byte vocabulary, ``min_tokens`` = ``max_tokens`` so each row carries as many tokens
     as the model's did) as ``repeats`` jobs of an echo worker (after a warm one), pinned to
     ``engine_cpus``; the worker process's CPU less its seconds inside the echo engine."""
-    r = redis.Redis.from_url(url)
     echo = [{**rec, "prompt_token_ids": [t % 256 for t in rec["prompt_token_ids"]],
              "min_tokens": rec["max_tokens"]} for rec in records]
     worker = Daemon(url, workdir, "worker", "--echo", "--device", "cpu", "--name", "e0", cpus=engine_cpus,
@@ -371,10 +377,7 @@ def queue_cost(url: str, workdir: Path, records: list[dict], repeats: int, sched
         for i in range(repeats + 1):
             if i == 1:  # the warm job's done: count from here
                 before, cpu0 = worker_loop_overhead(r, n, daemons, "e0"), worker.cpu_s()
-            t0 = time.time()
-            job = client(url, workdir).submit(echo, model="echo")
-            wait_for(lambda j=job: job_done(r, j), 600, "an echo job", daemons)
-            wall.append(int(r.hget(Keys(PREFIX).job(job), "finalizing_at")) / 1000 - t0)
+            wall.append(timed_job(r, url, workdir, echo, "echo", daemons)[0])
         after, cpu1 = worker_loop_overhead(r, (repeats + 1) * n, daemons, "e0"), worker.cpu_s()
     finally:
         worker.stop()

@@ -121,12 +121,6 @@ BATCHINFER_INLINE const float* rows_f32(const typename S::T* base, int64_t st, i
   }
 }
 
-BATCHINFER_INLINE vf loadf(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 // Blocks ahead whose rows are prefetched: 2 read float32 K/V from memory 5-10 % faster than 1 or 4
 // (bench/engine_cpu.py --attention shapes, Xeon VM).
 constexpr int64_t kPrefetchBlocks = 2;
@@ -382,14 +376,14 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
     }
     vf mv = neg_inf;
     for (int64_t x = 0; x < n; x += LANES) {
-      const vf y = loadf(sg + x);
+      const vf y = load_f32(sg + x);
       mv = mv > y ? mv : y;
     }
     float mx = mv[0];
     for (int64_t x = 1; x < LANES; ++x) mx = std::max(mx, mv[x]);
     vf sum = vf{};
     for (int64_t x = 0; x < n; x += LANES) {
-      const vf e = exp_nonpositive(loadf(sg + x) - mx);  // -inf (no key) gives 0
+      const vf e = exp_nonpositive(load_f32(sg + x) - mx);  // -inf (no key) gives 0
       std::memcpy(sg + x, &e, sizeof e);
       sum += e;
     }
@@ -435,10 +429,10 @@ BATCHINFER_INLINE void attend(const Problem& p, const typename S::T* __restrict 
             vf a0 = ag[c], a1 = vf{};
             int64_t t = t0;
             for (; t + 2 <= t1; t += 2) {
-              a0 += wg[t] * loadf(vc + t * vst);
-              a1 += wg[t + 1] * loadf(vc + (t + 1) * vst);
+              a0 += wg[t] * load_f32(vc + t * vst);
+              a1 += wg[t + 1] * load_f32(vc + (t + 1) * vst);
             }
-            if (t < t1) a0 += wg[t] * loadf(vc + t * vst);
+            if (t < t1) a0 += wg[t] * load_f32(vc + t * vst);
             ag[c] = a0 + a1;
           }
         }

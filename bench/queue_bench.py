@@ -27,7 +27,9 @@
   worker (no model: ~25 µs of engine a request) takes its place, pinned alike, and runs the same requests
   (``--overhead-repeats`` jobs after a warm one, each row carrying as many tokens); its process's
   CPU less its time inside the echo engine, per request, is what the queue's reads, bookkeeping
-  and publication cost the worker (``queue_cpu_us_per_request``). Pinned, that CPU shares CPU 0
+  and publication cost the worker (``queue_cpu_us_per_request``; of it the publisher's and prefetch
+  thread's CPU, and the engine thread's loop outside its engine in wall seconds:
+  ``queue_engine_thread_us_per_request``). Pinned, that CPU shares CPU 0
   with the engine, so the queue's time is at least the in-process time plus it:
   ``overhead_ceiling`` = in-process ÷ (in-process + that cost a job), and the bench prints the
   measured ratio against it.
@@ -391,6 +393,9 @@ def queue_cost(r: redis.Redis, url: str, workdir: Path, records: list[dict], rep
     # of it, the publisher's and the prefetch thread's CPU; the rest is the engine thread's
     return {"echo_job_s": round(statistics.median(wall[1:]), 3),
             "queue_cpu_us_per_request": per_request(cpu1 - cpu0 - moved("engine_s")),
+            # the engine thread's wall time outside the echo engine and idle waits (its loop's share,
+            # helper threads' time slices on its core included)
+            "queue_engine_thread_us_per_request": per_request(moved("loop_overhead_s")),
             "queue_publisher_us_per_request": per_request(moved("publisher_cpu_s")),
             "queue_prefetch_us_per_request": per_request(moved("prefetch_cpu_s"))}
 
@@ -733,7 +738,8 @@ def main() -> None:
                   f"{figures['overhead_scheduler_cpu_us_per_request']} us per request", flush=True)
             print(f"queue's own cost: {figures['queue_cpu_us_per_request']} us of the worker's CPU a request "
                   f"(publisher thread {figures['queue_publisher_us_per_request']}, prefetch thread "
-                  f"{figures['queue_prefetch_us_per_request']}, the rest the engine thread's; an echo "
+                  f"{figures['queue_prefetch_us_per_request']}, the rest the engine thread's, whose loop "
+                  f"took {figures['queue_engine_thread_us_per_request']} us of wall a request; an echo "
                   f"worker, same requests: jobs of {figures['echo_job_s']} s) -> ceiling "
                   f"{figures['overhead_ceiling']} at the in-process speed"
                   f"{' (a bound: pinned, it shares the engine core)' if figures['overhead_pinned'] else ''}; "

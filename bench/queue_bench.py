@@ -27,8 +27,8 @@
   worker (no model: ~25 µs of engine a request) takes its place, pinned alike, and runs the same requests
   (``--overhead-repeats`` jobs after a warm one, each row carrying as many tokens); its process's
   CPU less its time inside the echo engine, per request, is what the queue's reads, bookkeeping
-  and publication cost the worker (``queue_cpu_us_per_request``; of it the publisher's and prefetch
-  thread's CPU, and the engine thread's loop outside its engine in wall seconds:
+  and publication cost the worker (``queue_cpu_us_per_request``, with the publisher's and prefetch
+  thread's shares; beside it the engine thread's loop outside its engine, as wall time a request:
   ``queue_engine_thread_us_per_request``). Pinned, that CPU shares CPU 0
   with the engine, so the queue's time is at least the in-process time plus it:
   ``overhead_ceiling`` = in-process ÷ (in-process + that cost a job), and the bench prints the

@@ -1,5 +1,6 @@
 """The compiled CPU decode kernel (kernels/cpu_ext): against the reference backend, wired into the cpu
-backend (on / off / fallback), its build failures, and concurrent builds."""
+backend (on / off / fallback), its build failures, concurrent builds, and a worker that builds it
+before it registers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from paged_batches import dense_reference, failures_in_threads, make_paged_batch
 from batchinfer import kernels
 from batchinfer.kernels import cpu_attention, reference
 from batchinfer.kernels.cpu_ext import decode
+from batchinfer.ops.startup import StartupError
+from batchinfer.workers.service.serve import build_engine, prepare_cpu_kernels
 
 # Decode rows of lengths 1, block multiples (16, 32, 48) and ragged ones, plus a prefill chunk and a
 # zero-query sequence, which the kernel must leave alone.
@@ -315,3 +318,38 @@ print(float(out.sum()))
     assert results[0][0] == results[1][0]
     [folder] = (tmp_path / "ext" / "batchinfer").iterdir()
     assert len(list(folder.glob("*.so"))) == 1
+
+
+# -- the worker's start ------------------------------------------------------------------------------------
+
+def test_a_cpu_worker_loads_the_library_while_it_builds_its_engine(tiny_llama, monkeypatch):
+    """``build_engine`` (the worker's start, before it registers) builds or loads the library, not
+    the engine's first step: a fresh machine's build must not stall a registered worker."""
+    fresh = decode.Build()  # the default sources: the cache the tiny_llama fixture filled
+    loads = []
+    load = fresh._load
+    monkeypatch.setattr(fresh, "_load", lambda: loads.append(1) or load())
+    monkeypatch.setattr(decode, "_default", fresh)
+    monkeypatch.delenv(decode.ENV, raising=False)
+    engine = build_engine(str(tiny_llama), "cpu", False, {"num_kv_blocks": 16})
+    assert loads == [1] and engine.num_unfinished() == 0  # loaded before any step ran
+    assert (fresh.reason is None) is can_build, fresh.reason
+    build_engine(None, "cpu", True, {})  # the echo engine needs no library
+    assert loads == [1]
+
+
+def test_a_worker_that_requires_the_library_refuses_to_start_without_it(tmp_path, monkeypatch):
+    broken = decode.Build(source=tmp_path / "missing.cpp")
+    monkeypatch.setattr(decode, "_default", broken)
+    monkeypatch.setenv(decode.ENV, "0")
+    prepare_cpu_kernels()
+    assert broken.reason is None  # off: never tried
+    monkeypatch.setenv(decode.ENV, "yes")
+    with pytest.raises(StartupError, match="BATCHINFER_CPU_DECODE_KERNEL: must be one of 0, 1, auto, got"):
+        prepare_cpu_kernels()
+    monkeypatch.setenv(decode.ENV, "auto")
+    prepare_cpu_kernels()  # the torch paths serve: the build's warning says why
+    assert broken.reason is not None
+    monkeypatch.setenv(decode.ENV, "1")
+    with pytest.raises(StartupError, match="BATCHINFER_CPU_DECODE_KERNEL=1 but the CPU kernels did not"):
+        prepare_cpu_kernels()

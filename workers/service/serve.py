@@ -137,7 +137,6 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
                      f"LM head {plan.head}") if plan is not None and plan.active else ""
         log.info("engine: %s on %s in %s%s%s", model_dir, config.device, dtype,
                  " (dtype auto)" if options.get("dtype") == "auto" else "", quantized)
-        return engine
     except TypeError as e:  # an engine option the engine does not have
         raise StartupError(f"--engine-option {sorted(options)}: {e}") from e
     except FileNotFoundError as e:
@@ -150,6 +149,29 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
         raise StartupError(f"{e}; {doctor or 'check --engine-option'}") from e
     except RankFailure as e:  # a tensor-parallel rank could not start (its error, or its death)
         raise StartupError(f"--tensor-parallel-size: {e}") from e
+    if device == "cpu":
+        prepare_cpu_kernels()
+    return engine
+
+
+def prepare_cpu_kernels() -> None:
+    """Build (or load) the compiled CPU kernels before the worker registers, not in its engine's
+    first step: on a fresh machine, or after their sources changed, the build takes minutes, and a
+    worker that registered and then sat in it let its registration lapse (its keeper's stall guard),
+    so ``batchinfer run`` said that no live worker served the model; unregistered, a worker reads as
+    loading it. ``BATCHINFER_CPU_DECODE_KERNEL=0``: nothing to build; ``1`` with a failed build:
+    ``StartupError`` with the compiler's reason (``auto`` serves on the torch paths after the
+    build's warning)."""
+    from batchinfer.kernels.cpu_ext import decode
+
+    try:
+        mode = decode.kernel_mode()
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+    if mode == "0":
+        return
+    if decode.library() is None and mode == "1":
+        raise StartupError(f"{decode.ENV}=1 but the CPU kernels did not build: {decode.unavailable_reason()}")
 
 
 def main(settings: Settings, model_dir: str | None, name: str | None = None, device: str = "cpu",

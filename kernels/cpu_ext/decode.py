@@ -4,8 +4,9 @@
 module: the decode attention here, the fused norm / rotary ops ``elementwise`` calls, the few-row
 matmuls ``gemv`` calls, the decode step's layer loop ``layers`` calls; ``vec.h`` and ``ops.h`` hold
 what they share) are compiled into one library by ``torch.utils.cpp_extension``
-the first time a process needs it — ~20-60 s once per machine; later processes load the cached
-library from ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) under
+the first time a process needs it — minutes once per machine (~10 on a 2-vCPU VM, 2026-12-08);
+later processes load the cached library from ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) under
 ``batchinfer/<name>``, where ``<name>`` carries a digest of the sources, the flags, the compiler and
 torch's version, so a change of any of them builds afresh instead of loading a stale library.
 

@@ -149,7 +149,7 @@ def build_engine(model_dir: str | None, device: str, echo: bool, options: dict[s
         raise StartupError(f"{e}; {doctor or 'check --engine-option'}") from e
     except RankFailure as e:  # a tensor-parallel rank could not start (its error, or its death)
         raise StartupError(f"--tensor-parallel-size: {e}") from e
-    if device == "cpu":
+    if device == "cpu" and engine.task == "generate":  # an encoder's attention takes no compiled op
         prepare_cpu_kernels()
     return engine
 

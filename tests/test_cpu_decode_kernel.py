@@ -320,6 +320,19 @@ print(float(out.sum()))
     assert len(list(folder.glob("*.so"))) == 1
 
 
+def test_each_checkout_keeps_its_own_build(tmp_path):
+    """torch's JIT rebuilds when its compile commands change, and they name the sources' paths: the
+    same sources in another folder (another checkout) get a build folder of their own, where they
+    once took over (and rebuilt) the other's."""
+    sources = (decode.SOURCE, decode.FUSED_SOURCE, decode.GEMV_SOURCE, decode.LAYERS_SOURCE)
+    for path in sources:
+        shutil.copy(path, tmp_path / path.name)
+    copy = decode.Build(source=tmp_path / decode.SOURCE.name,
+                        extra_sources=tuple(tmp_path / path.name for path in sources[1:]))
+    assert decode.Build().name() == decode.Build().name()  # the same checkout: one folder
+    assert copy.name() != decode.Build().name()
+    assert copy.folder().parent == decode.Build().folder().parent  # under the same cache root
+
 # -- the worker's start ------------------------------------------------------------------------------------
 
 def test_a_cpu_worker_loads_the_library_while_it_builds_its_engine(tiny_llama, monkeypatch):

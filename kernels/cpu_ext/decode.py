@@ -4,11 +4,12 @@
 module: the decode attention here, the fused norm / rotary ops ``elementwise`` calls, the few-row
 matmuls ``gemv`` calls, the decode step's layer loop ``layers`` calls; ``vec.h`` and ``ops.h`` hold
 what they share) are compiled into one library by ``torch.utils.cpp_extension``
-the first time a process needs it — minutes once per machine (~10 on a 2-vCPU VM, 2026-12-08);
+the first time a process needs it — minutes once per checkout (~10 on a 2-vCPU VM, 2026-12-08);
 later processes load the cached library from ``$TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``) under
-``batchinfer/<name>``, where ``<name>`` carries a digest of the sources, the flags, the compiler and
-torch's version, so a change of any of them builds afresh instead of loading a stale library.
+``~/.cache/torch_extensions``) under ``batchinfer/<name>``, where ``<name>`` carries a digest of the
+sources (and where they are), the flags, the compiler and torch's version (and where it is), so a
+change of any of them builds afresh instead of loading a stale library, and two checkouts or
+virtual environments each keep their own build.
 
 Processes that build at once (test runs, several worker daemons on one machine) take turns on an
 ``flock`` in that folder, released by the kernel if its holder dies, so a killed build never
@@ -27,6 +28,7 @@ import logging
 import os
 import shutil
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable
@@ -107,13 +109,20 @@ class Build:
         return os.environ.get("CXX", "c++")
 
     def name(self) -> str:
-        """The extension's name: a digest of the source, flags, compiler, torch and Python versions."""
+        """The extension's name: a digest of the sources (what they hold and where they are), the
+        flags, the compiler, torch's and Python's versions and where they are installed.
+
+        The places count because torch's JIT rebuilds whenever its compile commands change, and they
+        name the sources' and torch's paths: two checkouts (or virtual environments) sharing one
+        cache root rebuilt each other's library in turn (minutes each) under one name."""
         compiler = self.compiler()
         files = (self.source, *self.extra_sources, *HEADERS)
         digests = [hashlib.sha256(path.read_bytes()).hexdigest() for path in files]
-        key = "\0".join([*digests, *self.cflags, *LDFLAGS,
+        places = [os.path.realpath(path) for path in files]
+        installs = [os.path.realpath(os.path.dirname(torch.__file__)), sysconfig.get_paths()["include"]]
+        key = "\0".join([*digests, *places, *self.cflags, *LDFLAGS,
                          compiler, os.path.realpath(shutil.which(compiler) or compiler), torch.__version__,
-                         f"py{sys.version_info[0]}{sys.version_info[1]}"])
+                         f"py{sys.version_info[0]}{sys.version_info[1]}", *installs])
         return "batchinfer_cpu_decode_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def folder(self) -> Path:

@@ -59,7 +59,10 @@ setup-dev: $(VENV)/.installed-dev
 
 # The pytest entry point, not `python -m pytest`: `-m` puts the current folder first on sys.path, and
 # there our kernels/ folder stands in for the `kernels` package transformers imports.
+# The compiled CPU library is built (or loaded) first, once, outside any test's timeout: a fresh
+# checkout's build takes ~10 minutes on two vCPUs (docs/kernels.md).
 test: setup-dev
+	$(BIN)/python -P -c "from batchinfer.kernels.cpu_ext import decode; print('CPU kernels:', 'ready' if decode.library() is not None else decode.unavailable_reason())"
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 # The whole suite on the newest versions the ranges allow, in a venv of its own built afresh: a

@@ -58,10 +58,14 @@ def _env() -> dict[str, str]:
 
 
 def _make_test_command() -> list[str]:
-    """The Makefile's `test:` recipe as this venv runs it, with no PYTEST_ARGS."""
+    """The pytest line of the Makefile's `test:` recipe as this venv runs it, with no PYTEST_ARGS."""
     lines = (ROOT / "Makefile").read_text().splitlines()
-    recipe = lines[lines.index("test: setup-dev") + 1]
-    assert recipe.startswith("\t"), recipe
+    steps: list[str] = []
+    for line in lines[lines.index("test: setup-dev") + 1:]:
+        if not line.startswith("\t"):
+            break
+        steps.append(line)
+    (recipe,) = [line for line in steps if "/pytest " in line]
     bin_dir = str(Path(sys.executable).parent)
     return shlex.split(recipe.strip().replace("$(BIN)", bin_dir).replace("$(PYTEST_ARGS)", ""))
 

@@ -84,9 +84,10 @@ def redis_session(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A tiny random Llama checkpoint with a byte-level tokenizer (float32). The compiled CPU library
-    is built here too (once per machine and source digest; never raises): a worker daemon a test
-    starts then loads it, instead of compiling it for 20-60 s inside a test's deadlines (a drain test
-    that waits for a worker mid-batch saw the whole job finish during such a build)."""
+    is built here too (once per checkout and source digest; never raises; `make test` builds it
+    before pytest starts): a worker daemon a test starts then loads it, instead of compiling it for
+    minutes inside a test's deadlines (a drain test that waits for a worker mid-batch saw the whole
+    job finish during such a build)."""
     from batchinfer.kernels.cpu_ext import decode
     from batchinfer.workers.models.tiny import make_tiny_model
 
